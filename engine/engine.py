@@ -1,0 +1,189 @@
+"""The co-located engine: tokenizer + scheduler + model runner behind a small Python API.
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m"))
+    print(engine.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0].text)
+
+`add_request` / `step` / `abort` are the primitives (a service drives them from its own loop);
+`generate` and `stream` are conveniences built on them. Not thread-safe: one thread drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
+from engine.errors import InvalidRequest
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.model_source import resolve_model
+from engine.outputs import GenerationResult, RequestOutput, TokenLogprob, Usage
+from engine.sampling_params import SamplingParams
+from engine.scheduler.batch import SampledToken
+from engine.scheduler.request import Request
+from engine.scheduler.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    req: Request
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.model_path = resolve_model(cfg.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        model_ctx = self.model_config.max_position_embeddings
+        self.context_len = min(cfg.context_length or model_ctx, model_ctx)
+        self.runner = ModelRunner(cfg, self.model_config, self.context_len)
+        self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # --- primitives --------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequest / ResourceExhausted."""
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty", "prompt")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}", "prompt")
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self._tracked:
+            raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
+        req = Request(rid, prompt_ids, params)
+        self.scheduler.add(req)
+        self._tracked[rid] = _Tracked(
+            req,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop),
+            StopChecker(params, self.eos_token_ids),
+        )
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns a delta for every request that produced a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.run(batch)
+        outputs = []
+        for req, tok in self.scheduler.on_step_done(batch, sampled):
+            outputs.append(self._emit(self._tracked[req.rid], tok))
+        return outputs
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request and free its resources. Returns False if it was not in flight."""
+        tracked = self._tracked.pop(rid, None)
+        if tracked is None:
+            return False
+        self.scheduler.finish(tracked.req, FinishReason.ABORT)
+        self.runner.release(rid)
+        return True
+
+    def check_idle(self) -> None:
+        """Idle self-check: with nothing in flight, every KV page and request slot is free."""
+        assert not self._tracked, f"requests still tracked: {list(self._tracked)[:5]}"
+        self.scheduler.check_idle()
+
+    def _emit(self, t: _Tracked, tok: SampledToken) -> RequestOutput:
+        req = t.req
+        reason = t.stop.check(req.output_ids)
+        stopped_by_token = reason is FinishReason.STOP
+        # A stop/EOS token ends the text without contributing to it.
+        text = "" if stopped_by_token else t.detok.append(tok.token_id)
+        matched: str | int | None = t.stop.matched_stop_token if stopped_by_token else None
+        if reason is None and t.detok.finished:
+            reason, matched = FinishReason.STOP, t.detok.matched_stop
+        if reason is not None and t.detok.matched_stop is None:
+            text += t.detok.flush()
+        lp = None
+        if req.params.logprobs and tok.logprob is not None:
+            lp = [TokenLogprob(tok.token_id, tok.logprob, tok.top or [])]
+        out = RequestOutput(req.rid, [tok.token_id], text, lp, reason, matched)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self.runner.release(req.rid)
+            del self._tracked[req.rid]
+            out.usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cache_len)
+        return out
+
+    # --- conveniences ------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+        """Run a batch to completion (continuous batching inside); results in prompt order."""
+        self._require_exclusive("generate")
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequest("need one SamplingParams per prompt, or one for all", "params")
+        rids = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                rids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        acc: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                acc[out.rid].append(out)
+                if out.finished:
+                    pending.discard(out.rid)
+        return [_collect(rid, acc[rid]) for rid in rids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield deltas of one request as they come."""
+        self._require_exclusive("stream")
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.rid == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)  # no-op when it finished; frees everything if the caller stopped early
+
+    def _require_exclusive(self, what: str) -> None:
+        # The conveniences drive `step` themselves and would swallow other requests' deltas.
+        if self._tracked:
+            raise RuntimeError(f"{what}() needs an idle engine; drive add_request/step yourself instead")
+
+
+def _collect(rid: str, deltas: list[RequestOutput]) -> GenerationResult:
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    assert last.finish_reason is not None and last.usage is not None
+    return GenerationResult(
+        rid=rid,
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        logprobs=logprobs,
+        matched_stop=last.matched_stop,
+    )

@@ -1,0 +1,59 @@
+"""The paged KV cache: allocated once per worker, viewed by attention and by the transfer layer.
+
+Layout: one tensor `buffer[num_layers, 2, num_pages, page_size, kv_heads, head_dim]` (index 0 of
+the second axis is K, 1 is V). A page of one layer's K is one contiguous block of
+`page_size * kv_heads * head_dim` elements, so a run of consecutive page ids is one contiguous
+byte range per (layer, K|V): that is what the transfer layer merges and registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.page_bytes * self.num_pages * self.num_layers * 2
+
+
+class KVPool:
+    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu"):
+        self.spec = spec
+        # Zero-filled: masked-out slots must never hold NaN/Inf garbage (0 * NaN poisons attention).
+        self.buffer = torch.zeros(
+            (spec.num_layers, 2, spec.num_pages, spec.page_size, spec.kv_heads, spec.head_dim),
+            dtype=spec.dtype, device=device,
+        )
+        slots = spec.num_pages * spec.page_size
+        self._k_flat = [self.buffer[i, 0].view(slots, spec.kv_heads, spec.head_dim) for i in range(spec.num_layers)]
+        self._v_flat = [self.buffer[i, 1].view(slots, spec.kv_heads, spec.head_dim) for i in range(spec.num_layers)]
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Layer's K as `[num_pages, page_size, kv_heads, head_dim]`."""
+        return self.buffer[layer, 0]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer, 1]
+
+    def k_slots(self, layer: int) -> torch.Tensor:
+        """Layer's K as `[num_pages * page_size, kv_heads, head_dim]`: row = page * page_size + offset."""
+        return self._k_flat[layer]
+
+    def v_slots(self, layer: int) -> torch.Tensor:
+        return self._v_flat[layer]

@@ -1,0 +1,186 @@
+"""Owns the model, the KV pool, the attention backend and the sampler; turns a StepBatch into tokens.
+
+This is the only place in the engine that builds tensors from scheduler bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import create_backend
+from engine.config import EngineConfig
+from engine.forward_context import ForwardContext
+from engine.kv_pool import KVPool, KVPoolSpec
+from engine.model_config import ModelConfig
+from engine.models.registry import model_class
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler.batch import SampledToken, StepBatch
+from engine.weights import iter_weights
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(model_cfg.torch_dtype, torch.bfloat16)
+    if dtype == torch.float32:
+        dtype = torch.bfloat16  # serving default: half the memory traffic, and fast on AVX512-BF16 CPUs
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.bfloat16  # fp16 matmuls are slow on CPU
+    return dtype
+
+
+@dataclass
+class StepTimings:
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, context_len: int):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model = self._load_model(context_len)
+        self.pool = KVPool(self._pool_spec(), self.device)
+        self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        self.last_timings = StepTimings()
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.spec.num_pages
+
+    def _pool_spec(self) -> KVPoolSpec:
+        m, cfg = self.model_cfg, self.cfg
+        if cfg.max_total_tokens is not None:
+            tokens = cfg.max_total_tokens
+        else:
+            per_token = m.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+            tokens = int(cfg.kv_cache_gb * (1 << 30)) // per_token
+        num_pages = max(1, tokens // cfg.page_size)
+        return KVPoolSpec(m.num_layers, num_pages, cfg.page_size, m.num_kv_heads, m.head_dim, self.dtype)
+
+    def _load_model(self, context_len: int) -> torch.nn.Module:
+        t0 = time.perf_counter()
+        cls = model_class(self.model_cfg)
+        # Build without running random init (meta device), then materialise and fill from disk.
+        with torch.device("meta"):
+            model = cls(self.model_cfg, context_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.rope = type(model.rope)(self.model_cfg.rope, self.model_cfg.head_dim, context_len).to(self.device)
+        model.load_weights(iter_weights(self.model_cfg.path, self.dtype))
+        model.eval()
+        log.info("loaded %s (%s, %s) in %.1fs", self.model_cfg.path, self.dtype, self.device,
+                 time.perf_counter() - t0)
+        return model
+
+    # --- one step ----------------------------------------------------------------------------
+    def build_context(self, batch: StepBatch) -> ForwardContext:
+        ps = self.cfg.page_size
+        seqs = batch.seqs
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_of_token: list[int] = []
+        logits_rows: list[int] = []
+        q_lens, prefix_lens, kv_lens = [], [], []
+        for i, s in enumerate(seqs):
+            n = len(s.input_ids)
+            input_ids.extend(s.input_ids)
+            positions.extend(range(s.prefix_len, s.prefix_len + n))
+            seq_of_token.extend([i] * n)
+            if s.sample:
+                logits_rows.append(len(input_ids) - 1)
+            q_lens.append(n)
+            prefix_lens.append(s.prefix_len)
+            kv_lens.append(s.prefix_len + n)
+        max_pages = max(-(-k // ps) for k in kv_lens)
+        table = [s.req.pages[:max_pages] + [0] * (max_pages - min(len(s.req.pages), max_pages)) for s in seqs]
+        dev = self.device
+        page_table = torch.tensor(table, dtype=torch.int32, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        seq_t = torch.tensor(seq_of_token, dtype=torch.int64, device=dev)
+        out_slots = page_table[seq_t, pos_t // ps].to(torch.int64) * ps + pos_t % ps
+        ctx = ForwardContext(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=pos_t,
+            out_slots=out_slots,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            page_table=page_table,
+            q_lens=q_lens,
+            prefix_lens=prefix_lens,
+            kv_lens=kv_lens,
+            is_decode=batch.is_decode,
+            attn=self.attn,
+        )
+        self.attn.prepare(ctx)
+        return ctx
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> list[SampledToken]:
+        """Run one forward pass; returns a token for each sampling sequence, in batch order."""
+        t0 = time.perf_counter()
+        ctx = self.build_context(batch)
+        sampling = batch.sampling
+        t1 = time.perf_counter()
+        if not sampling:
+            # A chunk that samples nothing still writes every layer's KV; the model returns
+            # logits only for `logits_indices`, which is empty here.
+            self.model(ctx)
+            self.last_timings = StepTimings(t1 - t0, time.perf_counter() - t1, 0.0)
+            return []
+        logits = self.model(ctx)
+        t2 = time.perf_counter()
+        sb = SamplingBatch.build(
+            params=[s.req.params for s in sampling],
+            prompt_ids=[s.req.prompt_ids for s in sampling],
+            output_ids=[s.req.output_ids for s in sampling],
+            generators=[self._generator(s.req.rid, s.req.params.seed) for s in sampling],
+            vocab_size=self.model_cfg.vocab_size,
+            device=self.device,
+        )
+        out = self.sampler(logits, sb)
+        tokens = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result = []
+        for i, s in enumerate(sampling):
+            k = s.req.params.top_logprobs
+            top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if top_ids is not None and k else None
+            lp = logprobs[i] if logprobs is not None and s.req.params.logprobs else None
+            result.append(SampledToken(tokens[i], lp, top))
+        self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return result
+
+    def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(rid)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[rid] = gen
+        return gen
+
+    def release(self, rid: str) -> None:
+        """Forget per-request state (the seeded generator) once a request has finished."""
+        self._generators.pop(rid, None)

@@ -1,0 +1,51 @@
+"""What the engine hands back to callers (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import FinishReason
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """One streamed delta: the tokens and text produced since the previous delta of this request."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    usage: Usage | None = None     # set on the final delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    """A whole generation, as `LLMEngine.generate` returns it."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+    matched_stop: str | int | None = None

@@ -1,0 +1,313 @@
+"""Page-granular radix prefix cache with LRU eviction and lock counts (torch-free).
+
+Keys are token-id sequences cut into `page_size` chunks. Every edge of the tree holds whole pages
+only: its token ids (a multiple of `page_size` long) and the KV page ids that hold them. A trailing
+partial page is never cached, so a page in the tree is always full and immutable.
+
+Ownership: pages in the tree belong to the tree. A request that matched a prefix uses the tree's
+pages while it holds a lock on the match node; the pages it allocated itself are its own until it
+hands them over with `insert`, which gives back the ones the tree already had.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.page_allocator import PageAllocator
+
+
+class RadixNode:
+    """One edge of the tree (plus the node it leads to). Opaque to callers: a lock handle."""
+
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None, uid: int):
+        self.key = key  # token ids on this edge; len == len(pages) * page_size
+        self.pages = pages
+        # Child edges indexed by their first page's token ids: siblings differ within one page.
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        # Number of locks held on this node or any descendant: a node is protected while > 0.
+        self.lock_ref = 0
+        self.last_access = 0
+        self.uid = uid  # creation order; breaks LRU ties deterministically
+
+    def __repr__(self) -> str:
+        return f"RadixNode(uid={self.uid}, pages={self.pages}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class PrefixMatch:
+    """Result of `RadixCache.match_prefix`.
+
+    `pages` are the tree's pages for the matched prefix (in order); `node` is the handle to pass
+    to `lock` / `unlock` so those pages stay cached while the request uses them.
+    """
+
+    pages: list[int]
+    node: RadixNode
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.pages) * self.page_size
+
+
+class RadixCache:
+    """Prefix cache over KV pages.
+
+    Eviction policy: least recently used leaf first. When a leaf holds more pages than still
+    needed, only its tail pages are evicted, so `evict(n)` frees exactly `min(n, evictable_pages)`
+    pages and keeps the head of the prefix, which more requests share. A parent whose last child
+    went becomes an eviction candidate in the same call.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.enabled = enabled
+        self._next_uid = 0
+        self._clock = 0  # monotonic LRU clock: deterministic, unlike wall time
+        self._new_root()
+
+    def _new_root(self) -> None:
+        self._root = self._make_node((), [], None)
+        self._evictable_pages = 0
+        self._protected_pages = 0
+
+    def _make_node(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> RadixNode:
+        node = RadixNode(key, pages, parent, self._next_uid)
+        self._next_uid += 1
+        return node
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages in unlocked nodes (all of them can be freed by `evict`)."""
+        return self._evictable_pages
+
+    @property
+    def protected_pages(self) -> int:
+        """Pages in locked nodes."""
+        return self._protected_pages
+
+    @property
+    def total_pages(self) -> int:
+        return self._evictable_pages + self._protected_pages
+
+    # ---- lookup / insert -------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Longest cached prefix of `token_ids` in whole pages; a trailing partial page is ignored.
+
+        Marks the matched nodes as recently used and splits an edge when the match ends inside it,
+        so the returned node covers exactly the matched pages. Takes no lock: the caller locks
+        `node` before anything can evict. A caller that needs at least one token to compute should
+        match `token_ids[:-1]`.
+        """
+        node = self._root
+        pages: list[int] = []
+        if not self.enabled:
+            return PrefixMatch(pages, node, self.page_size)
+        ps = self.page_size
+        n = len(token_ids) // ps * ps
+        pos = 0
+        self._clock += 1
+        while pos < n:
+            child = node.children.get(tuple(token_ids[pos : pos + ps]))
+            if child is None:
+                break
+            m = self._match_pages(child.key, token_ids, pos, n)
+            if m < len(child.pages):
+                child = self._split(child, m)
+            child.last_access = self._clock
+            pages.extend(child.pages)
+            node = child
+            pos += m * ps
+        return PrefixMatch(pages, node, self.page_size)
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Cache `token_ids` (whole pages only) backed by `pages`; the tree takes ownership.
+
+        Returns the caller's pages the tree did not take because that chunk is already cached
+        under a different page id: the caller must free them. A page that the tree already holds
+        at that position (the caller got it from `match_prefix`) is neither taken nor returned.
+        When the cache is disabled every page is returned.
+        """
+        ps = self.page_size
+        if len(token_ids) != len(pages) * ps:
+            raise ValueError(
+                f"insert needs whole pages: {len(token_ids)} tokens for {len(pages)} pages of {ps}"
+            )
+        if not self.enabled:
+            return list(pages)
+        self._clock += 1
+        node = self._root
+        to_free: list[int] = []
+        i = 0  # page index into `pages`
+        num = len(pages)
+        while i < num:
+            pos = i * ps
+            child = node.children.get(tuple(token_ids[pos : pos + ps]))
+            if child is None:
+                leaf = self._make_node(tuple(token_ids[pos:]), list(pages[i:]), node)
+                leaf.last_access = self._clock
+                node.children[leaf.key[:ps]] = leaf
+                self._evictable_pages += len(leaf.pages)
+                break
+            m = self._match_pages(child.key, token_ids, pos, len(token_ids))
+            if m < len(child.pages):
+                child = self._split(child, m)
+            for held, given in zip(child.pages, pages[i : i + m], strict=True):
+                if held != given:
+                    to_free.append(given)
+            child.last_access = self._clock
+            node = child
+            i += m
+        return to_free
+
+    def _match_pages(self, key: tuple[int, ...], token_ids: Sequence[int], pos: int, end: int) -> int:
+        """Number of whole pages of `key` equal to `token_ids[pos:end]` (the first page matches)."""
+        ps = self.page_size
+        limit = min(len(key), end - pos)
+        m = 1
+        while (m + 1) * ps <= limit and key[m * ps : (m + 1) * ps] == tuple(
+            token_ids[pos + m * ps : pos + (m + 1) * ps]
+        ):
+            m += 1
+        return m
+
+    def _split(self, child: RadixNode, m: int) -> RadixNode:
+        """Cut `child`'s edge after `m` pages; return the new upper node."""
+        ps = self.page_size
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child.pages)
+        mid = self._make_node(child.key[: m * ps], child.pages[:m], parent)
+        # Every lock below `child` counted on its ancestors; `mid` is a new ancestor, so it
+        # inherits the count (and the protected/evictable totals stay unchanged).
+        mid.lock_ref = child.lock_ref
+        mid.last_access = child.last_access
+        child.key = child.key[m * ps :]
+        child.pages = child.pages[m:]
+        child.parent = mid
+        mid.children[child.key[:ps]] = child
+        parent.children[mid.key[:ps]] = mid
+        return mid
+
+    # ---- locks -----------------------------------------------------------------------------
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect `node` and its ancestors from eviction (counted; pair with `unlock`)."""
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable_pages -= len(node.pages)
+                self._protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Release one `lock` on `node`. Raises AssertionError if it was not locked."""
+        while node is not self._root:
+            if node.lock_ref <= 0:
+                raise AssertionError(f"unlock of unlocked radix node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected_pages -= len(node.pages)
+                self._evictable_pages += len(node.pages)
+            node = node.parent
+
+    # ---- eviction --------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` unlocked pages to the allocator, LRU leaf first; returns how many.
+
+        Walks the tree to collect leaves (O(nodes)): eviction runs when allocation fails, not
+        every step.
+        """
+        if not self.enabled or num_pages <= 0:
+            return 0
+        heap = [(n.last_access, n.uid, n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, leaf = heapq.heappop(heap)
+            need = num_pages - len(freed)
+            if need < len(leaf.pages):
+                # Trim the tail only: the remaining head is still a valid cached prefix.
+                freed.extend(leaf.pages[-need:])
+                del leaf.pages[-need:]
+                leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
+                self._evictable_pages -= need
+                break
+            freed.extend(leaf.pages)
+            self._evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[leaf.key[: self.page_size]]
+            leaf.parent = None
+            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        self.allocator.free(freed)
+        return len(freed)
+
+    def _leaves(self) -> list[RadixNode]:
+        leaves = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        return leaves
+
+    # ---- lifecycle / checks ----------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Free every cached page to the allocator. Only valid while nothing is locked."""
+        if self._protected_pages:
+            raise AssertionError(f"radix cache reset with {self._protected_pages} locked pages")
+        self.allocator.free(self.cached_pages())
+        self._new_root()
+
+    def cached_pages(self) -> list[int]:
+        """All page ids held by the tree (for checks and debugging; O(nodes))."""
+        out: list[int] = []
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            out.extend(node.pages)
+            stack.extend(node.children.values())
+        return out
+
+    def check_consistency(self) -> None:
+        """Assert the tree's structure and page counters agree (for tests; O(nodes))."""
+        ps = self.page_size
+        evictable = protected = 0
+        seen: set[int] = set()
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            if node is not self._root:
+                assert node.pages, f"empty non-root node {node!r}"
+                assert len(node.key) == len(node.pages) * ps, f"key/pages size mismatch in {node!r}"
+                assert node.lock_ref >= 0, f"negative lock count in {node!r}"
+                if node.lock_ref:
+                    protected += len(node.pages)
+                else:
+                    evictable += len(node.pages)
+            assert seen.isdisjoint(node.pages), f"page cached twice under {node!r}"
+            seen.update(node.pages)
+            child_locks = 0
+            for first, child in node.children.items():
+                assert child.parent is node, f"bad parent link at {child!r}"
+                assert child.key[:ps] == first, f"child index key mismatch at {child!r}"
+                child_locks += child.lock_ref
+                stack.append(child)
+            if node is not self._root:
+                # Each lock below counted once on this node, plus any locks taken on it directly.
+                assert node.lock_ref >= child_locks, f"lock count below children's at {node!r}"
+        assert evictable == self._evictable_pages, (evictable, self._evictable_pages)
+        assert protected == self._protected_pages, (protected, self._protected_pages)

@@ -1,0 +1,113 @@
+"""Per-request sampling parameters (torch-free).
+
+One frozen dataclass that every layer shares: the gateway and the gRPC servicer build it from the
+wire request, `validate()` rejects bad values at the edge, and the sampler and stop checker read it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequest
+
+# The range torch.Generator.manual_seed accepts.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+MAX_TOP_LOGPROBS = 20
+
+
+def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Turn the OpenAI `stop` field (null, one string, or a list of strings) into a tuple."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request.
+
+    top_k <= 0 disables top-k (the OpenAI-style -1 and 0 both mean "off"). `stop` and
+    `stop_token_ids` may be given as any sequence (or `stop` as one string); they are stored as
+    tuples so the object stays hashable. Call `validate()` before using a request's parameters.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # A bare string would otherwise be iterated as single-character stop strings.
+        object.__setattr__(self, "stop", normalize_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def validate(self) -> None:
+        """Raise InvalidRequest (with `param` set to the offending field) if any value is out of range."""
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InvalidRequest(
+                f"temperature must be a finite number >= 0, got {self.temperature}", "temperature"
+            )
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequest(
+                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}", "top_k"
+            )
+        if not (0 <= self.min_p <= 1):
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequest(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (-2 <= value <= 2):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", name)
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
+            )
+        if self.seed is not None and not (_SEED_MIN <= self.seed <= _SEED_MAX):
+            raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}", "seed")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise InvalidRequest(f"stop must be strings, got {s!r}", "stop")
+            if not s:
+                raise InvalidRequest("stop strings must not be empty", "stop")
+        for t in self.stop_token_ids:
+            if t < 0:
+                raise InvalidRequest(f"stop_token_ids must be >= 0, got {t}", "stop_token_ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is always the arg-max of the (penalized) logits."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any repetition / frequency / presence penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """True when the response carries the chosen token's logprob (asking for top_logprobs implies it)."""
+        return self.logprobs or self.top_logprobs > 0

@@ -1,0 +1,57 @@
+"""A request's bookkeeping inside a worker (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.detokenizer import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # KV bookkeeping, owned by KVManager. `pages` cover `num_computed` tokens of `all_ids` (plus
+    # room reserved ahead); the first `cache_len` tokens came from the prefix cache via `cache_node`.
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cache_node: Any = None
+    cache_len: int = 0
+    num_computed: int = 0
+    # Tokens that must have KV before the next sampling: the prompt, plus (after a retraction)
+    # everything generated so far. Fixed at admission.
+    fill_len: int = 0
+    finish_reason: FinishReason | None = None
+    num_retractions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.fill_len
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

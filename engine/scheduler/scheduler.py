@@ -1,0 +1,167 @@
+"""Co-located continuous-batching scheduler (torch-free).
+
+Each step is either a prefill batch (chunked: at most `chunked_prefill_size` new prompt tokens,
+continuing partially prefilled requests first, then admitting waiting ones) or a decode batch of
+every running request. Prefill goes first when anything can be admitted, as in SGLang.
+
+Admission is conservative about memory: a request is admitted only if its prompt pages plus an
+estimate of every running request's future pages (`remaining_tokens * new_token_ratio`) fit in the
+available pages. The ratio decays while decoding goes smoothly; if decode still runs out of pages,
+the request with the least progress is retracted (its computed pages go to the prefix cache, it goes
+back to the front of the queue and is recomputed later) and the ratio jumps back up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from engine.config import EngineConfig
+from engine.detokenizer import FinishReason
+from engine.errors import InvalidRequest, ResourceExhausted
+from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
+from engine.scheduler.kv_manager import KVManager, pages_for
+from engine.scheduler.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, num_pages: int, context_len: int):
+        self.cfg = cfg
+        self.context_len = context_len
+        self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self._ratio_step = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / max(1, cfg.new_token_ratio_decay_steps)
+        self.num_retractions = 0
+
+    # --- intake ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises InvalidRequest if it can never run, ResourceExhausted if full."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("prompt is empty", "prompt")
+        if n >= self.context_len:
+            raise InvalidRequest(
+                f"prompt has {n} tokens; this model's context length is {self.context_len}", "prompt")
+        if n + req.params.max_tokens > self.context_len:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds the context "
+                f"length {self.context_len}", "max_tokens")
+        capacity = self.kv.num_pages * self.cfg.page_size
+        if n + req.params.max_tokens > capacity:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds the KV cache "
+                f"capacity of {capacity} tokens", "max_tokens")
+        if len(self.waiting) >= self.cfg.max_waiting_requests:
+            raise ResourceExhausted(f"waiting queue is full ({self.cfg.max_waiting_requests} requests)")
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    # --- planning ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def schedule(self) -> StepBatch | None:
+        batch = self._schedule_prefill()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        return batch
+
+    def _reserved_pages(self, reqs: Iterable[Request]) -> int:
+        ps = self.cfg.page_size
+        return sum(pages_for(int(r.remaining_tokens * self.new_token_ratio), ps) for r in reqs)
+
+    def _schedule_prefill(self) -> StepBatch | None:
+        budget = self.cfg.chunked_prefill_size
+        seqs: list[SeqStep] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            seqs.append(self._chunk(req, budget))
+            budget -= len(seqs[-1].input_ids)
+        while self.waiting and budget > 0 and self.kv.slots.num_free_slots > 0:
+            req = self.waiting[0]
+            fill = req.all_ids
+            need = pages_for(len(fill), self.cfg.page_size)
+            reserve = self._reserved_pages([*self.running, *self.prefilling, req])
+            busy = self.running or self.prefilling or seqs
+            if busy and need + reserve > self.kv.available_pages:
+                break
+            if not self.kv.admit(req, fill):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.PREFILLING
+            self.prefilling.append(req)
+            seqs.append(self._chunk(req, budget))
+            budget -= len(seqs[-1].input_ids)
+        return StepBatch(seqs) if seqs else None
+
+    def _chunk(self, req: Request, budget: int) -> SeqStep:
+        ids = req.all_ids
+        start = req.num_computed
+        end = min(req.fill_len, start + budget)
+        return SeqStep(req, ids[start:end], start, sample=end == req.fill_len)
+
+    def _schedule_decode(self) -> StepBatch:
+        # Each request needs room for the KV of its newest token (position len(all_ids) - 1).
+        # Older requests get pages first; the victims are the ones with the least progress.
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            while req in self.running and not self.kv.ensure_capacity(req, len(req.all_ids)):
+                self._retract(self._pick_victim())
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
+        return StepBatch([SeqStep(r, [r.all_ids[-1]], r.num_computed, True) for r in self.running])
+
+    def _pick_victim(self) -> Request:
+        # Least decoded progress, then newest: loses the least work, as SGLang's retract does.
+        return min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+
+    def _retract(self, req: Request) -> None:
+        # `add` guarantees one request alone always fits, so a lone request is never retracted.
+        assert len(self.running) > 1, "retracting the only running request"
+        self.running.remove(req)
+        self.kv.release(req)
+        req.status = RequestStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+
+    # --- results -----------------------------------------------------------------------------
+    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken]) -> list[tuple[Request, SampledToken]]:
+        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order."""
+        out = []
+        it = iter(sampled)
+        for seq in batch.seqs:
+            req = seq.req
+            if req.finished:
+                continue  # aborted while the step ran; already released
+            req.num_computed = seq.prefix_len + len(seq.input_ids)
+            if not seq.sample:
+                continue
+            tok = next(it)
+            req.output_ids.append(tok.token_id)
+            if req.status is RequestStatus.PREFILLING:
+                self.prefilling.remove(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            out.append((req, tok))
+        return out
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request (stop condition met, or aborted) and free everything it holds."""
+        if req.finished:
+            return
+        for queue in (self.running, self.prefilling):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def check_idle(self) -> None:
+        assert not self.has_work(), "check_idle called with requests in flight"
+        self.kv.check_idle()

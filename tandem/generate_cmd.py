@@ -1,0 +1,56 @@
+"""`tandem generate`: offline generation with the co-located engine, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.engine_args import add_engine_arguments, engine_config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Heavy imports here, not at module import: `tandem --help` stays instant.
+    from engine.engine import LLMEngine
+    from engine.errors import TandemError
+    from engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        )
+        params.validate()
+        engine = LLMEngine(engine_config_from_args(args))
+        prompts = args.prompt
+        if args.chat:
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        if len(prompts) == 1:
+            for delta in engine.stream(prompts[0], params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            for i, res in enumerate(engine.generate(prompts, params)):
+                print(f"[{i}] {res.text!r} ({res.finish_reason.value}, {res.usage.completion_tokens} tokens)")
+        engine.check_idle()
+    except TandemError as e:
+        param = getattr(e, "param", None)
+        print(f"error: {e}" + (f" (param: {param})" if param else ""), file=sys.stderr)
+        return 2
+    return 0
