@@ -89,8 +89,7 @@ class PageAllocator:
             leaked = [p for p in range(self._num_pages) if not self._is_free[p]]
             shown = ", ".join(map(str, leaked[:16])) + (", ..." if len(leaked) > 16 else "")
             raise AssertionError(
-                f"KV page leak: {len(leaked)} of {self._num_pages} pages still allocated "
-                f"(ids: {shown})"
+                f"KV page leak: {len(leaked)} of {self._num_pages} pages still allocated (ids: {shown})"
             )
 
     def check_consistency(self) -> None:
