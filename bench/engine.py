@@ -79,6 +79,39 @@ def bench_hf(model, batch: int, input_len: int, output_len: int, vocab: int) -> 
     return {"prefill_tok_s": batch * input_len / t1, "decode_tok_s": batch * (output_len - 1) / (tn - t1)}
 
 
+def mixed_workload(n: int, vocab: int, seed: int = 5) -> tuple[list[list[int]], list[int]]:
+    """Prompts of 32..256 tokens and outputs of 16..128 tokens: what a server actually sees."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(32, 257, (n,), generator=g).tolist()
+    outs = torch.randint(16, 129, (n,), generator=g).tolist()
+    prompts = [torch.randint(100, vocab - 100, (n_,), generator=g).tolist() for n_ in lens]
+    return prompts, outs
+
+
+def bench_tandem_mixed(engine: LLMEngine, prompts, outs) -> dict:
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs])
+    dt = time.perf_counter() - t0
+    return {"output_tok_s": sum(len(r.token_ids) for r in results) / dt, "seconds": dt}
+
+
+def bench_hf_mixed(model, prompts, outs, batch: int) -> dict:
+    """Static batching as `generate` does it: left-pad each batch, run it to its longest output."""
+    useful, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk, chunk_outs = prompts[i:i + batch], outs[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        n = max(chunk_outs)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+        useful += sum(chunk_outs)
+    dt = time.perf_counter() - t0
+    return {"output_tok_s": useful / dt, "seconds": dt}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -86,13 +119,15 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--mixed-requests", type=int, default=64, help="requests in the mixed workload (0: skip)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
+    max_batch = max(batches)
     cfg = dataclasses.replace(EngineConfig(), model=args.model, dtype=args.dtype, enable_prefix_cache=False,
-                              kv_cache_gb=2.0, chunked_prefill_size=8192)
+                              kv_cache_gb=2.0, chunked_prefill_size=8192, max_running_requests=max_batch)
     engine = LLMEngine(cfg)
     vocab = engine.model_config.vocab_size
     engine.generate(prompts_of(2, 32, vocab, 7), SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -102,6 +137,11 @@ def main() -> None:
         row.update({f"tandem_{k}": v for k, v in bench_tandem_decode(engine, b, args.input_len, args.output_len).items()})
         rows.append(row)
         print(json.dumps(row))
+    mixed = {}
+    if args.mixed_requests:
+        prompts, outs = mixed_workload(args.mixed_requests, vocab)
+        mixed["tandem"] = bench_tandem_mixed(engine, prompts, outs)
+        print("mixed", json.dumps(mixed))
     engine.check_idle()
 
     if not args.skip_hf:
@@ -114,6 +154,10 @@ def main() -> None:
             row["hf_decode_tok_s"] = hf_row["decode_tok_s"]
             row["decode_speedup_vs_hf"] = row["tandem_decode_tok_s"] / hf_row["decode_tok_s"]
             print(json.dumps(row))
+        if args.mixed_requests:
+            mixed["hf_static_batch"] = bench_hf_mixed(hf, prompts, outs, max_batch)
+            mixed["speedup_vs_hf"] = mixed["tandem"]["output_tok_s"] / mixed["hf_static_batch"]["output_tok_s"]
+            print("mixed", json.dumps(mixed))
 
     result = {
         "bench": "engine",
@@ -124,6 +168,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "rows": rows,
+        "mixed_workload": {"requests": args.mixed_requests, "prompt_len": [32, 256], "output_len": [16, 128],
+                           "batch": max_batch, **mixed},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

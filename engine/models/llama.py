@@ -30,7 +30,7 @@ class Attention(torch.nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -38,7 +38,7 @@ class Attention(torch.nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(ctx.positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         out = ctx.attn.forward(self.layer_id, q, k, v, ctx)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -63,12 +63,12 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
-                rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(x, ctx, rope)
+        x = self.self_attn(x, ctx, cos_sin)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(x), residual
 
@@ -87,8 +87,9 @@ class LlamaForCausalLM(torch.nn.Module):
         """Returns fp32 logits `[len(ctx.logits_indices), vocab]` for the positions that sample."""
         x = self.embed_tokens(ctx.input_ids)
         residual = None
+        cos_sin = self.rope.lookup(ctx.positions)
         for layer in self.layers:
-            x, residual = layer(x, residual, ctx, self.rope)
+            x, residual = layer(x, residual, ctx, cos_sin)
         x = x + residual
         # Only the last position of each sampling sequence needs the (large) vocab projection.
         x = self.norm(x.index_select(0, ctx.logits_indices))
