@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
 from engine.errors import InvalidRequest
+from engine.kv_pool import KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.model_source import resolve_model
@@ -38,7 +41,7 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, kv_allocator: Callable[[KVPoolSpec], torch.Tensor] | None = None):
         cfg.validate()
         self.cfg = cfg
         self.model_path = resolve_model(cfg.model)
@@ -46,7 +49,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         model_ctx = self.model_config.max_position_embeddings
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
-        self.runner = ModelRunner(cfg, self.model_config, self.context_len)
+        self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
         self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -55,6 +58,17 @@ class LLMEngine:
     # --- primitives --------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequest / ResourceExhausted."""
+        req = self.make_request(prompt, params, rid)
+        try:
+            self.scheduler.add(req)
+        except Exception:
+            self.forget(req.rid)
+            raise
+        return req.rid
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None) -> Request:
+        """Validate, tokenize and start tracking a request without queueing it (disaggregated
+        workers queue it themselves). Raises InvalidRequest."""
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
@@ -69,13 +83,28 @@ class LLMEngine:
         if rid in self._tracked:
             raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
         req = Request(rid, prompt_ids, params)
-        self.scheduler.add(req)
+        self.scheduler.validate(req)
         self._tracked[rid] = _Tracked(
             req,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop),
             StopChecker(params, self.eos_token_ids),
         )
-        return rid
+        return req
+
+    def forget(self, rid: str) -> None:
+        """Stop tracking a request that never got queued (or whose resources the caller freed)."""
+        self._tracked.pop(rid, None)
+        self.runner.release(rid)
+
+    def start_decoding(self, req: Request, first: SampledToken) -> RequestOutput:
+        """A request whose prompt KV arrived in its pages joins the running batch with its first
+        token (sampled by the prefill worker); returns the delta for that token."""
+        req.output_ids.append(first.token_id)
+        req.num_computed = len(req.prompt_ids)
+        if not req.params.is_greedy:
+            self.runner.skip_draws(req.rid, req.params.seed, 1)
+        self.scheduler.add_running(req)
+        return self._emit(self._tracked[req.rid], first)
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)

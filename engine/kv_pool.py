@@ -28,18 +28,25 @@ class KVPoolSpec:
         return self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
     def total_bytes(self) -> int:
         return self.page_bytes * self.num_pages * self.num_layers * 2
 
 
 class KVPool:
-    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu"):
+    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu", buffer: torch.Tensor | None = None):
+        """`buffer`, when given, is adopted as the storage (e.g. shared memory a transfer backend
+        exposes); it must be zero-filled with shape `spec.shape` and dtype `spec.dtype`."""
         self.spec = spec
-        # Zero-filled: masked-out slots must never hold NaN/Inf garbage (0 * NaN poisons attention).
-        self.buffer = torch.zeros(
-            (spec.num_layers, 2, spec.num_pages, spec.page_size, spec.kv_heads, spec.head_dim),
-            dtype=spec.dtype, device=device,
-        )
+        if buffer is None:
+            # Zero-filled: masked-out slots must never hold NaN/Inf garbage (0 * NaN poisons attention).
+            buffer = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        assert tuple(buffer.shape) == spec.shape and buffer.dtype == spec.dtype and buffer.is_contiguous(), (
+            f"KV buffer {tuple(buffer.shape)} {buffer.dtype} does not match {spec.shape} {spec.dtype}")
+        self.buffer = buffer
         slots = spec.num_pages * spec.page_size
         self._k_flat = [self.buffer[i, 0].view(slots, spec.kv_heads, spec.head_dim) for i in range(spec.num_layers)]
         self._v_flat = [self.buffer[i, 1].view(slots, spec.kv_heads, spec.head_dim) for i in range(spec.num_layers)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,9 @@ class StepTimings:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, context_len: int):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, context_len: int,
+                 kv_allocator: Callable[[KVPoolSpec], torch.Tensor] | None = None):
+        """`kv_allocator`, if given, provides the KV pool's storage (a transfer backend's shared memory)."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = resolve_device(cfg.device)
@@ -59,7 +62,8 @@ class ModelRunner:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model = self._load_model(context_len)
-        self.pool = KVPool(self._pool_spec(), self.device)
+        spec = self._pool_spec()
+        self.pool = KVPool(spec, self.device, kv_allocator(spec) if kv_allocator else None)
         self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
@@ -180,6 +184,14 @@ class ModelRunner:
             gen.manual_seed(seed)
             self._generators[rid] = gen
         return gen
+
+    def skip_draws(self, rid: str, seed: int | None, draws: int) -> None:
+        """Advance a seeded request's generator as if it had sampled `draws` tokens here (the
+        sampler uses one uniform draw per sampled token): a decode worker continuing after the
+        prefill worker's first token then draws exactly what a co-located run would."""
+        gen = self._generator(rid, seed)
+        if gen is not None and draws:
+            torch.empty(draws, device=self.device).uniform_(generator=gen)
 
     def release(self, rid: str) -> None:
         """Forget per-request state (the seeded generator) once a request has finished."""

@@ -7,11 +7,16 @@ import logging
 import sys
 from collections.abc import Callable
 
-from tandem import generate_cmd
+from tandem import generate_cmd, router_cmd, up_cmd, worker_cmd
 
 # name -> (add_arguments, run); each subcommand lives in its own module.
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "generate": (generate_cmd.add_arguments, generate_cmd.run),
+    "prefill": (worker_cmd.add_arguments, worker_cmd.run_prefill),
+    "decode": (worker_cmd.add_arguments, worker_cmd.run_decode),
+    "colocated": (worker_cmd.add_arguments, worker_cmd.run_colocated),
+    "router": (router_cmd.add_arguments, router_cmd.run),
+    "up": (up_cmd.add_arguments, up_cmd.run),
 }
 
 

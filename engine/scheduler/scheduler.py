@@ -39,6 +39,14 @@ class Scheduler:
     # --- intake ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a request. Raises InvalidRequest if it can never run, ResourceExhausted if full."""
+        self.validate(req)
+        if len(self.waiting) >= self.cfg.max_waiting_requests:
+            raise ResourceExhausted(f"waiting queue is full ({self.cfg.max_waiting_requests} requests)")
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def validate(self, req: Request) -> None:
+        """Raise InvalidRequest if the request could never run on this worker."""
         n = len(req.prompt_ids)
         if n == 0:
             raise InvalidRequest("prompt is empty", "prompt")
@@ -54,10 +62,6 @@ class Scheduler:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds the KV cache "
                 f"capacity of {capacity} tokens", "max_tokens")
-        if len(self.waiting) >= self.cfg.max_waiting_requests:
-            raise ResourceExhausted(f"waiting queue is full ({self.cfg.max_waiting_requests} requests)")
-        req.status = RequestStatus.WAITING
-        self.waiting.append(req)
 
     # --- planning ----------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -148,6 +152,27 @@ class Scheduler:
                 self.running.append(req)
             out.append((req, tok))
         return out
+
+    # --- hand-offs for disaggregated workers --------------------------------------------------
+    def detach(self, req: Request) -> None:
+        """Take a request out of the running batch keeping its pages (a prefill worker's
+        finished prompt waits for its KV transfer); the caller later calls `kv.release(req)`."""
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+
+    def admission_room(self, req: Request) -> bool:
+        """Whether admitting `req` now keeps the running batch's reserved pages (decode worker's
+        prealloc queue uses the same rule as prefill admission)."""
+        need = pages_for(len(req.all_ids), self.cfg.page_size)
+        reserve = self._reserved_pages([*self.running, *self.prefilling, req])
+        busy = self.running or self.prefilling
+        return not busy or need + reserve <= self.kv.available_pages
+
+    def add_running(self, req: Request) -> None:
+        """Join a request whose prompt KV is already in its pages (received from a prefill worker)
+        and whose first token is known; it decodes from the next step on."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request (stop condition met, or aborted) and free everything it holds."""

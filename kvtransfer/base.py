@@ -1,0 +1,162 @@
+"""The transfer-engine interface every backend implements (shm, tcp now; nixl, ucx later).
+
+Direction: the prefill worker P *writes* a room's KV pages into pages the decode worker D reserved.
+D owns a `KVReceiver`: it allocates (and exposes) D's whole KV pool memory and learns when a room is
+complete. P owns a `KVSender`: it writes page runs of its own pool into D's pool and finally sends
+the room's aux record, which completes the room on D.
+
+Pool layout (both sides, see engine/kv_pool.py): one tensor
+`[num_layers, 2, num_pages, page_size, kv_heads, head_dim]`. A transfer copies whole pages of every
+layer, K and V. Consecutive page ids on both sides are merged into runs, so a run is one contiguous
+byte range per (layer, K|V) on each side.
+
+Room states (both sides): Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed.
+Thread-safety: every method may be called from any thread; writes for one peer are applied in the
+order they were issued.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class RoomState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (RoomState.SUCCESS, RoomState.FAILED)
+
+
+class TransferError(Exception):
+    """A transfer could not be set up or failed (bad metadata, peer gone, layout mismatch)."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str                       # "bfloat16" | "float16" | "float32"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def compatible(self, other: PoolLayout) -> bool:
+        """Same page geometry (the page counts of the two pools may differ)."""
+        return (self.num_layers, self.page_size, self.kv_heads, self.head_dim, self.dtype) == (
+            other.num_layers, other.page_size, other.kv_heads, other.head_dim, other.dtype)
+
+
+@dataclass
+class RoomStatus:
+    state: RoomState
+    aux: bytes | None = None         # D side: the aux record, once SUCCESS
+    error: str = ""
+    bytes_moved: int = 0
+    seconds: float = 0.0             # first write -> aux received (D) / completed (P)
+
+
+class KVReceiver(ABC):
+    """D side. Allocates D's KV pool memory (`buffer`, zero-filled) so that writers can reach it."""
+
+    name: str = ""
+
+    @property
+    @abstractmethod
+    def buffer(self) -> torch.Tensor:
+        """The pool tensor, shape `layout.shape`. D's KVPool adopts it as its storage."""
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a sender needs to reach this receiver (sent to P once per peer in the handshake)."""
+
+    @abstractmethod
+    def expect(self, room: int, dst_pages: list[int], peer_id: str) -> None:
+        """Announce a room whose KV sender `peer_id` will write into `dst_pages` (-> WAITING_FOR_INPUT).
+
+        If the connection from that sender breaks, its unfinished rooms become FAILED.
+        """
+
+    @abstractmethod
+    def poll(self, room: int) -> RoomStatus:
+        """Current status of a room that `expect` announced."""
+
+    @abstractmethod
+    def abort(self, room: int) -> None:
+        """Fail the room; after this returns no further write of this room lands in its pages."""
+
+    @abstractmethod
+    def release(self, room: int) -> None:
+        """Forget a finished (success or failed) room."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets and shared memory. Safe to call twice."""
+
+
+class KVSender(ABC):
+    """P side. Writes pages of P's pool (`buffer`) into a peer's pool."""
+
+    name: str = ""
+
+    @abstractmethod
+    def connect(self, peer_id: str, metadata: bytes) -> None:
+        """Register a peer from its receiver metadata (idempotent). Raises TransferError."""
+
+    @abstractmethod
+    def has_peer(self, peer_id: str) -> bool: ...
+
+    @abstractmethod
+    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Queue a write of P's `src_pages` into the peer's `dst_pages` (same length), all layers, K and V.
+
+        Returns at once; the copy happens in the background. The room becomes TRANSFERRING.
+        """
+
+    @abstractmethod
+    def finish(self, peer_id: str, room: int, aux: bytes) -> None:
+        """Queue the room's aux record after its writes; when it lands the room is SUCCESS on both sides."""
+
+    @abstractmethod
+    def status(self, room: int) -> RoomStatus: ...
+
+    @abstractmethod
+    def abort(self, room: int) -> None:
+        """Fail the room; returns once no write of this room can still land on the peer."""
+
+    @abstractmethod
+    def release(self, room: int) -> None:
+        """Forget a finished room."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Safe to call twice."""
+
+
+# name -> factory. Backends register themselves on import (kvtransfer/backends/*):
+#   RECEIVERS[name](layout: PoolLayout, host: str, worker_id: str) -> KVReceiver
+#   SENDERS[name](buffer: torch.Tensor, layout: PoolLayout, worker_id: str) -> KVSender
+RECEIVERS: dict[str, Callable[..., KVReceiver]] = {}
+SENDERS: dict[str, Callable[..., KVSender]] = {}

@@ -1,0 +1,119 @@
+"""A co-located worker serves the public Generation API itself; the router relays to it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import TandemError
+from engine.outputs import RequestOutput
+from services.common.grpc_errors import abort_with
+from services.worker import metrics
+from services.worker.config import WorkerConfig
+from services.worker.convert import output_to_pb, prompt_from_pb, sampling_from_pb
+from services.worker.loop import EngineLoop
+from services.worker.server import RoleParts, register_role
+from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedWorker:
+    """StepWorker around LLMEngine: outputs go to per-request callbacks."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.streams: dict[str, Callable[[RequestOutput], None]] = {}
+
+    def add(self, prompt, params, rid: str, emit: Callable[[RequestOutput], None]) -> None:
+        self.engine.add_request(prompt, params, rid)
+        self.streams[rid] = emit
+
+    def cancel(self, rid: str) -> None:
+        if self.streams.pop(rid, None) is not None:
+            self.engine.abort(rid)
+            metrics.REQUESTS.labels("cancelled").inc()
+
+    def has_work(self) -> bool:
+        return self.engine.scheduler.has_work()
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            emit = self.streams.get(out.rid)
+            if emit is not None:
+                emit(out)
+                if out.finished:
+                    del self.streams[out.rid]
+                    metrics.REQUESTS.labels("success").inc()
+
+    def tick(self) -> None:
+        s = self.engine.scheduler
+        metrics.QUEUE_LEN.labels("waiting").set(len(s.waiting))
+        metrics.QUEUE_LEN.labels("running").set(len(s.running) + len(s.prefilling))
+        metrics.KV_PAGES.labels("free").set(s.kv.available_pages)
+        metrics.KV_PAGES.labels("total").set(s.kv.num_pages)
+        metrics.SLOTS_FREE.set(s.kv.slots.num_free_slots)
+
+    def on_idle(self) -> None:
+        try:
+            self.engine.check_idle()
+        except AssertionError as e:
+            metrics.IDLE_CHECK_FAILURES.inc()
+            log.error("idle self-check failed: %s", e)
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        s = self.engine.scheduler
+        return worker_pb2.WorkerLoad(running=len(s.running) + len(s.prefilling), waiting=len(s.waiting),
+                                     free_pages=s.kv.available_pages, total_pages=s.kv.num_pages)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, worker: ColocatedWorker, loop: EngineLoop, model_name: str):
+        self.worker, self.loop, self.model_name = worker, loop, model_name
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        engine = self.worker.engine
+        rid = request.request_id or f"co-{id(queue):x}"
+        try:
+            params = sampling_from_pb(request.sampling)
+            await self.loop.call(lambda: self.worker.add(
+                prompt_from_pb(request), params, rid, lambda out: self.loop.deliver(queue.put_nowait, out)))
+        except TandemError as e:
+            await abort_with(context, e)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                yield output_to_pb(out, engine.tokenizer.convert_ids_to_tokens)
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.loop.post(lambda: self.worker.cancel(rid))
+
+    async def ListModels(self, request, context):
+        engine = self.worker.engine
+        return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
+            id=self.model_name, max_context_len=engine.context_len, vocab_size=engine.model_config.vocab_size)])
+
+
+@register_role("colocated")
+def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
+    engine = LLMEngine(engine_cfg)
+    worker = ColocatedWorker(engine)
+
+    def add_servicers(server, loop) -> None:
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(worker, loop, engine_cfg.model), server)
+
+    return RoleParts(
+        worker=worker, role_pb=worker_pb2.WORKER_ROLE_COLOCATED, service_names=["tandem.v1.Generation"],
+        add_servicers=add_servicers, engine=engine, inflight=lambda: len(worker.streams),
+    )

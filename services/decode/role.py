@@ -1,0 +1,46 @@
+"""Assembles a decode worker process: KV receiver (owns the pool memory) + engine + servicers."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.kv_pool import KVPoolSpec
+from kvtransfer import create_receiver
+from kvtransfer.base import KVReceiver, PoolLayout
+from services.decode.servicer import BootstrapClient, DecodeServicer
+from services.decode.worker import DecodeTimeouts, DecodeWorker
+from services.worker.config import WorkerConfig
+from services.worker.server import RoleParts, register_role
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+
+@register_role("decode")
+def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
+    holder: dict[str, KVReceiver] = {}
+
+    def allocate(spec: KVPoolSpec):
+        # The receiver owns the pool's memory so that writers (shm) can map it directly.
+        layout = PoolLayout(spec.num_layers, spec.num_pages, spec.page_size, spec.kv_heads, spec.head_dim,
+                            str(spec.dtype).removeprefix("torch."))
+        holder["rx"] = create_receiver(wcfg.transfer_backend, layout, wcfg.public_host, wcfg.id)
+        return holder["rx"].buffer
+
+    engine = LLMEngine(engine_cfg, kv_allocator=allocate)
+    receiver = holder["rx"]
+    state: dict = {}
+
+    def add_servicers(server, loop) -> None:
+        client = BootstrapClient(loop, wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s)
+        worker = state["worker"]
+        worker.send_bootstrap, worker.send_abort = client.send_bootstrap, client.send_abort
+        client.worker = worker
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, loop), server)
+
+    worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s),
+                          send_bootstrap=None, send_abort=None, max_prealloc=wcfg.max_queue)
+    state["worker"] = worker
+    return RoleParts(
+        worker=worker, role_pb=worker_pb2.WORKER_ROLE_DECODE, service_names=["tandem.v1.DecodeWorker"],
+        add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,
+        close=receiver.close, inflight=lambda: len(worker.streams),
+    )

@@ -1,0 +1,128 @@
+"""gRPC edge of the decode worker: DecodeWorker.Decode streams tokens; Bootstrap calls go out to P."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from engine.errors import TandemError
+from engine.outputs import RequestOutput
+from kvtransfer.base import KVReceiver
+from services.common.grpc_errors import abort_with
+from services.decode.worker import DecodeRoom, DecodeWorker
+from services.worker.convert import output_to_pb, prompt_from_pb, sampling_from_pb
+from services.worker.loop import EngineLoop
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, loop: EngineLoop):
+        self.worker, self.loop = worker, loop
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        engine = self.worker.engine
+        rid = request.request_id
+
+        def emit(item) -> None:  # engine thread
+            self.loop.deliver(queue.put_nowait, item)
+
+        def add() -> None:
+            req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid)
+            self.worker.add(DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
+                                       request.prefill_worker_id, emit))
+
+        try:
+            await self.loop.call(add)
+        except TandemError as e:
+            await abort_with(context, e)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    await abort_with(context, item)
+                yield output_to_pb(item, engine.tokenizer.convert_ids_to_tokens)
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # cancelled by the router (client gone) or the stream broke
+                self.loop.post(lambda: self.worker.cancel(rid))
+
+
+class BootstrapClient:
+    """Sends D's Bootstrap / AbortRoom to prefill workers; one channel per prefill address.
+
+    D's transfer metadata goes with the first Bootstrap to each prefill worker, and again whenever
+    P says it lacks it (P restarted)."""
+
+    def __init__(self, loop: EngineLoop, worker_id: str, receiver: KVReceiver, backend: str,
+                 timeout_s: float = 10.0):
+        self.loop = loop
+        self.worker_id = worker_id
+        self.receiver = receiver
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.worker: DecodeWorker | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._told: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def _stub(self, addr: str) -> worker_pb2_grpc.BootstrapStub:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+        return worker_pb2_grpc.BootstrapStub(ch)
+
+    # Called on the engine thread: hop to the event loop.
+    def send_bootstrap(self, room: DecodeRoom, req: worker_pb2.BootstrapRequest) -> None:
+        self.loop.deliver(self._spawn, self._bootstrap(room, req))
+
+    def send_abort(self, room: DecodeRoom, reason: str) -> None:
+        self.loop.deliver(self._spawn, self._abort(room, reason))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _bootstrap(self, room: DecodeRoom, req: worker_pb2.BootstrapRequest) -> None:
+        req.decode_worker_id = self.worker_id
+        req.transfer_backend = self.backend
+        error = None
+        try:
+            stub = self._stub(room.prefill_addr)
+            for _ in range(2):
+                if room.prefill_id not in self._told:
+                    req.transfer_metadata = self.receiver.metadata()
+                resp = await stub.Bootstrap(req, timeout=self.timeout_s)
+                if resp.need_metadata:
+                    self._told.discard(room.prefill_id)
+                    continue
+                if resp.accepted:
+                    self._told.add(room.prefill_id)
+                else:
+                    error = resp.error
+                break
+            else:
+                error = "prefill worker kept asking for transfer metadata"
+        except grpc.aio.AioRpcError as e:
+            error = f"{e.code().name}: {e.details()}"
+        self.loop.post(lambda: self.worker.bootstrap_done(room.room, error))
+
+    async def _abort(self, room: DecodeRoom, reason: str) -> None:
+        try:
+            await self._stub(room.prefill_addr).AbortRoom(
+                worker_pb2.AbortRoomRequest(bootstrap_room=room.room, reason=reason), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:  # P may be gone; its side then holds nothing of ours
+            log.info("abort of room %d on %s: %s", room.room, room.prefill_addr, e.code().name)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()

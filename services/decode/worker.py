@@ -1,0 +1,217 @@
+"""The decode worker's engine-thread side: prealloc queue -> transfer queue -> running batch.
+
+A request waits in the bounded prealloc queue until D has a slot and pages for its whole prompt
+(reusing D's own prefix cache). Then D tells its receiver to expect the room, asks the asyncio side
+to send P the Bootstrap (D's pages, D's prefix length), and polls the receiver. When the aux record
+arrives (room id checked), the request joins the running continuous batch with its first token.
+Every exit (success, client cancel, transfer failure, timeout) goes through `_drop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+
+from engine.engine import LLMEngine
+from engine.errors import ResourceExhausted
+from engine.outputs import RequestOutput
+from engine.scheduler.batch import SampledToken
+from engine.scheduler.request import Request
+from kvtransfer.base import KVReceiver, RoomState
+from services.common.grpc_errors import RpcFailed
+from services.worker import metrics
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(RpcFailed):
+    """The prompt's KV never arrived (prefill worker failed, aborted or timed out): UNAVAILABLE."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTimeouts:
+    transfer_s: float = 30.0        # bootstrap sent, aux record never arrived
+
+
+@dataclasses.dataclass(eq=False)
+class DecodeRoom:
+    room: int
+    req: Request
+    prefill_addr: str
+    prefill_id: str
+    emit: Callable[[RequestOutput | BaseException], None]  # delivers to the Decode stream
+    state: RoomState = RoomState.BOOTSTRAPPING
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    bootstrapped_at: float | None = None
+
+
+class DecodeWorker:
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver, timeouts: DecodeTimeouts,
+                 send_bootstrap: Callable[[DecodeRoom, worker_pb2.BootstrapRequest], None],
+                 send_abort: Callable[[DecodeRoom, str], None], max_prealloc: int = 1024):
+        self.engine = engine
+        self.sched = engine.scheduler
+        self.receiver = receiver
+        self.timeouts = timeouts
+        self.send_bootstrap = send_bootstrap   # schedules the Bootstrap RPC on the asyncio side
+        self.send_abort = send_abort
+        self.max_prealloc = max_prealloc
+        self.prealloc: deque[DecodeRoom] = deque()
+        self.transfer: dict[int, DecodeRoom] = {}
+        self.streams: dict[str, DecodeRoom] = {}   # rid -> room, for every request in flight
+        metrics.QUEUE_CAP.labels("prealloc").set(max_prealloc)
+
+    # --- commands ----------------------------------------------------------------------------
+    def add(self, room: DecodeRoom) -> None:
+        """Queue a validated request (see LLMEngine.make_request). Raises ResourceExhausted."""
+        if len(self.prealloc) >= self.max_prealloc:
+            self.engine.forget(room.req.rid)
+            raise ResourceExhausted(f"decode prealloc queue is full ({self.max_prealloc} requests)")
+        if room.room in self.transfer or any(r.room == room.room for r in self.prealloc):
+            self.engine.forget(room.req.rid)
+            raise TransferFailed(f"bootstrap room {room.room} is already in use")
+        self.prealloc.append(room)
+        self.streams[room.req.rid] = room
+
+    def bootstrap_done(self, room_id: int, error: str | None) -> None:
+        """The Bootstrap RPC's answer (called back from the asyncio side)."""
+        room = self.transfer.get(room_id)
+        if room is None:
+            return
+        if error:
+            self._drop(room, TransferFailed(f"bootstrap with prefill worker {room.prefill_id} failed: {error}"))
+        elif room.state is RoomState.BOOTSTRAPPING:
+            room.state = RoomState.WAITING_FOR_INPUT
+
+    def cancel(self, rid: str) -> None:
+        """The client went away: abort the request wherever it is."""
+        room = self.streams.get(rid)
+        if room is not None:
+            self._drop(room, None, reason="cancelled by client")
+
+    # --- engine loop -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            room = self.streams.get(out.rid)
+            if room is None:
+                continue
+            room.emit(out)
+            if out.finished:
+                self.streams.pop(out.rid, None)
+                metrics.REQUESTS.labels("success").inc()
+        metrics.STEPS.labels("decode").inc()
+
+    def tick(self) -> None:
+        self._admit()
+        self._poll_transfers()
+        self._export_metrics()
+
+    def on_idle(self) -> None:
+        if self.prealloc or self.transfer:
+            return
+        try:
+            self.engine.check_idle()
+        except AssertionError as e:
+            metrics.IDLE_CHECK_FAILURES.inc()
+            log.error("idle self-check failed: %s", e)
+
+    # --- internals ---------------------------------------------------------------------------
+    def _admit(self) -> None:
+        kv = self.sched.kv
+        while self.prealloc:
+            room = self.prealloc[0]
+            req = room.req
+            if not self.sched.admission_room(req) or not kv.admit(req, req.prompt_ids):
+                return
+            self.prealloc.popleft()
+            ps = kv.page_size
+            first = req.cache_len // ps
+            dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
+            self.receiver.expect(room.room, dst, room.prefill_id)
+            self.transfer[room.room] = room
+            self.send_bootstrap(room, worker_pb2.BootstrapRequest(
+                bootstrap_room=room.room, dst_page_ids=dst, decode_prefix_len=req.cache_len, page_size=ps,
+            ))
+
+    def _poll_transfers(self) -> None:
+        now = time.monotonic()
+        for room in list(self.transfer.values()):
+            status = self.receiver.poll(room.room)
+            if status.state is RoomState.SUCCESS:
+                self._start_decoding(room, status)
+            elif status.state is RoomState.FAILED:
+                self._drop(room, TransferFailed(
+                    f"KV transfer from prefill worker {room.prefill_id} failed: {status.error}"))
+            elif now - room.created > self.timeouts.transfer_s:
+                self._drop(room, TransferFailed(
+                    f"KV transfer from prefill worker {room.prefill_id} timed out after "
+                    f"{self.timeouts.transfer_s:.0f}s"), reason="transfer timeout")
+
+    def _start_decoding(self, room: DecodeRoom, status) -> None:
+        aux = worker_pb2.AuxRecord.FromString(status.aux)
+        if aux.bootstrap_room != room.room:  # an index mix-up somewhere: never decode from wrong KV
+            self._drop(room, TransferFailed(f"aux record for room {aux.bootstrap_room} arrived in room {room.room}"))
+            return
+        del self.transfer[room.room]
+        self.receiver.release(room.room)
+        if status.seconds > 0:
+            metrics.TRANSFER_SPEED.set(status.bytes_moved / status.seconds / 1e9)
+            metrics.TRANSFER_LATENCY.observe(status.seconds * 1e3)
+        first = SampledToken(aux.first_token, aux.logprob, [(t.token_id, t.logprob) for t in aux.top] or None)
+        out = self.engine.start_decoding(room.req, first)
+        room.emit(out)
+        if out.finished:
+            self.streams.pop(room.req.rid, None)
+            metrics.REQUESTS.labels("success").inc()
+
+    def _drop(self, room: DecodeRoom, error: BaseException | None, reason: str = "failed") -> None:
+        """The one exit for a request that does not finish normally: free everything it holds."""
+        req = room.req
+        if room in self.prealloc:
+            self.prealloc.remove(room)
+        if self.transfer.pop(room.room, None) is not None:
+            # No write may land in these pages once they are reused: the receiver guarantees it
+            # after abort() returns; P is told too so it stops computing and frees its side.
+            self.receiver.abort(room.room)
+            self.receiver.release(room.room)
+            self.send_abort(room, reason)
+            self.sched.kv.release(req)
+            self.engine.forget(req.rid)
+        else:
+            self.engine.abort(req.rid)  # running / retracted: the engine frees it (no-op if unknown)
+            self.engine.forget(req.rid)
+        self.streams.pop(req.rid, None)
+        metrics.REQUESTS.labels("cancelled" if error is None else "failed").inc()
+        if error is not None:
+            log.warning("request %s (room %d) failed: %s", req.rid, room.room, error)
+            room.emit(error)
+
+    def _export_metrics(self) -> None:
+        metrics.QUEUE_LEN.labels("prealloc").set(len(self.prealloc))
+        metrics.QUEUE_LEN.labels("transfer").set(len(self.transfer))
+        metrics.QUEUE_LEN.labels("running").set(len(self.sched.running))
+        metrics.QUEUE_LEN.labels("waiting").set(len(self.sched.waiting) + len(self.sched.prefilling))
+        kv = self.sched.kv
+        metrics.KV_PAGES.labels("free").set(kv.available_pages)
+        metrics.KV_PAGES.labels("total").set(kv.num_pages)
+        metrics.SLOTS_FREE.set(kv.slots.num_free_slots)
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        kv = self.sched.kv
+        return worker_pb2.WorkerLoad(
+            running=len(self.sched.running) + len(self.transfer),
+            waiting=len(self.prealloc) + len(self.sched.waiting),
+            free_pages=kv.available_pages, total_pages=kv.num_pages,
+        )

@@ -1,0 +1,102 @@
+"""Child processes that die with their parent and announce readiness with one stdout line."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "TANDEM_READY "
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel SIGKILLs the child when the launcher dies, even by SIGKILL: no orphans
+    # holding ports, shared memory or Redis after a crash.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    os.setsid()  # own process group: a terminal's Ctrl-C reaches the launcher only, which stops us in order
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+    ready: dict | None = None
+    ready_event: threading.Event = field(default_factory=threading.Event)
+    on_line: Callable[[str, str], None] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env=self.env, preexec_fn=_die_with_parent,
+        )
+        threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(READY_PREFIX) and self.ready is None:
+                self.ready = json.loads(line[len(READY_PREFIX):])
+                self.ready_event.set()
+            if self.on_line is not None:
+                self.on_line(self.name, line)
+        self.ready_event.set()  # EOF: the process died; waiters must look at `alive`
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> dict:
+        if not self.ready_event.wait(timeout) or self.ready is None:
+            code = self.proc.poll() if self.proc else None
+            raise RuntimeError(f"{self.name} did not become ready within {timeout:.0f}s (exit code {code})")
+        return self.ready
+
+    def terminate(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+
+    def wait(self, timeout: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
+    """SIGTERM everyone (router first, so no new work arrives), wait, then SIGKILL stragglers."""
+    for c in children:
+        c.terminate()
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        if not c.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("%s did not stop within %.0fs: killing it", c.name, grace_s)
+            c.kill()
+            c.wait(5.0)
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tandem.cli", *args]

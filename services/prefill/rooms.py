@@ -1,0 +1,50 @@
+"""A prefill worker's rooms: the bootstrap queue and the inflight transfers (torch-free)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.scheduler.request import Request
+from kvtransfer.base import RoomState
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """Where D wants the room's KV: D's page ids for prompt pages `first_page ...` in order."""
+
+    peer_id: str
+    dst_pages: list[int]
+    decode_prefix_len: int          # tokens D already holds (page-aligned): P does not send them
+
+
+@dataclass(eq=False)
+class PrefillRoom:
+    room: int
+    created: float = field(default_factory=time.monotonic)
+    req: Request | None = None                  # set when the router's Prefill arrives
+    info: BootstrapInfo | None = None           # set when D's Bootstrap arrives
+    state: RoomState = RoomState.BOOTSTRAPPING
+    next_page: int = 0                          # next prompt page index to send
+    finished_at: float | None = None            # when the aux record was queued
+    error: str = ""
+    on_done: Callable[[PrefillRoom], None] | None = None  # resolves the Prefill RPC
+
+    @property
+    def ready(self) -> bool:
+        return self.req is not None and self.info is not None
+
+    def pages_to_send(self, page_size: int, num_computed: int, final: bool) -> tuple[list[int], list[int]]:
+        """(src, dst) pages newly complete since the last call; all remaining ones when `final`."""
+        assert self.req is not None and self.info is not None
+        first = self.info.decode_prefix_len // page_size
+        total = -(-len(self.req.prompt_ids) // page_size)
+        upto = total if final else min(total, num_computed // page_size)
+        start = max(self.next_page, first)
+        if upto <= start:
+            return [], []
+        src = self.req.pages[start:upto]
+        dst = self.info.dst_pages[start - first:upto - first]
+        self.next_page = upto
+        return src, dst

@@ -1,0 +1,241 @@
+"""The prefill worker's engine-thread side: bootstrap queue -> chunked prefill -> inflight transfers.
+
+Runs only on the engine thread (see services/worker/loop.py). A room is computed only once both the
+router's Prefill and D's Bootstrap have arrived (either may come first): D's memory pressure thus
+back-pressures P. After every prefill chunk the pages it completed are written to D; with the last
+chunk the first token goes along as the aux record. P keeps the prompt's pages until the transfer
+reports success or failure, then releases them into its prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from engine.detokenizer import FinishReason
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequest, ResourceExhausted
+from engine.sampling_params import SamplingParams
+from engine.scheduler.batch import SampledToken
+from kvtransfer.base import KVSender, RoomState
+from services.prefill.rooms import BootstrapInfo, PrefillRoom
+from services.worker import metrics
+from tandem.v1 import generation_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTimeouts:
+    bootstrap_s: float = 30.0       # Prefill (or Bootstrap) arrived but its counterpart never did
+    transfer_s: float = 30.0        # aux queued but the transfer never completed
+
+
+class PrefillWorker:
+    def __init__(self, engine: LLMEngine, sender: KVSender, timeouts: PrefillTimeouts, max_rooms: int = 1024):
+        self.engine = engine
+        self.sched = engine.scheduler
+        self.sender = sender
+        self.timeouts = timeouts
+        self.max_rooms = max_rooms
+        self.rooms: dict[int, PrefillRoom] = {}
+        self._by_rid: dict[str, PrefillRoom] = {}
+        self.page_size = engine.cfg.page_size
+        metrics.QUEUE_CAP.labels("bootstrap").set(max_rooms)
+
+    # --- commands (called via EngineLoop.call) -----------------------------------------------
+    def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done) -> None:
+        """The router's Prefill: validate and wait for D's Bootstrap. Raises InvalidRequest."""
+        if room_id in self.rooms and self.rooms[room_id].req is not None:
+            raise InvalidRequest(f"bootstrap room {room_id} is already in use", "bootstrap_room")
+        if rid in self._by_rid:
+            raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
+        room = self.rooms.get(room_id)
+        if room is None:
+            self._check_capacity()
+        # P samples exactly one token; D validates the whole request (context, max_tokens) too.
+        req = self.engine.make_request(prompt, dataclasses.replace(params, max_tokens=1), rid)
+        if room is None:
+            room = self.rooms[room_id] = PrefillRoom(room_id)
+        room.req, room.on_done = req, on_done
+        self._by_rid[rid] = room
+        if room.ready:
+            self._start(room)
+
+    def bootstrap(self, room_id: int, info: BootstrapInfo) -> None:
+        """D's Bootstrap: its pages are reserved. Raises InvalidRequest / ResourceExhausted."""
+        room = self.rooms.get(room_id)
+        if room is None:
+            self._check_capacity()
+            room = self.rooms[room_id] = PrefillRoom(room_id)
+        elif room.info is not None:
+            raise InvalidRequest(f"room {room_id} was already bootstrapped", "bootstrap_room")
+        room.info = info
+        room.state = RoomState.WAITING_FOR_INPUT
+        if room.ready:
+            self._start(room)
+
+    def abort_room(self, room_id: int, reason: str) -> bool:
+        """Fail a room wherever it is; returns only when no write of it can still land on D."""
+        room = self.rooms.get(room_id)
+        if room is None:
+            return False
+        self._fail(room, f"aborted: {reason}")
+        return True
+
+    def abort_request(self, rid: str, reason: str) -> None:
+        room = self._by_rid.get(rid)
+        if room is not None:
+            self._fail(room, f"aborted: {reason}")
+
+    # --- engine loop -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def step(self) -> None:
+        batch = self.sched.schedule()
+        if batch is None:
+            return
+        sampled = self.engine.runner.run(batch)
+        metrics.STEPS.labels("prefill").inc()
+        done = {req.rid: tok for req, tok in self.sched.on_step_done(batch, sampled)}
+        for seq in batch.seqs:
+            room = self._by_rid.get(seq.req.rid)
+            if room is None or room.state.done:
+                continue
+            tok = done.get(seq.req.rid)
+            self._send(room, final=tok is not None)
+            if tok is not None:
+                self._finish_prefill(room, tok)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            if room.finished_at is not None:
+                status = self.sender.status(room.room)
+                if status.state is RoomState.SUCCESS:
+                    self._complete(room, status)
+                elif status.state is RoomState.FAILED:
+                    self._fail(room, f"KV transfer failed: {status.error}")
+                elif now - room.finished_at > self.timeouts.transfer_s:
+                    self._fail(room, f"KV transfer timed out after {self.timeouts.transfer_s:.0f}s")
+            elif not room.ready and now - room.created > self.timeouts.bootstrap_s:
+                missing = "decode worker's bootstrap" if room.info is None else "router's prefill request"
+                self._fail(room, f"bootstrap timed out after {self.timeouts.bootstrap_s:.0f}s waiting for the {missing}")
+        self._export_metrics()
+
+    def on_idle(self) -> None:
+        if self.rooms:
+            return  # rooms still waiting for their counterpart hold nothing, but are not idle
+        try:
+            self.engine.check_idle()
+        except AssertionError as e:
+            metrics.IDLE_CHECK_FAILURES.inc()
+            log.error("idle self-check failed: %s", e)
+
+    # --- internals ---------------------------------------------------------------------------
+    def _check_capacity(self) -> None:
+        if len(self.rooms) >= self.max_rooms:
+            raise ResourceExhausted(f"prefill bootstrap queue is full ({self.max_rooms} rooms)")
+
+    def _start(self, room: PrefillRoom) -> None:
+        try:
+            _check_pages(room.req.prompt_ids, room.info, self.page_size)
+            self.sched.add(room.req)
+        except (InvalidRequest, ResourceExhausted) as e:
+            self._fail(room, str(e))  # answered through the Prefill RPC's FAILED response
+
+    def _send(self, room: PrefillRoom, final: bool) -> None:
+        src, dst = room.pages_to_send(self.page_size, room.req.num_computed, final)
+        if src:
+            room.state = RoomState.TRANSFERRING
+            self.sender.write(room.info.peer_id, room.room, src, dst)
+
+    def _finish_prefill(self, room: PrefillRoom, tok: SampledToken) -> None:
+        req = room.req
+        self.sched.detach(req)  # keep the pages until the transfer is done
+        aux = worker_pb2.AuxRecord(
+            bootstrap_room=room.room, first_token=tok.token_id, logprob=tok.logprob or 0.0,
+            top=[generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in (tok.top or [])],
+            cached_tokens=req.cache_len,
+        )
+        self.sender.finish(room.info.peer_id, room.room, aux.SerializeToString())
+        room.state = RoomState.TRANSFERRING
+        room.finished_at = time.monotonic()
+
+    def _complete(self, room: PrefillRoom, status) -> None:
+        room.state = RoomState.SUCCESS
+        if status.seconds > 0:
+            metrics.TRANSFER_SPEED.set(status.bytes_moved / status.seconds / 1e9)
+            metrics.TRANSFER_LATENCY.observe(status.seconds * 1e3)
+        metrics.REQUESTS.labels("success").inc()
+        self._close(room, status.bytes_moved, status.seconds)
+
+    def _fail(self, room: PrefillRoom, error: str) -> None:
+        if room.state.done:
+            return
+        log.warning("room %d (%s) failed: %s", room.room, room.req.rid if room.req else "-", error)
+        room.state, room.error = RoomState.FAILED, error
+        if room.info is not None:
+            self.sender.abort(room.room)  # returns once no write of this room can land on D
+        metrics.REQUESTS.labels("failed").inc()
+        self._close(room, 0, 0.0)
+
+    def _close(self, room: PrefillRoom, nbytes: int, seconds: float) -> None:
+        """The one exit of a room: free its pages/slot, forget it, answer the Prefill RPC."""
+        req = room.req
+        if req is not None:
+            if req.finished:           # detached after its last chunk: pages still held
+                self.sched.kv.release(req, req.prompt_ids)
+            else:                      # queued or mid-prefill
+                self.sched.finish(req, FinishReason.ABORT)
+            self.engine.forget(req.rid)
+            self._by_rid.pop(req.rid, None)
+        self.sender.release(room.room)
+        self.rooms.pop(room.room, None)
+        if room.on_done is not None:
+            room.on_done(worker_pb2.PrefillResponse(
+                request_id=req.rid if req else "", bootstrap_room=room.room,
+                state=_STATE_PB[room.state], error=room.error,
+                cached_tokens=req.cache_len if req else 0,
+                transfer_ms=seconds * 1e3, transfer_bytes=nbytes,
+            ))
+
+    def _export_metrics(self) -> None:
+        waiting_bootstrap = sum(1 for r in self.rooms.values() if not r.ready)
+        inflight = sum(1 for r in self.rooms.values() if r.finished_at is not None)
+        metrics.QUEUE_LEN.labels("bootstrap").set(waiting_bootstrap)
+        metrics.QUEUE_LEN.labels("waiting").set(len(self.sched.waiting))
+        metrics.QUEUE_LEN.labels("prefilling").set(len(self.sched.prefilling))
+        metrics.QUEUE_LEN.labels("inflight").set(inflight)
+        kv = self.sched.kv
+        metrics.KV_PAGES.labels("free").set(kv.available_pages)
+        metrics.KV_PAGES.labels("total").set(kv.num_pages)
+        metrics.SLOTS_FREE.set(kv.slots.num_free_slots)
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        kv = self.sched.kv
+        return worker_pb2.WorkerLoad(
+            running=len(self.sched.prefilling), waiting=len(self.sched.waiting) + len(self.rooms),
+            free_pages=kv.available_pages, total_pages=kv.num_pages,
+        )
+
+
+def _check_pages(prompt_ids: list[int], info: BootstrapInfo, page_size: int) -> None:
+    if info.decode_prefix_len % page_size or info.decode_prefix_len >= max(1, len(prompt_ids)):
+        raise InvalidRequest(f"decode_prefix_len {info.decode_prefix_len} is not a page-aligned prefix "
+                             f"of the {len(prompt_ids)}-token prompt", "decode_prefix_len")
+    need = -(-len(prompt_ids) // page_size) - info.decode_prefix_len // page_size
+    if len(info.dst_pages) != need:
+        raise InvalidRequest(f"decode worker reserved {len(info.dst_pages)} pages; the prompt needs {need}",
+                             "dst_page_ids")
+
+
+_STATE_PB = {
+    RoomState.BOOTSTRAPPING: worker_pb2.TRANSFER_STATE_BOOTSTRAPPING,
+    RoomState.WAITING_FOR_INPUT: worker_pb2.TRANSFER_STATE_WAITING_FOR_INPUT,
+    RoomState.TRANSFERRING: worker_pb2.TRANSFER_STATE_TRANSFERRING,
+    RoomState.SUCCESS: worker_pb2.TRANSFER_STATE_SUCCESS,
+    RoomState.FAILED: worker_pb2.TRANSFER_STATE_FAILED,
+}

@@ -1,0 +1,32 @@
+"""A worker process's service-level config (the engine's is engine.config.EngineConfig)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str                           # prefill | decode | colocated
+    host: str = "127.0.0.1"
+    port: int = 0                       # 0: any free port (announced through the registry)
+    advertise_host: str | None = None   # address peers use to reach us (default: host)
+    worker_id: str | None = None
+    redis_url: str | None = None        # None: no registry (static router lists)
+    transfer_backend: str = "auto"      # auto | shm | tcp
+    metrics_port: int = 0               # 0: any free port, -1: off
+    bootstrap_timeout_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    max_queue: int = 1024               # bootstrap rooms (P) / prealloc queue (D)
+    drain_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+
+    @property
+    def id(self) -> str:
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host

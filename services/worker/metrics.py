@@ -1,0 +1,18 @@
+"""Prometheus metrics every worker exports on its /metrics endpoint."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+QUEUE_LEN = Gauge("tandem_queue_length", "Requests in each scheduler queue", ["queue"])
+QUEUE_CAP = Gauge("tandem_queue_capacity", "Bound of each scheduler queue", ["queue"])
+KV_PAGES = Gauge("tandem_kv_pages", "KV pages by state (free includes evictable prefix-cache pages)", ["state"])
+SLOTS_FREE = Gauge("tandem_request_slots_free", "Free request slots")
+REQUESTS = Counter("tandem_worker_requests_total", "Requests finished, by outcome", ["outcome"])
+TRANSFER_SPEED = Gauge("kv_transfer_speed_gb_s", "Speed of the last completed KV transfer (GB/s)")
+TRANSFER_LATENCY = Histogram(
+    "kv_transfer_latency_ms", "KV transfer time per room, first write to completion (ms)",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
+)
+IDLE_CHECK_FAILURES = Counter("tandem_idle_check_failures_total", "Idle self-checks that found leaked pages/slots")
+STEPS = Counter("tandem_engine_steps_total", "Forward passes run", ["kind"])

@@ -1,0 +1,170 @@
+"""One worker process: engine thread + grpc.aio server + /metrics + registry heartbeat.
+
+Lifecycle: build (load the model, set up the transfer backend) -> start (serve, announce) ->
+serve until SIGTERM/SIGINT -> drain (NOT_SERVING, withdraw, let in-flight requests finish) -> close.
+Role-specific parts (servicers, step worker) come from `ROLES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import EngineConfig
+from services.common.registry import create_registry
+from services.worker.config import WorkerConfig
+from services.worker.loop import EngineLoop
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoleParts:
+    """What a role contributes to the generic worker process."""
+
+    worker: object                                  # the StepWorker run by the engine thread
+    role_pb: int                                    # worker_pb2.WorkerRole
+    service_names: list[str]                        # full names, for reflection and health
+    add_servicers: Callable[[grpc.aio.Server, EngineLoop], None]
+    engine: object
+    transfer_backend: str = ""
+    close: Callable[[], None] = lambda: None        # transfer backend teardown
+    inflight: Callable[[], int] = lambda: 0
+    extra: dict = field(default_factory=dict)
+
+
+# role -> builder(engine_cfg, worker_cfg, aio_loop) -> RoleParts (registered by each service package)
+ROLES: dict[str, Callable[[EngineConfig, WorkerConfig, asyncio.AbstractEventLoop], Awaitable[RoleParts] | RoleParts]] = {}
+
+
+def register_role(name: str):
+    def deco(fn):
+        ROLES[name] = fn
+        return fn
+    return deco
+
+
+# Where each role's builder lives; importing the module registers it (only the role being run is
+# imported, so a co-located worker never loads transfer backends).
+ROLE_MODULES = {
+    "prefill": "services.prefill.role",
+    "decode": "services.decode.role",
+    "colocated": "services.colocated.role",
+}
+
+
+def _load_role(role: str) -> None:
+    if role not in ROLE_MODULES:
+        raise SystemExit(f"unknown worker role {role!r}; known: {sorted(ROLE_MODULES)}")
+    importlib.import_module(ROLE_MODULES[role])
+
+
+async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
+    _load_role(wcfg.role)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    t0 = time.monotonic()
+    # Model loading takes seconds: run it off the event loop so signals are still handled.
+    parts: RoleParts = await asyncio.to_thread(_build_sync, engine_cfg, wcfg, loop)
+    engine = parts.engine
+    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set)
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    parts.add_servicers(server, engine_loop)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*parts.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{wcfg.host}:{wcfg.port}")
+    if port == 0:
+        raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
+    addr = f"{wcfg.public_host}:{port}"
+    engine_loop.start()
+    await server.start()
+    for name in ["", *parts.service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    metrics_port = _start_metrics(wcfg)
+    info = worker_pb2.WorkerInfo(
+        worker_id=wcfg.id, role=parts.role_pb, grpc_addr=addr,
+        bootstrap_addr=addr if wcfg.role == "prefill" else "",
+        model=engine_cfg.model, transfer_backend=parts.transfer_backend, started_at=time.time(),
+        max_context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
+        load=parts.worker.load(),
+    )
+    registry = None
+    heartbeat = None
+    if wcfg.redis_url:
+        registry = create_registry("redis", url=wcfg.redis_url, heartbeat_s=wcfg.heartbeat_s)
+        await registry.start()
+        await registry.announce(info)
+        heartbeat = asyncio.create_task(_report_load(registry, engine_loop, parts.worker, wcfg.heartbeat_s))
+    ready = {"role": wcfg.role, "worker_id": wcfg.id, "grpc_addr": addr, "metrics_port": metrics_port,
+             "pid": os.getpid(),
+             "transfer_backend": parts.transfer_backend, "startup_s": round(time.monotonic() - t0, 2)}
+    print("TANDEM_READY " + json.dumps(ready), flush=True)
+    log.info("%s %s serving on %s (metrics :%s)", wcfg.role, wcfg.id, addr, metrics_port)
+
+    await stop.wait()
+    log.info("%s %s draining", wcfg.role, wcfg.id)
+    await health_servicer.enter_graceful_shutdown()
+    if heartbeat is not None:
+        heartbeat.cancel()
+    if registry is not None:
+        await registry.withdraw()
+        await registry.close()
+    deadline = time.monotonic() + wcfg.drain_timeout_s
+    while parts.inflight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    engine_loop.stop()
+    parts.close()
+    log.info("%s %s stopped", wcfg.role, wcfg.id)
+    return 1 if engine_loop.failed else 0
+
+
+def _build_sync(engine_cfg: EngineConfig, wcfg: WorkerConfig, loop) -> RoleParts:
+    return ROLES[wcfg.role](engine_cfg, wcfg, loop)
+
+
+async def _report_load(registry, engine_loop: EngineLoop, worker, period: float) -> None:
+    while True:
+        await asyncio.sleep(period)
+        try:
+            registry.update_load(await engine_loop.call(worker.load))
+        except Exception:  # never let a metrics hiccup kill the heartbeat
+            log.exception("load report failed")
+
+
+def _start_metrics(wcfg: WorkerConfig) -> int:
+    if wcfg.metrics_port < 0:
+        return -1
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(wcfg.metrics_port, addr=wcfg.host)
+    return server.server_port
+
+
+def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
+    try:
+        return asyncio.run(serve_worker(engine_cfg, wcfg))
+    except KeyboardInterrupt:
+        return 0
+    except SystemExit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

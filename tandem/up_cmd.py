@@ -1,0 +1,52 @@
+"""`tandem up`: the whole stack on this machine (what `make run` runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.engine_args import add_engine_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
+    p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp")
+    p.add_argument("--policy", default="round_robin", help="router policy: round_robin | least_load")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    p.add_argument("--bootstrap-timeout", type=float, default=30.0)
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--quiet", action="store_true", help="only print readiness lines")
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """Forward the engine flags that were set to every worker."""
+    out = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+           "--attention-backend", args.attention_backend, "--page-size", str(args.page_size),
+           "--kv-cache-gb", str(args.kv_cache_gb), "--max-running-requests", str(args.max_running_requests),
+           "--chunked-prefill-size", str(args.chunked_prefill_size),
+           "--bootstrap-timeout", str(args.bootstrap_timeout), "--transfer-timeout", str(args.transfer_timeout)]
+    for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
+                        ("--num-threads", args.num_threads)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.disable_prefix_cache:
+        out.append("--disable-prefix-cache")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.launcher.up import UpConfig, run_up
+
+    cfg = UpConfig(
+        mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
+        redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
+        worker_args=tuple(_engine_argv(args)), quiet=args.quiet,
+    )
+    if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
+        print("error: --prefill and --decode must be >= 1", flush=True)
+        return 2
+    return run_up(cfg)

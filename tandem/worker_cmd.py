@@ -1,0 +1,43 @@
+"""`tandem prefill | decode | colocated`: one worker process."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+from tandem.engine_args import add_engine_arguments, engine_config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from services.worker.config import WorkerConfig
+
+    d = WorkerConfig(role="")
+    add_engine_arguments(p)
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0: any free port")
+    p.add_argument("--advertise-host", default=None, help="address peers use to reach this worker")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--redis-url", default=None, help="announce in this registry (e.g. redis://127.0.0.1:6379)")
+    p.add_argument("--transfer-backend", default=d.transfer_backend, help="auto | shm | tcp")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="0: any free port, -1: off")
+    p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
+    p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s)
+    p.add_argument("--max-queue", type=int, default=d.max_queue)
+
+
+def run(role: str, args: argparse.Namespace) -> int:
+    from services.worker.config import WorkerConfig
+    from services.worker.server import run as run_worker
+
+    wcfg = WorkerConfig(
+        role=role, host=args.host, port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id,
+        redis_url=args.redis_url, transfer_backend=args.transfer_backend, metrics_port=args.metrics_port,
+        bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
+        max_queue=args.max_queue,
+    )
+    return run_worker(engine_config_from_args(args), wcfg)
+
+
+run_prefill = partial(run, "prefill")
+run_decode = partial(run, "decode")
+run_colocated = partial(run, "colocated")

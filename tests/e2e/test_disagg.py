@@ -1,0 +1,163 @@
+"""Disaggregated serving end to end: real router, prefill and decode processes on 127.0.0.1.
+
+Greedy tokens must be identical through 1P1D and 2P2D (shm and tcp), through the co-located mode,
+and from Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.timeout(300)
+
+# Page size 4 and 32-token prefill chunks: the 90-token prompt is prefilled (and sent) in 3 chunks.
+ENGINE = ("--dtype", "float32", "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096")
+
+
+def workload(vocab: int) -> list[tuple[list[int], int]]:
+    """16 prompts of mixed lengths; four share a 24-token prefix (prefix-cache hits), one is long."""
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, vocab, (24,), generator=g).tolist()
+    items = []
+    for i, n in enumerate([1, 5, 9, 13, 17, 21, 30, 42, 3, 7, 90, 11]):
+        items.append((torch.randint(3, vocab, (n,), generator=g).tolist(), 6 + i % 5))
+    for i in range(4):
+        items.append((shared + torch.randint(3, vocab, (3 + i,), generator=g).tolist(), 8))
+    return items
+
+
+def run_concurrently(stack: Stack, items) -> list[list[int]]:
+    # The shared-prefix prompts go last, after the first of them warmed the caches.
+    with cf.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stack.generate, p, max_tokens=n, ignore_eos=True) for p, n in items]
+        return [list(f.result().token_ids) for f in futures]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    items = workload(hf.config.vocab_size)
+    outs = []
+    for prompt, n in items:
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        outs.append(ids[0, len(prompt):].tolist())
+    return items, outs
+
+
+@pytest.fixture(scope="module")
+def colocated_outputs(tiny_llama, reference):
+    items, _ = reference
+    stack = Stack("--mode", "colocated", "--model", str(tiny_llama), *ENGINE)
+    try:
+        return run_concurrently(stack, items)
+    finally:
+        stack.close()
+
+
+def test_colocated_matches_transformers(reference, colocated_outputs):
+    assert colocated_outputs == reference[1]
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2)], ids=["1p1d", "2p2d"])
+def test_disagg_matches_colocated_and_transformers(tiny_llama, reference, colocated_outputs, backend, shape):
+    items, hf_outs = reference
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", backend,
+                  "--prefill", str(shape[0]), "--decode", str(shape[1]))
+    try:
+        # Warm the prefix caches with the shared prefix, then the concurrent burst.
+        stack.generate(items[-1][0], max_tokens=2, ignore_eos=True)
+        outs = run_concurrently(stack, items)
+        assert outs == colocated_outputs
+        assert outs == hf_outs
+        again = stack.generate(items[-2][0], max_tokens=8, ignore_eos=True)
+        assert again.usage.cached_tokens > 0  # prefill worker's prefix cache served the shared prefix
+        for w in stack.info["workers"]:
+            free, total = stack.wait_pages_free(w)
+            assert free == total, f"{w['worker_id']} leaked KV pages: {free}/{total}"
+    finally:
+        stack.close()
+
+
+def test_bad_request_gets_clear_error(tiny_llama):
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stack.generate("", max_tokens=4)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stack.generate([5] * 600, max_tokens=4)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
+        assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+    finally:
+        stack.close()
+
+
+def test_client_cancel_frees_pages_on_both_sides(tiny_llama):
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
+    try:
+        from tandem.v1 import generation_pb2
+        req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+        req.token_ids.ids.extend(range(3, 60))
+        call = stack.stub.Generate(req, timeout=60)
+        got = 0
+        for chunk in call:
+            got += len(chunk.token_ids)
+            if got >= 3:
+                call.cancel()
+                break
+        assert got < 400
+        for w in stack.info["workers"]:
+            free, total = stack.wait_pages_free(w)
+            assert free == total, f"{w['worker_id']} still holds pages after cancel: {free}/{total}"
+        assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+    finally:
+        stack.close()
+
+
+def test_sigkill_prefill_worker(tiny_llama):
+    # A small KV pool makes requests queue on D (prealloc) and P (bootstrap), so the kill lands
+    # while prefill worker 0 holds rooms.
+    stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4",
+                  "--max-total-tokens", "160", "--transfer-backend", "tcp", "--prefill", "2", "--decode", "1",
+                  "--bootstrap-timeout", "5", "--transfer-timeout", "5")
+    try:
+        victim = stack.workers("prefill")[0]
+        prompts = [list(range(3 + i, 43 + i)) for i in range(16)]
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(stack.generate, p, 30.0, max_tokens=60, ignore_eos=True) for p in prompts]
+            time.sleep(0.3)
+            os.kill(victim["pid"], signal.SIGKILL)
+            outcomes = []
+            for f in futures:
+                try:
+                    outcomes.append(("ok", len(f.result().token_ids)))
+                except grpc.RpcError as e:
+                    outcomes.append((e.code().name, e.details()))
+        elapsed = time.monotonic() - t0
+        assert elapsed < 30, "requests hung after the prefill worker died"
+        for kind, detail in outcomes:
+            if kind == "ok":
+                assert detail == 60
+            else:  # a clear error that says what failed, never a hang or a bare INTERNAL
+                assert kind in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"), (kind, detail)
+                assert "prefill" in detail.lower(), detail
+        decode = stack.workers("decode")[0]
+        free, total = stack.wait_pages_free(decode, timeout_s=20)
+        assert free == total, f"decode worker leaked pages after the prefill died: {free}/{total}"
+        # The survivor serves new requests (the dead worker's registry entry expires or is retried around).
+        for _ in range(3):
+            assert len(stack.generate(list(range(10, 30)), max_tokens=5, ignore_eos=True).token_ids) == 5
+    finally:
+        stack.close()
