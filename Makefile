@@ -8,7 +8,7 @@ PIPFLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 MODEL   ?= smollm2-135m
 PROMPT  ?= What is the capital of France?
 
-.PHONY: install proto test test-slow test-all run bench lint clean
+.PHONY: install proto test test-slow test-all run generate bench bench-kvtransfer lint clean
 
 install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) --upgrade pip
@@ -34,12 +34,19 @@ test-slow:
 test-all:
 	$(BIN)/python -m pytest -q tests
 
-# Until the serving stack lands (`tandem up`), `make run` generates offline with the default model.
+# The whole stack (embedded Redis, 1 prefill + 1 decode worker, router on 127.0.0.1:50051).
 run:
+	$(BIN)/tandem up --model $(MODEL)
+
+# Offline generation with the co-located engine, no services.
+generate:
 	$(BIN)/tandem generate --model $(MODEL) --chat --max-tokens 64 --prompt "$(PROMPT)"
 
 bench:
 	$(BIN)/python -m bench.engine --model $(MODEL) --out bench/results/engine.json
+
+bench-kvtransfer:
+	$(BIN)/python -m bench.kvtransfer --out bench/results/kvtransfer.json
 
 lint:
 	$(BIN)/ruff check .

@@ -1,0 +1,113 @@
+"""Router configuration: one frozen dataclass, built from the command line in one place."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.router.policy import policy_names
+from tandem.v1 import worker_pb2
+
+MODES = ("disagg", "colocated")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port
+    redis_url: str | None = None
+    registry_prefix: str = "tandem"
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    model: str = ""  # what ListModels reports for static workers; empty = accept any requested model
+    probe_s: float = 2.0  # health-probe period of static workers; 0 = never drop them
+    policy: str = "round_robin"
+    mode: str = "disagg"
+    metrics_port: int = -1  # 0 = pick a free port, -1 = no metrics endpoint
+    max_inflight: int = 1024
+    request_timeout_s: float = 600.0  # 0 = no router-side deadline
+    drain_timeout_s: float = 5.0
+    max_retries: int = 1  # extra attempts on another pair, only on UNAVAILABLE before the first token
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.policy not in policy_names():
+            raise ValueError(f"--policy must be one of {policy_names()}, got {self.policy!r}")
+        static = self.prefill or self.decode or self.colocated
+        if self.redis_url and static:
+            raise ValueError("give either --redis-url or --prefill/--decode/--colocated, not both")
+        if not self.redis_url and not static:
+            raise ValueError("no registry: give --redis-url, or worker addresses with --prefill/--decode/--colocated")
+        if static and self.mode == "disagg" and not (self.prefill and self.decode):
+            raise ValueError("--mode disagg needs at least one --prefill and one --decode address")
+        if static and self.mode == "colocated" and not self.colocated:
+            raise ValueError("--mode colocated needs at least one --colocated address")
+        if not 0 <= self.port < 65536 or not -1 <= self.metrics_port < 65536:
+            raise ValueError("ports must be in [0, 65535] (metrics: -1 = off)")
+        if self.max_inflight < 1:
+            raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
+        if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0:
+            raise ValueError("timeouts and retries must be >= 0")
+
+    @property
+    def roles(self) -> tuple[int, ...]:
+        """The worker roles a request is routed to in this mode."""
+        if self.mode == "colocated":
+            return (worker_pb2.WORKER_ROLE_COLOCATED,)
+        return (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE)
+
+    @property
+    def grpc_addr(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        config = cls(
+            host=args.host,
+            port=args.port,
+            redis_url=args.redis_url or None,
+            registry_prefix=args.registry_prefix,
+            prefill=_addr_list(args.prefill),
+            decode=_addr_list(args.decode),
+            colocated=_addr_list(args.colocated),
+            model=args.model,
+            probe_s=args.probe_interval,
+            policy=args.policy,
+            mode=args.mode,
+            metrics_port=args.metrics_port,
+            max_inflight=args.max_inflight,
+            request_timeout_s=args.request_timeout,
+            drain_timeout_s=args.drain_timeout,
+        )
+        config.validate()
+        return config
+
+
+def _addr_list(values: list[str] | None) -> tuple[str, ...]:
+    # Accepts both `--prefill a,b` and `--prefill a --prefill b`.
+    return tuple(a.strip() for v in values or () for a in v.split(",") if a.strip())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--redis-url", default=None, help="registry, e.g. redis://127.0.0.1:6379/0 or unix:///path/redis.sock")
+    p.add_argument("--registry-prefix", default=d.registry_prefix, help="key prefix of the Redis registry")
+    p.add_argument("--prefill", action="append", help="static prefill worker addresses host:port, comma separated")
+    p.add_argument("--decode", action="append", help="static decode worker addresses, comma separated")
+    p.add_argument("--colocated", action="append", help="static co-located worker addresses, comma separated")
+    p.add_argument("--model", default=d.model, help="model id of static workers (reported by ListModels)")
+    p.add_argument("--probe-interval", type=float, default=d.probe_s,
+                   help="seconds between gRPC health probes of static workers (0 = never drop them)")
+    p.add_argument("--policy", choices=policy_names(), default=d.policy)
+    p.add_argument("--mode", choices=MODES, default=d.mode, help="route to prefill+decode pairs or to co-located workers")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = pick free, -1 = off)")
+    p.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                   help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED at once")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="seconds to let in-flight requests finish on SIGTERM")

@@ -1,0 +1,309 @@
+"""The public `tandem.v1.Generation` service: pair, call, relay, retry.
+
+One request, disaggregated: pick (P, D) by policy, draw a random 63-bit bootstrap room, call
+`P.Prefill` and `D.Decode` concurrently and relay D's stream to the client. A failure of either call
+cancels the other; a client cancel cancels both. Before the first chunk reaches the client, an
+UNAVAILABLE worker (gone) is retried once on another pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+
+import grpc
+
+from engine.errors import ModelNotFound, TandemError
+from services.common.grpc_errors import PARAM_METADATA_KEY, abort, abort_with, status_for
+from services.common.registry import ROLE_NAMES, WorkerRegistry
+from services.router.channels import ChannelPool
+from services.router.config import RouterConfig
+from services.router.metrics import RouterMetrics
+from services.router.policy import make_policy
+from services.router.validation import validate_request
+from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# After D's stream ended, how long P may take to report the transfer it already completed.
+PREFILL_GRACE_S = 2.0
+# Statuses whose worker message is about the caller's request: relayed verbatim, not prefixed.
+_CALLER_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+class RouteError(Exception):
+    """A request failed; carries the status the client gets and the worker that caused it (if any)."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        worker_id: str = "",
+        trailing: Sequence[tuple[str, str]] = (),
+    ):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.worker_id = worker_id
+        self.trailing = tuple(trailing)
+
+    @classmethod
+    def from_rpc(cls, err: grpc.aio.AioRpcError, stage: str, worker: worker_pb2.WorkerInfo) -> RouteError:
+        code, details = err.code(), err.details() or err.code().name
+        message = details if code in _CALLER_CODES else f"{stage} worker {worker.worker_id} ({worker.grpc_addr}): {details}"
+        trailing = [(k, v) for k, v in err.trailing_metadata() or () if k == PARAM_METADATA_KEY]
+        return cls(code, message, worker.worker_id, trailing)
+
+
+class _Relay:
+    """Writes worker chunks to the client; remembers whether anything was sent (no retry after that)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, started: float, metrics: RouterMetrics):
+        self.context = context
+        self.started = started
+        self.metrics = metrics
+        self.sent = 0
+
+    async def send(self, msg: generation_pb2.GenerateResponse) -> None:
+        if self.sent == 0:
+            self.metrics.ttft.observe(time.monotonic() - self.started)
+        self.sent += 1
+        await self.context.write(msg)
+
+
+def _discard(task: asyncio.Future | None) -> None:
+    """Cancel a helper task and make sure its outcome is retrieved (no 'never retrieved' warnings)."""
+    if task is None:
+        return
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, channels: ChannelPool, metrics: RouterMetrics):
+        self.config = config
+        self.registry = registry
+        self.channels = channels
+        self.metrics = metrics
+        self._policies = {role: make_policy(config.policy) for role in config.roles}
+        self.inflight = 0
+        self._worker_inflight: Counter[str] = Counter()
+
+    # ---- public RPCs -------------------------------------------------------------------------
+
+    async def ListModels(self, request, context):
+        models: dict[str, generation_pb2.ModelInfo] = {}
+        for role in self.config.roles:
+            for w in self.registry.workers(role):
+                if not w.model:
+                    continue
+                m = models.setdefault(w.model, generation_pb2.ModelInfo(id=w.model, vocab_size=w.vocab_size))
+                if w.max_context_len and (not m.max_context_len or w.max_context_len < m.max_context_len):
+                    m.max_context_len = w.max_context_len  # the smallest: what every worker can take
+        return generation_pb2.ListModelsResponse(models=[models[k] for k in sorted(models)])
+
+    async def Generate(self, request, context):
+        if self.inflight >= self.config.max_inflight:
+            self.metrics.requests.labels("resource_exhausted").inc()
+            await abort(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router has {self.inflight} requests in flight (--max-inflight {self.config.max_inflight}); retry later",
+            )
+        started = time.monotonic()
+        rid = request.request_id or uuid.uuid4().hex
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        status = "unknown"
+        try:
+            validate_request(request)
+            sent = await self._route(request, rid, context, self._deadline(context, started), started)
+            status = "ok"
+            log.debug("[%s] done: %d chunks in %.3f s", rid, sent, time.monotonic() - started)
+        except TandemError as e:
+            status = status_for(e).name.lower()
+            log.info("[%s] rejected: %s", rid, e)
+            await abort_with(context, e)
+        except RouteError as e:
+            status = e.code.name.lower()
+            log.warning("[%s] failed (%s): %s", rid, e.code.name, e.message)
+            await abort(context, e.code, e.message, e.trailing)
+        except asyncio.CancelledError:
+            status = "cancelled"
+            log.info("[%s] cancelled by the client after %.3f s", rid, time.monotonic() - started)
+            raise
+        except Exception as e:
+            status = "internal"
+            log.exception("[%s] router error", rid)
+            await abort(context, grpc.StatusCode.INTERNAL, f"router error: {type(e).__name__}: {e}")
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(status).inc()
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def _deadline(self, context: grpc.aio.ServicerContext, started: float) -> float | None:
+        limits = [self.config.request_timeout_s] if self.config.request_timeout_s > 0 else []
+        remaining = context.time_remaining()
+        if remaining is not None:
+            limits.append(remaining)
+        return started + min(limits) if limits else None
+
+    def _candidates(self, role: int, model: str, exclude: set[str]) -> list[worker_pb2.WorkerInfo]:
+        workers = self.registry.workers(role)
+        name = ROLE_NAMES[role]
+        if not workers:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no {name} workers are registered")
+        if model:
+            workers = [w for w in workers if not w.model or w.model == model]
+            if not workers:
+                served = sorted({w.model for w in self.registry.workers(role)})
+                raise ModelNotFound(f"model {model!r} is not served; available: {', '.join(served)}")
+        return [w for w in workers if w.worker_id not in exclude]
+
+    def _pick(self, model: str, failed: set[str], avoid: set[str]) -> list[worker_pb2.WorkerInfo]:
+        """One worker per role of the mode, never a failed one, preferably not one in `avoid`."""
+        picked = []
+        for role in self.config.roles:
+            candidates = self._candidates(role, model, failed | avoid) or self._candidates(role, model, failed)
+            if not candidates:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no other {ROLE_NAMES[role]} worker to retry on")
+            picked.append(self._policies[role].pick(candidates, self._worker_inflight))
+        return picked
+
+    async def _route(self, request, rid: str, context, deadline: float | None, started: float) -> int:
+        relay = _Relay(context, started, self.metrics)
+        failed: set[str] = set()
+        workers = self._pick(request.model, failed, set())
+        attempt = 0
+        while True:
+            current = workers
+            for w in current:
+                self._worker_inflight[w.worker_id] += 1
+            try:
+                if self.config.mode == "colocated":
+                    await self._colocated(request, rid, current[0], relay, deadline)
+                else:
+                    await self._disagg(request, rid, current[0], current[1], relay, deadline)
+                return relay.sent
+            except RouteError as e:
+                retry = (
+                    e.code == grpc.StatusCode.UNAVAILABLE and e.worker_id and relay.sent == 0
+                    and attempt < self.config.max_retries and (deadline is None or time.monotonic() < deadline)
+                )
+                if not retry:
+                    raise
+                failed.add(e.worker_id)
+                try:  # never the worker that failed, preferably neither of the pair
+                    workers = self._pick(request.model, failed, {w.worker_id for w in current})
+                except RouteError:
+                    raise e from None  # nothing else to try: report the real failure
+                attempt += 1
+                self.metrics.retries.inc()
+                log.warning("[%s] %s; retrying on %s", rid, e.message, ", ".join(w.worker_id for w in workers))
+            finally:
+                for w in current:
+                    self._worker_inflight[w.worker_id] -= 1
+                    if not self._worker_inflight[w.worker_id]:
+                        del self._worker_inflight[w.worker_id]
+
+    @staticmethod
+    def _timeout(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    async def _disagg(self, request, rid, p: worker_pb2.WorkerInfo, d: worker_pb2.WorkerInfo, relay: _Relay, deadline):
+        room = secrets.randbits(63)
+        prompt = {"token_ids": request.token_ids} if request.HasField("token_ids") else {"text": request.text}
+        log.info("[%s] prefill=%s decode=%s room=%d", rid, p.worker_id, d.worker_id, room)
+        timeout = self._timeout(deadline)
+        prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
+            worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling, **prompt),
+            timeout=timeout,
+        )
+        decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=rid, bootstrap_room=room, sampling=request.sampling,
+                prefill_bootstrap_addr=p.bootstrap_addr, prefill_worker_id=p.worker_id, **prompt,
+            ),
+            timeout=timeout,
+        )
+        prefill_done = asyncio.ensure_future(self._await_prefill(prefill_call, p, room))
+        read: asyncio.Future | None = None
+        try:
+            while True:
+                try:
+                    if prefill_done.done():  # the common case once the KV arrived: a plain read
+                        msg = await decode_call.read()
+                    else:  # race the next chunk against P's answer, so a failed prefill fails fast
+                        read = asyncio.ensure_future(decode_call.read())
+                        await asyncio.wait((read, prefill_done), return_when=asyncio.FIRST_COMPLETED)
+                        if prefill_done.done() and (err := prefill_done.result()) is not None:
+                            raise err
+                        msg, read = await read, None
+                except grpc.aio.AioRpcError as e:
+                    raise RouteError.from_rpc(e, "decode", d) from None
+                if msg is grpc.aio.EOF:
+                    break
+                await relay.send(msg)
+            # D finished: the KV reached it, so P's answer is due any moment. The client already has
+            # every token; a late or failed answer is only worth a log line.
+            done, _ = await asyncio.wait((prefill_done,), timeout=PREFILL_GRACE_S)
+            err = prefill_done.result() if done else None
+            if not done:
+                log.warning("[%s] prefill %s did not answer after decode finished", rid, p.worker_id)
+            elif err is not None:
+                log.warning("[%s] decode finished but %s", rid, err.message)
+        finally:
+            # No-ops for calls that already finished; otherwise the worker sees the cancellation.
+            decode_call.cancel()
+            prefill_call.cancel()
+            _discard(read)
+            _discard(prefill_done)
+
+    @staticmethod
+    async def _await_prefill(call, p: worker_pb2.WorkerInfo, room: int) -> RouteError | None:
+        """The prefill call's outcome as an error to raise, or None when the room's KV was delivered."""
+        try:
+            resp = await call
+        except grpc.aio.AioRpcError as e:
+            return RouteError.from_rpc(e, "prefill", p)
+        if resp.state == worker_pb2.TRANSFER_STATE_SUCCESS:
+            return None
+        state = worker_pb2.TransferState.Name(resp.state)
+        # A failed room is a failed hand-off (peer gone, timeout, transfer error), not a bug in the
+        # request: UNAVAILABLE, which the client (or the router, before the first token) may retry.
+        return RouteError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"prefill worker {p.worker_id} ({p.grpc_addr}) failed room {room} ({state}): {resp.error or 'no reason given'}",
+            p.worker_id,
+        )
+
+    async def _colocated(self, request, rid, w: worker_pb2.WorkerInfo, relay: _Relay, deadline):
+        log.info("[%s] colocated=%s", rid, w.worker_id)
+        forwarded = generation_pb2.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.request_id = rid
+        call = generation_pb2_grpc.GenerationStub(self.channels.get(w.grpc_addr)).Generate(
+            forwarded, timeout=self._timeout(deadline)
+        )
+        try:
+            while True:
+                try:
+                    msg = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    raise RouteError.from_rpc(e, "colocated", w) from None
+                if msg is grpc.aio.EOF:
+                    return
+                await relay.send(msg)
+        finally:
+            call.cancel()

@@ -1,0 +1,18 @@
+"""`tandem router`: the public gRPC entry point that pairs prefill and decode workers."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from services.router.config import add_arguments as add_router_arguments
+
+    add_router_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here, not at module import: `tandem --help` stays instant.
+    from services.router.server import run as run_router
+
+    return run_router(args)
