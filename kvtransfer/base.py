@@ -155,7 +155,7 @@ class KVSender(ABC):
         """Safe to call twice."""
 
 
-# name -> factory. Backends register themselves on import (kvtransfer/backends/*):
+# name -> factory, filled by kvtransfer/registry.py (imported by `import kvtransfer`):
 #   RECEIVERS[name](layout: PoolLayout, host: str, worker_id: str) -> KVReceiver
 #   SENDERS[name](buffer: torch.Tensor, layout: PoolLayout, worker_id: str) -> KVSender
 RECEIVERS: dict[str, Callable[..., KVReceiver]] = {}

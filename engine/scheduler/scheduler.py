@@ -71,7 +71,7 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch is None and self.running:
             batch = self._schedule_decode()
-        return batch
+        return batch if batch is None or batch.seqs else None
 
     def _reserved_pages(self, reqs: Iterable[Request]) -> int:
         ps = self.cfg.page_size
@@ -122,8 +122,9 @@ class Scheduler:
         return min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
 
     def _retract(self, req: Request) -> None:
-        # `add` guarantees one request alone always fits, so a lone request is never retracted.
-        assert len(self.running) > 1, "retracting the only running request"
+        # Co-located, `add` guarantees that one request alone always fits, so a lone request is
+        # retracted only when pages are held outside this scheduler (a decode worker's requests
+        # still receiving their KV); it is recomputed once those pages move on.
         self.running.remove(req)
         self.kv.release(req)
         req.status = RequestStatus.WAITING
@@ -160,12 +161,13 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.FINISHED
 
-    def admission_room(self, req: Request) -> bool:
-        """Whether admitting `req` now keeps the running batch's reserved pages (decode worker's
-        prealloc queue uses the same rule as prefill admission)."""
+    def admission_room(self, req: Request, pending: Iterable[Request] = ()) -> bool:
+        """Whether admitting `req` now keeps the pages reserved for the running batch and for
+        `pending` requests (a decode worker's rooms still receiving KV), as prefill admission does."""
+        pending = list(pending)
         need = pages_for(len(req.all_ids), self.cfg.page_size)
-        reserve = self._reserved_pages([*self.running, *self.prefilling, req])
-        busy = self.running or self.prefilling
+        reserve = self._reserved_pages([*self.running, *self.prefilling, *pending, req])
+        busy = self.running or self.prefilling or pending
         return not busy or need + reserve <= self.kv.available_pages
 
     def add_running(self, req: Request) -> None:

@@ -26,7 +26,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         engine = self.worker.engine
-        rid = request.request_id
+        # One request id may arrive twice (the router retries on another pair before the first
+        # token, while this worker may still be tearing down the first attempt): key by attempt.
+        rid = f"{request.request_id}/{request.bootstrap_room:x}"
 
         def emit(item) -> None:  # engine thread
             self.loop.deliver(queue.put_nowait, item)
@@ -47,7 +49,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if isinstance(item, BaseException):
                     finished = True
                     await abort_with(context, item)
-                yield output_to_pb(item, engine.tokenizer.convert_ids_to_tokens)
+                resp = output_to_pb(item, engine.tokenizer.convert_ids_to_tokens)
+                resp.request_id = request.request_id
+                yield resp
                 if item.finished:
                     finished = True
                     return

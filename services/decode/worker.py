@@ -133,7 +133,8 @@ class DecodeWorker:
         while self.prealloc:
             room = self.prealloc[0]
             req = room.req
-            if not self.sched.admission_room(req) or not kv.admit(req, req.prompt_ids):
+            pending = (r.req for r in self.transfer.values())
+            if not self.sched.admission_room(req, pending) or not kv.admit(req, req.prompt_ids):
                 return
             self.prealloc.popleft()
             ps = kv.page_size

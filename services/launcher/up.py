@@ -38,8 +38,9 @@ def _printer(quiet: bool):
     def on_line(name: str, line: str) -> None:
         if quiet and not line.startswith("TANDEM_READY"):
             return
-        with lock:
-            print(f"[{name}] {line}", file=sys.stderr, flush=True)
+        with lock:  # one write per line: print() writes text and newline separately
+            sys.stderr.write(f"[{name}] {line}\n")
+            sys.stderr.flush()
     return on_line
 
 
@@ -82,7 +83,8 @@ def run_up(cfg: UpConfig) -> int:
         router_ready = router.wait_ready(60.0)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
                    "router_metrics_port": router_ready.get("metrics_port")}
-        print("TANDEM_UP " + json.dumps(summary), flush=True)
+        sys.stdout.write("TANDEM_UP " + json.dumps(summary) + "\n")
+        sys.stdout.flush()
         if not cfg.quiet:
             print(_banner(summary), file=sys.stderr, flush=True)
         while not stop.wait(0.5):

@@ -29,7 +29,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         def on_done(resp: worker_pb2.PrefillResponse) -> None:  # engine thread
             self.loop.deliver(lambda: done.done() or done.set_result(resp))
 
-        rid = request.request_id
+        rid = f"{request.request_id}/{request.bootstrap_room:x}"  # unique per attempt (see decode)
         try:
             params = sampling_from_pb(request.sampling)
             await self.loop.call(lambda: self.worker.add_prefill(
@@ -37,7 +37,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except TandemError as e:
             await abort_with(context, e)
         try:
-            return await done
+            resp = await done
+            resp.request_id = request.request_id
+            return resp
         except asyncio.CancelledError:
             # The router cancelled (client gone, or decode failed): stop and free the room.
             self.loop.post(lambda: self.worker.abort_request(rid, "cancelled by router"))

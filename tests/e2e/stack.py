@@ -36,8 +36,9 @@ class Stack:
         def pump() -> None:
             for line in self.proc.stdout:
                 self.log.append(line.rstrip())
-                if line.startswith("TANDEM_UP ") and self.info is None:
-                    self.info = json.loads(line[len("TANDEM_UP "):])
+                at = line.find("TANDEM_UP ")
+                if at >= 0 and self.info is None:
+                    self.info = json.loads(line[at + len("TANDEM_UP "):])
                     ready.set()
             ready.set()
 

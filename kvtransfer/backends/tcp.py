@@ -1,0 +1,75 @@
+"""tcp data path: page bytes travel on the control connection itself, so it works between any two hosts.
+
+A WRITE frame's payload is the source pages of every (layer, K|V) region, region-major and run-minor,
+sent with one gather `sendmsg` per IOV_MAX pages straight from P's pool and received with one scatter
+`recvmsg` per IOV_MAX pages straight into D's pool: no staging buffer, no copy besides the kernel's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvtransfer.base import PoolLayout
+from kvtransfer.iovec import IOV_MAX, page_iov, recv_iov, send_iov
+from kvtransfer.wire import HEADER, Channel, Kind
+
+
+def _regions(layout: PoolLayout) -> np.ndarray:
+    return np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
+
+
+class SocketPath:
+    """P side: sends a room's page runs over the channel (called from the peer's sender thread)."""
+
+    kind = "tcp"
+
+    def __init__(self, channel: Channel, src: torch.Tensor, layout: PoolLayout, native: bool = True):
+        self._ch = channel
+        self._src = src
+        self._layout = layout
+        self._regions = _regions(layout)
+        self._native = native
+
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
+        """Send runs `[n, 3]` (src_start, dst_start, length); returns payload bytes.
+
+        A started frame is always sent whole (the receiver drains what it no longer wants), so `stop`
+        is not consulted: the in-flight write of an aborted room takes at most one frame's time.
+        """
+        pb = self._layout.page_bytes
+        iov = page_iov(self._src.data_ptr(), self._regions, runs[:, 0], runs[:, 2], pb)
+        body = np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
+        payload = int(runs[:, 2].sum()) * len(self._regions) * pb
+        with self._ch.send_lock:
+            if self._ch.closed:
+                raise ConnectionError("channel closed")
+            self._ch.sock.sendall(HEADER.pack(Kind.WRITE, len(body), room, payload) + body)
+            send_iov(self._ch.sock, iov, self._native)
+        return payload
+
+    def close(self) -> None:
+        pass
+
+
+def recv_pages(channel: Channel, buffer: torch.Tensor, layout: PoolLayout, runs: np.ndarray,
+               stop: Callable[[], bool], native: bool = True) -> int:
+    """D side: receive a WRITE payload for runs `[n, 2]` (dst_start, length) straight into `buffer`.
+
+    `stop` is checked before every IOV_MAX pages; once it is true the rest of the payload is drained
+    and discarded. Returns the bytes that landed in the pool.
+    """
+    assert runs.size == 0 or int((runs[:, 0] + runs[:, 1]).max()) <= layout.num_pages
+    iov = page_iov(buffer.data_ptr(), _regions(layout), runs[:, 0], runs[:, 1], layout.page_bytes)
+    total = int(iov[:, 1].sum())
+    landed = 0
+    for i in range(0, len(iov), IOV_MAX):
+        if stop():
+            channel.drain(total - landed)
+            break
+        chunk = iov[i:i + IOV_MAX]
+        recv_iov(channel.sock, chunk, native)
+        landed += int(chunk[:, 1].sum())
+    return landed

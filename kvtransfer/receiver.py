@@ -1,0 +1,420 @@
+"""D side of the socket-based backends (tcp, shm, auto): owns D's pool and the room table.
+
+Threads: one accept thread, plus one reader thread per sender connection that handles every frame
+of that connection in order (WRITE payloads are received straight into the pool). Public methods
+only take the room-table lock and send small frames.
+
+Failure: when a connection ends (EOF, reset, keepalive timeout) every unfinished room bound to it —
+or, if it was that sender's current connection, not yet bound to any — becomes FAILED.
+
+Abort: `abort(room)` fails the room, then (tcp) waits until the reader is not receiving into the
+room's pages (later writes of the room are drained and discarded) or (shm, where P writes the pages
+itself) sends ABORT and waits for P's ABORT_ACK, which P sends once its sender thread is past any copy
+for that room. If the sender has not connected yet, the room is remembered and listed in the hello
+acknowledgement, so P learns before it can write. If an abort is not settled within
+`Timeouts.abort`, the connection is dropped (failing that sender's other rooms too).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtransfer.backends.shm import Segment
+from kvtransfer.backends.tcp import recv_pages
+from kvtransfer.base import KVReceiver, PoolLayout, RoomState, RoomStatus, TransferError
+from kvtransfer.wire import (
+    HEADER,
+    VERSION,
+    WROTE_BODY,
+    Channel,
+    Kind,
+    ProtocolError,
+    ReceiverMetadata,
+    Timeouts,
+    configure,
+    dumps,
+    loads,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_TOMBSTONES = 65536
+
+
+class _Conn:
+    def __init__(self, channel: Channel, addr: object):
+        self.ch = channel
+        self.addr = addr
+        self.peer_id: str | None = None
+        self.path = ""                       # data path the sender announced: "tcp" | "shm"
+        self.alive = True
+        self.busy_room: int | None = None    # room whose WRITE payload is being received into the pool
+        self.awaiting: set[int] = set()      # shm rooms an abort() waits to see acknowledged
+        self.acked: set[int] = set()
+        self.thread: threading.Thread | None = None
+
+
+@dataclass(eq=False)
+class _Room:
+    peer_id: str
+    pages: np.ndarray                        # sorted destination pages
+    state: RoomState = RoomState.WAITING_FOR_INPUT
+    aux: bytes | None = None
+    error: str = ""
+    bytes: int = 0
+    t_first: float | None = None
+    t_done: float | None = None
+    conn: _Conn | None = None                # the connection that first wrote to it
+
+
+class Receiver(KVReceiver):
+    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "tcp",
+                 backends: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True):
+        self.name = name
+        self.layout = layout
+        self.worker_id = worker_id
+        self._backends = tuple(backends)
+        self._timeouts = timeouts
+        self._native = native_iov
+        self._segment = Segment.create(layout, worker_id) if "shm" in self._backends else None
+        self._buffer = (self._segment.tensor(layout) if self._segment is not None
+                        else torch.zeros(layout.shape, dtype=layout.torch_dtype))
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._rooms: dict[int, _Room] = {}
+        self._conns: set[_Conn] = set()
+        self._peer_conn: dict[str, _Conn] = {}
+        self._tombstones: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._closed = False
+        try:
+            self._listener = socket.create_server((host, 0))
+        except OSError as e:
+            if self._segment is not None:
+                self._segment.unlink()
+            raise TransferError(f"cannot listen on {host!r}: {e}") from e
+        port = self._listener.getsockname()[1]
+        advertised = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
+        self._meta = ReceiverMetadata(
+            worker_id=worker_id, layout=layout, host=advertised, port=port, backends=self._backends,
+            shm=self._segment.info() if self._segment is not None else None)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{worker_id}", daemon=True)
+        self._accept_thread.start()
+
+    # ---- KVReceiver -------------------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def metadata(self) -> bytes:
+        return self._meta.to_bytes()
+
+    def expect(self, room: int, dst_pages: list[int], peer_id: str) -> None:
+        pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+        if pages.size and (pages.min() < 0 or pages.max() >= self.layout.num_pages):
+            raise ValueError(f"room {room}: destination pages outside [0, {self.layout.num_pages})")
+        pages = np.unique(pages)
+        if pages.size != len(dst_pages):
+            raise ValueError(f"room {room}: duplicate destination pages")
+        with self._lock:
+            if self._closed:
+                raise TransferError("receiver is closed")
+            if room in self._rooms:
+                raise ValueError(f"room {room} is already expected")
+            self._rooms[room] = _Room(peer_id=peer_id, pages=pages)
+
+    def poll(self, room: int) -> RoomStatus:
+        with self._lock:
+            return self._status(room)
+
+    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
+        """Block until the room is SUCCESS or FAILED (or `timeout` passes); returns its status.
+        An extra of this implementation, not part of KVReceiver."""
+        with self._lock:
+            self._cond.wait_for(lambda: self._status(room).state.done, timeout)
+            return self._status(room)
+
+    def _status(self, room: int) -> RoomStatus:
+        r = self._rooms.get(room)
+        if r is None:
+            raise KeyError(f"unknown room {room}")
+        end = r.t_done if r.state.done else time.monotonic()
+        seconds = max(0.0, end - r.t_first) if r.t_first is not None and end is not None else 0.0
+        return RoomStatus(state=r.state, aux=r.aux, error=r.error, bytes_moved=r.bytes, seconds=seconds)
+
+    def abort(self, room: int) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.state.done:
+                return
+            self._fail(r, "aborted by receiver")
+            conn = r.conn or self._peer_conn.get(r.peer_id)
+            if conn is None or not conn.alive:
+                self._tombstone(r.peer_id, room)
+                return
+            wait_ack = conn.path == "shm"
+            if wait_ack:
+                conn.awaiting.add(room)
+        conn.ch.try_send(Kind.ABORT, room, b"aborted by receiver")
+        deadline = time.monotonic() + self._timeouts.abort
+        with self._lock:
+            def pending() -> bool:
+                return conn.busy_room == room or (wait_ack and room not in conn.acked)
+
+            while conn.alive and pending() and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            stuck = conn.alive and pending()
+            conn.awaiting.discard(room)
+            conn.acked.discard(room)
+        if stuck:
+            log.warning("abort of room %d not acknowledged by %s within %.1fs: dropping the connection",
+                        room, conn.peer_id, self._timeouts.abort)
+            conn.ch.shutdown()
+            if conn.thread is not None and conn.thread is not threading.current_thread():
+                conn.thread.join(self._timeouts.abort)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return
+            done = r.state.done
+        if not done:
+            self.abort(room)
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for r in self._rooms.values():
+                self._fail(r, "receiver closed")
+            conns = list(self._conns)
+            self._cond.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for c in conns:
+            c.ch.shutdown()
+        self._accept_thread.join(self._timeouts.connect)
+        for c in conns:
+            if c.thread is not None:
+                c.thread.join(self._timeouts.connect)
+        self._listener.close()
+        if self._segment is not None:
+            self._segment.unlink()
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def _fail(self, r: _Room, why: str) -> None:
+        """Caller holds the lock."""
+        if not r.state.done:
+            r.state = RoomState.FAILED
+            r.error = why
+            r.t_done = time.monotonic()
+        self._cond.notify_all()
+
+    def _tombstone(self, peer_id: str, room: int) -> None:
+        self._tombstones[(peer_id, room)] = None
+        while len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return                           # listener shut down by close()
+            conn = _Conn(Channel(sock), addr)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._conns.add(conn)
+            conn.thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                           name=f"kv-rx-{self.worker_id}-{addr}")
+            conn.thread.start()
+
+    def _serve(self, conn: _Conn) -> None:
+        reason = "connection closed"
+        try:
+            configure(conn.ch.sock, self._timeouts)
+            self._handshake(conn)
+            while True:
+                kind, body_len, room, payload_len = conn.ch.recv_header()
+                body = conn.ch.recv_exact(body_len) if body_len else b""
+                if kind == Kind.WRITE:
+                    self._on_write(conn, room, body, payload_len)
+                elif kind == Kind.WROTE:
+                    self._on_wrote(conn, room, body, payload_len)
+                elif kind == Kind.FINISH:
+                    self._on_finish(conn, room, body)
+                elif kind == Kind.ABORT:
+                    self._on_peer_abort(conn, room, body)
+                elif kind == Kind.ABORT_ACK:
+                    with self._lock:
+                        if room in conn.awaiting:
+                            conn.acked.add(room)
+                            self._cond.notify_all()
+                else:
+                    raise ProtocolError(f"unexpected {kind.name} frame")
+        except (OSError, TransferError) as e:
+            reason = str(e) or type(e).__name__
+        except Exception as e:                   # a bug: still fail the rooms, never hang them
+            log.exception("kv receiver connection from %s crashed", conn.peer_id)
+            reason = f"receiver error: {e!r}"
+        finally:
+            self._conn_lost(conn, reason)
+            conn.ch.close()
+
+    def _handshake(self, conn: _Conn) -> None:
+        conn.ch.sock.settimeout(self._timeouts.connect)
+        kind, _, body, _ = conn.ch.recv_frame()
+        if kind != Kind.HELLO:
+            raise ProtocolError(f"expected HELLO, got {kind.name}")
+        hello = loads(body)
+        error, peer_id, path = "", "", ""
+        try:
+            peer_id, path = str(hello["worker_id"]), str(hello["path"])
+            layout = PoolLayout(**hello["layout"])
+            if hello.get("version") != VERSION:
+                error = f"protocol version {hello.get('version')!r}, receiver speaks {VERSION}"
+            elif not layout.compatible(self.layout):
+                error = f"incompatible pool layouts: receiver {self.layout}, sender {layout}"
+            elif path not in self._backends:
+                error = f"receiver {self.worker_id} accepts {list(self._backends)}, not {path!r}"
+        except (KeyError, TypeError, ValueError) as e:
+            error = f"bad hello: {e!r}"
+        aborted: list[int] = []
+        # Registration and the ack are one step on this connection's send lock: an abort() that finds
+        # the connection sends its ABORT only after the ack; one that ran before left a tombstone.
+        with conn.ch.send_lock:
+            with self._lock:
+                if not error and self._closed:
+                    error = "receiver closed"
+                if not error:
+                    conn.peer_id, conn.path = peer_id, path
+                    self._peer_conn[peer_id] = conn
+                    aborted = [room for (p, room) in self._tombstones if p == peer_id]
+                    for room in aborted:
+                        del self._tombstones[(peer_id, room)]
+            ack = dumps({"ok": not error, "error": error, "aborted": aborted})
+            conn.ch.sock.sendall(HEADER.pack(Kind.HELLO_ACK, len(ack), 0, 0) + ack)
+        if error:
+            raise TransferError(f"rejected sender {peer_id or conn.addr}: {error}")
+        conn.ch.sock.settimeout(None)
+
+    def _check_write(self, conn: _Conn, r: _Room | None, runs: np.ndarray, payload_len: int) -> str:
+        """Why a WRITE must be discarded ("" if it may land). Caller holds the lock."""
+        if r is None:
+            return "unknown room (aborted or released)"
+        if r.state.done:
+            return f"room already {r.state.value}"
+        if r.peer_id != conn.peer_id:
+            return f"room expects sender {r.peer_id!r}, not {conn.peer_id!r}"
+        starts, lengths = runs[:, 0], runs[:, 1]
+        if (lengths <= 0).any():
+            return "empty run"
+        total = int(lengths.sum())
+        if payload_len != total * self.layout.num_layers * 2 * self.layout.page_bytes:
+            return f"payload of {payload_len} bytes for {total} pages"
+        pages = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(total)
+        if not np.isin(pages, r.pages, assume_unique=False).all():
+            return "write outside the room's destination pages"
+        return ""
+
+    def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
+        if len(body) % 16:
+            raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
+        runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
+        with self._lock:
+            r = self._rooms.get(room)
+            why = self._check_write(conn, r, runs, payload_len)
+            if why:
+                if r is not None and not r.state.done:
+                    self._fail(r, f"bad write: {why}")
+            else:
+                conn.busy_room = room
+                r.conn = conn
+                r.state = RoomState.TRANSFERRING
+                if r.t_first is None:
+                    r.t_first = time.monotonic()
+        if why:
+            conn.ch.drain(payload_len)
+            conn.ch.try_send(Kind.ABORT, room, why.encode())
+            return
+        landed = 0
+        try:
+            landed = recv_pages(conn.ch, self._buffer, self.layout, runs, lambda: r.state.done, self._native)
+        finally:
+            with self._lock:
+                conn.busy_room = None
+                r.bytes += landed
+                self._cond.notify_all()
+
+    def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
+        if len(body) != WROTE_BODY.size:
+            raise ProtocolError("bad WROTE body")
+        now = time.monotonic()
+        started = WROTE_BODY.unpack(body)[0]             # the copy's start, on this host's clock
+        if not 0.0 <= now - started < 600.0:              # another clock after all (time namespace)
+            started = now
+        with self._lock:
+            r = self._rooms.get(room)
+            ok = r is not None and not r.state.done and r.peer_id == conn.peer_id
+            if ok:
+                r.conn = conn
+                r.state = RoomState.TRANSFERRING
+                r.bytes += payload_len
+                r.t_first = started if r.t_first is None else min(r.t_first, started)
+        if not ok:
+            if r is None:
+                log.warning("sender %s copied pages for room %d, which this receiver does not expect",
+                            conn.peer_id, room)
+            conn.ch.try_send(Kind.ABORT, room, b"room not expected by the receiver")
+
+    def _on_finish(self, conn: _Conn, room: int, aux: bytes) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            ok = r is not None and not r.state.done and r.peer_id == conn.peer_id
+            if ok:
+                now = time.monotonic()
+                r.state, r.aux, r.t_done, r.conn = RoomState.SUCCESS, aux, now, conn
+                if r.t_first is None:
+                    r.t_first = now
+                self._cond.notify_all()
+            why = "" if ok else ("unknown room" if r is None else f"room is {r.state.value}: {r.error}")
+        if ok:
+            conn.ch.try_send(Kind.DONE, room)
+        else:
+            conn.ch.try_send(Kind.ABORT, room, why.encode())
+
+    def _on_peer_abort(self, conn: _Conn, room: int, reason: bytes) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.peer_id == conn.peer_id:
+                self._fail(r, f"aborted by sender: {reason.decode(errors='replace')}")
+
+    def _conn_lost(self, conn: _Conn, reason: str) -> None:
+        with self._lock:
+            conn.alive = False
+            self._conns.discard(conn)
+            current = conn.peer_id is not None and self._peer_conn.get(conn.peer_id) is conn
+            if current:
+                del self._peer_conn[conn.peer_id]
+            if conn.peer_id is not None:
+                for r in self._rooms.values():
+                    if r.peer_id == conn.peer_id and (r.conn is conn or (r.conn is None and current)):
+                        self._fail(r, f"connection from {conn.peer_id} lost: {reason}")
+            self._cond.notify_all()

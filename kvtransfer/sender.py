@@ -1,0 +1,417 @@
+"""P side of the socket-based backends (tcp, shm, auto): one persistent connection per peer.
+
+Per peer, two threads: a sender thread that runs the peer's FIFO of jobs (WRITE through the peer's
+data path — bytes on the socket for tcp, copies into D's mapped pool for shm — then FINISH, ABORT,
+ABORT_ACK frames), and a reader thread for D's replies (DONE -> SUCCESS, ABORT -> FAILED) that also
+notices a dead connection at once (EOF/reset; keepalive for a silent host).
+
+Failure: when the connection fails every unfinished room of that peer becomes FAILED and its queue is
+dropped; `connect()` again makes a fresh connection.
+
+Abort: `abort(room)` fails the room, puts an ABORT frame at the head of the queue (so D fails the
+room too), and waits until the sender thread is not working on the room (queued jobs of a failed room
+are skipped; an shm copy stops at the next run; a tcp frame already started is sent whole). After it
+returns P never reads the room's source pages again, so they may be reused; bytes already handed to the
+socket reach D before the ABORT frame, and D's own state decides what lands (see receiver.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtransfer.backends.shm import Segment, ShmPath
+from kvtransfer.backends.tcp import SocketPath
+from kvtransfer.base import KVSender, PoolLayout, RoomState, RoomStatus, TransferError
+from kvtransfer.runs import merge_runs
+from kvtransfer.wire import (
+    HEADER,
+    MAX_BODY,
+    VERSION,
+    Channel,
+    Kind,
+    ProtocolError,
+    ReceiverMetadata,
+    Timeouts,
+    configure,
+    dumps,
+    loads,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    kind: Kind
+    room: int
+    runs: np.ndarray | None = None           # WRITE: [n, 3] (src_start, dst_start, length)
+    body: bytes = b""
+
+
+class _Peer:
+    def __init__(self, peer_id: str, meta_bytes: bytes, meta: ReceiverMetadata, channel: Channel,
+                 path: SocketPath | ShmPath, lock: threading.Lock):
+        self.id = peer_id
+        self.meta_bytes = meta_bytes
+        self.meta = meta
+        self.ch = channel
+        self.path = path
+        self.cond = threading.Condition(lock)
+        self.queue: collections.deque[_Job] = collections.deque()
+        self.busy_room: int | None = None
+        self.alive = True
+        self.error = ""
+        self.reader: threading.Thread | None = None
+        self.writer: threading.Thread | None = None
+
+
+@dataclass(eq=False)
+class _Room:
+    peer_id: str | None                      # None: aborted before any write named a peer
+    state: RoomState = RoomState.TRANSFERRING
+    error: str = ""
+    bytes: int = 0
+    t_first: float | None = None
+    t_done: float | None = None
+    finished: bool = False                   # finish() was called
+
+
+class Sender(KVSender):
+    def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "tcp",
+                 paths: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True):
+        if tuple(buffer.shape) != layout.shape or buffer.dtype != layout.torch_dtype:
+            raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} does not match {layout}")
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("the socket-based backends need a contiguous CPU pool")
+        self.name = name
+        self.layout = layout
+        self.worker_id = worker_id
+        self._buffer = buffer
+        self._paths = tuple(paths)
+        self._timeouts = timeouts
+        self._native = native_iov
+        self._lock = threading.Lock()
+        self._room_done = threading.Condition(self._lock)
+        self._connect_lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._rooms: dict[int, _Room] = {}
+        self._closed = False
+
+    # ---- KVSender -------------------------------------------------------------------------------------
+
+    def connect(self, peer_id: str, metadata: bytes) -> None:
+        """Idempotent for the same metadata; new metadata for a known peer replaces its connection
+        (failing the old connection's unfinished rooms)."""
+        meta = ReceiverMetadata.from_bytes(metadata)
+        if meta.worker_id != peer_id:
+            raise TransferError(f"metadata is for worker {meta.worker_id!r}, not {peer_id!r}")
+        if not self.layout.compatible(meta.layout):
+            raise TransferError(f"incompatible pool layouts: sender {self.layout}, receiver {meta.layout}")
+        with self._connect_lock:
+            with self._lock:
+                if self._closed:
+                    raise TransferError("sender is closed")
+                old = self._peers.get(peer_id)
+                if old is not None and old.alive and old.meta_bytes == metadata:
+                    return
+            if old is not None:
+                self._peer_lost(old, "replaced by a new connection")
+            peer, aborted = self._open(peer_id, metadata, meta)
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._peers[peer_id] = peer
+                    for room in aborted:
+                        self._fail(self._rooms.setdefault(room, _Room(peer_id)), "aborted by receiver")
+            if closed:
+                peer.ch.close()
+                raise TransferError("sender is closed")
+            peer.writer = threading.Thread(target=self._write_loop, args=(peer,), daemon=True,
+                                           name=f"kv-tx-{self.worker_id}->{peer_id}")
+            peer.reader = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
+                                           name=f"kv-txr-{self.worker_id}<-{peer_id}")
+            peer.writer.start()
+            peer.reader.start()
+
+    def has_peer(self, peer_id: str) -> bool:
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            return peer is not None and peer.alive
+
+    def path_kind(self, peer_id: str) -> str:
+        """The data path chosen for a connected peer: "tcp" | "shm"."""
+        with self._lock:
+            return self._peers[peer_id].path.kind
+
+    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+        peer = self._peer(peer_id)
+        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+        if src.size and (src.min() < 0 or src.max() >= self.layout.num_pages):
+            raise ValueError(f"room {room}: source pages outside [0, {self.layout.num_pages})")
+        if dst.size and (dst.min() < 0 or dst.max() >= peer.meta.layout.num_pages):
+            raise ValueError(f"room {room}: destination pages outside [0, {peer.meta.layout.num_pages})")
+        runs = np.asarray(merge_runs(src.tolist(), dst.tolist()), dtype=np.int64).reshape(-1, 3)
+        self._enqueue(peer_id, room, _Job(Kind.WRITE, room, runs=runs) if len(runs) else None)
+
+    def finish(self, peer_id: str, room: int, aux: bytes) -> None:
+        if len(aux) > MAX_BODY:
+            raise ValueError(f"aux record of {len(aux)} bytes")
+        self._enqueue(peer_id, room, _Job(Kind.FINISH, room, body=bytes(aux)), finish=True)
+
+    def status(self, room: int) -> RoomStatus:
+        with self._lock:
+            return self._status(room)
+
+    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
+        """Block until the room is SUCCESS or FAILED (or `timeout` passes); returns its status.
+        An extra of this implementation, not part of KVSender."""
+        with self._lock:
+            self._room_done.wait_for(lambda: self._status(room).state.done, timeout)
+            return self._status(room)
+
+    def _status(self, room: int) -> RoomStatus:
+        r = self._rooms.get(room)
+        if r is None:
+            raise KeyError(f"unknown room {room}")
+        end = r.t_done if r.state.done else time.monotonic()
+        seconds = max(0.0, end - r.t_first) if r.t_first is not None and end is not None else 0.0
+        return RoomStatus(state=r.state, error=r.error, bytes_moved=r.bytes, seconds=seconds)
+
+    def abort(self, room: int) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                self._rooms[room] = _Room(None, RoomState.FAILED, "aborted by sender")
+                return
+            if r.state.done:
+                return
+            self._fail(r, "aborted by sender")
+            peer = self._peers.get(r.peer_id) if r.peer_id is not None else None
+            if peer is None or not peer.alive:
+                return
+            peer.queue.appendleft(_Job(Kind.ABORT, room, body=b"aborted by sender"))
+            peer.cond.notify_all()
+            if self._wait_idle(peer, room, self._timeouts.abort):
+                return
+        log.warning("abort of room %d: write to %s still in flight after %.1fs, dropping the connection",
+                    room, peer.id, self._timeouts.abort)
+        self._peer_lost(peer, f"abort of room {room} timed out")
+        with self._lock:
+            self._wait_idle(peer, room, self._timeouts.abort)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return
+            done = r.state.done
+        if not done:
+            self.abort(room)
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for r in self._rooms.values():
+                self._fail(r, "sender closed")
+            peers = list(self._peers.values())
+        for peer in peers:
+            self._peer_lost(peer, "sender closed")
+        for peer in peers:
+            if peer.reader is not None:
+                peer.reader.join(self._timeouts.connect)
+
+    # ---- helpers --------------------------------------------------------------------------------------
+
+    def _peer(self, peer_id: str) -> _Peer:
+        with self._lock:
+            if self._closed:
+                raise TransferError("sender is closed")
+            peer = self._peers.get(peer_id)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_id!r}: connect() it first")
+        return peer
+
+    def _enqueue(self, peer_id: str, room: int, job: _Job | None, finish: bool = False) -> None:
+        self._peer(peer_id)
+        with self._lock:
+            peer = self._peers[peer_id]
+            r = self._rooms.get(room)
+            if r is None:
+                r = self._rooms[room] = _Room(peer_id)
+            elif r.peer_id is None:
+                r.peer_id = peer_id
+            elif r.peer_id != peer_id:
+                raise ValueError(f"room {room} goes to {r.peer_id!r}, not {peer_id!r}")
+            if r.finished:
+                raise ValueError(f"room {room} is already finished")
+            r.finished = finish
+            if r.state.done:
+                return                                  # failed or aborted: drop quietly, status tells
+            if not peer.alive:
+                self._fail(r, f"peer {peer_id} lost: {peer.error}")
+                return
+            if r.t_first is None:
+                r.t_first = time.monotonic()
+            if job is not None:
+                peer.queue.append(job)
+                peer.cond.notify_all()
+
+    def _fail(self, r: _Room, why: str) -> None:
+        """Caller holds the lock."""
+        if not r.state.done:
+            r.state = RoomState.FAILED
+            r.error = why
+            r.t_done = time.monotonic()
+            self._room_done.notify_all()
+
+    def _wait_idle(self, peer: _Peer, room: int, timeout: float) -> bool:
+        """Caller holds the lock. True once the sender thread is not working on `room`."""
+        deadline = time.monotonic() + timeout
+        while peer.busy_room == room:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            peer.cond.wait(left)
+        return True
+
+    def _open(self, peer_id: str, metadata: bytes, meta: ReceiverMetadata) -> tuple[_Peer, list[int]]:
+        """Pick the data path, connect, and say hello; raises TransferError."""
+        reasons, chosen, segment = [], "", None
+        for kind in self._paths:
+            if kind not in meta.backends:
+                reasons.append(f"{kind}: not offered by the receiver")
+            elif kind == "shm":
+                try:
+                    if meta.shm is None:
+                        raise TransferError("no segment in the metadata")
+                    segment = Segment.open(meta.shm, meta.layout)
+                    chosen = kind
+                    break
+                except TransferError as e:
+                    reasons.append(f"shm: {e}")
+            else:
+                chosen = kind
+                break
+        if not chosen:
+            raise TransferError(f"no usable transfer path to {peer_id}: {'; '.join(reasons)}")
+        try:
+            sock = socket.create_connection((meta.host, meta.port), timeout=self._timeouts.connect)
+        except OSError as e:
+            raise TransferError(f"cannot connect to {peer_id} at {meta.host}:{meta.port}: {e}") from e
+        ch = Channel(sock)
+        try:
+            configure(sock, self._timeouts)
+            sock.settimeout(self._timeouts.connect)
+            hello = dumps({"version": VERSION, "worker_id": self.worker_id, "path": chosen,
+                           "layout": dataclasses.asdict(self.layout)})
+            sock.sendall(HEADER.pack(Kind.HELLO, len(hello), 0, 0) + hello)
+            kind, _, body, _ = ch.recv_frame()
+            if kind != Kind.HELLO_ACK:
+                raise ProtocolError(f"expected HELLO_ACK, got {kind.name}")
+            ack = loads(body)
+            if not ack.get("ok"):
+                raise TransferError(f"{peer_id} rejected the connection: {ack.get('error')}")
+            sock.settimeout(None)
+        except (OSError, TransferError) as e:
+            ch.close()
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"handshake with {peer_id} failed: {e}") from e
+        if chosen == "shm":
+            path = ShmPath(ch, self._buffer, segment, meta.layout)
+        else:
+            path = SocketPath(ch, self._buffer, self.layout, self._native)
+        return _Peer(peer_id, metadata, meta, ch, path, self._lock), [int(x) for x in ack.get("aborted", [])]
+
+    def _write_loop(self, peer: _Peer) -> None:
+        while True:
+            with self._lock:
+                while peer.alive and not peer.queue:
+                    peer.cond.wait()
+                if not peer.alive:
+                    return
+                job = peer.queue.popleft()
+                r = self._rooms.get(job.room)
+                if job.kind in (Kind.WRITE, Kind.FINISH):
+                    if r is None or r.state.done or r.peer_id != peer.id:
+                        continue                        # the room failed or was aborted: skip
+                    peer.busy_room = job.room
+            nbytes = 0
+            try:
+                if job.kind == Kind.WRITE:
+                    nbytes = peer.path.write(job.room, job.runs, lambda r=r: r.state.done)
+                else:
+                    peer.ch.send(job.kind, job.room, job.body)
+            except Exception as e:
+                if not isinstance(e, OSError | TransferError):
+                    log.exception("kv sender to %s crashed", peer.id)
+                self._peer_lost(peer, f"send failed: {e!r}")
+            with self._lock:
+                peer.busy_room = None
+                if r is not None:
+                    r.bytes += nbytes
+                peer.cond.notify_all()
+                if not peer.alive:
+                    return
+
+    def _read_loop(self, peer: _Peer) -> None:
+        reason = "connection closed by the receiver"
+        try:
+            while True:
+                kind, room, body, _ = peer.ch.recv_frame()
+                with self._lock:
+                    r = self._rooms.get(room)
+                    mine = r is not None and r.peer_id == peer.id
+                    if kind == Kind.DONE:
+                        if mine and not r.state.done:
+                            r.state, r.t_done = RoomState.SUCCESS, time.monotonic()
+                            self._room_done.notify_all()
+                    elif kind == Kind.ABORT:
+                        if mine:
+                            self._fail(r, f"aborted by receiver: {body.decode(errors='replace')}")
+                        # Acknowledge once the sender thread is past any work on the room (FIFO).
+                        peer.queue.appendleft(_Job(Kind.ABORT_ACK, room))
+                        peer.cond.notify_all()
+                    else:
+                        raise ProtocolError(f"unexpected {kind.name} frame from the receiver")
+        except (OSError, TransferError) as e:
+            reason = str(e) or type(e).__name__
+        except Exception as e:
+            log.exception("kv sender reader for %s crashed", peer.id)
+            reason = f"sender error: {e!r}"
+        finally:
+            self._peer_lost(peer, reason)
+            if peer.writer is not None:
+                peer.writer.join()
+            peer.ch.close()
+            peer.path.close()
+
+    def _peer_lost(self, peer: _Peer, reason: str) -> None:
+        with self._lock:
+            if not peer.alive:
+                return
+            peer.alive = False
+            peer.error = reason
+            peer.queue.clear()
+            if self._peers.get(peer.id) is peer:
+                for r in self._rooms.values():
+                    if r.peer_id == peer.id:
+                        self._fail(r, f"peer {peer.id} lost: {reason}")
+            peer.cond.notify_all()
+        peer.ch.shutdown()

@@ -1,0 +1,210 @@
+"""The control channel shared by every socket-based backend: frames, receiver metadata, hello.
+
+One TCP connection per (sender, receiver) pair carries everything in FIFO order. A frame is a
+24-byte little-endian header `<B3xIQQ` = (kind, body_len, room, payload_len), then `body_len` bytes
+of body, then (WRITE only) `payload_len` bytes of page data:
+
+| kind      | dir  | body                                   | payload                          |
+|-----------|------|----------------------------------------|----------------------------------|
+| HELLO     | P->D | JSON {version, worker_id, layout, path}| -                                |
+| HELLO_ACK | D->P | JSON {ok, error, aborted: [room...]}   | -                                |
+| WRITE     | P->D | int64 [n_runs, 2] (dst_start, length)  | pages, (layer, K|V)-major, run-minor |
+| WROTE     | P->D | `<d` monotonic time the copy began (shm: P already copied payload_len bytes into D's segment) | - |
+| FINISH    | P->D | the room's aux record                  | -                                |
+| DONE      | D->P | - (D marked the room SUCCESS)          | -                                |
+| ABORT     | both | utf-8 reason                           | -                                |
+| ABORT_ACK | P->D | - (P will not touch the room's pages again)                            | - |
+
+Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON:
+`{"version": 1, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
+  "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype},
+  "shm": null | {"path": str, "size": int, "offset": int, "nonce": hex str, "hostname": str}}`.
+`host:port` is the control socket (always present: even shm sends its control frames over it);
+`backends` lists the data paths the receiver accepts, in its order of preference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+from kvtransfer.base import PoolLayout, TransferError
+
+VERSION = 1
+HEADER = struct.Struct("<B3xIQQ")
+WROTE_BODY = struct.Struct("<d")
+MAX_BODY = 64 << 20
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    HELLO_ACK = 2
+    WRITE = 3
+    WROTE = 4
+    FINISH = 5
+    DONE = 6
+    ABORT = 7
+    ABORT_ACK = 8
+
+
+class ProtocolError(TransferError):
+    """The peer sent something this side cannot parse; the connection is dropped."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0        # TCP connect + hello round trip
+    abort: float = 5.0          # abort waits this long for an in-flight write, then drops the connection
+    send: float = 30.0          # a send that makes no progress this long fails the connection (SO_SNDTIMEO)
+    keepalive_idle: int = 5     # TCP keepalive: a silent dead host is noticed after idle + intvl * cnt seconds
+    keepalive_intvl: int = 2
+    keepalive_cnt: int = 3
+
+
+@dataclass(frozen=True)
+class ShmInfo:
+    path: str
+    size: int
+    offset: int
+    nonce: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class ReceiverMetadata:
+    worker_id: str
+    layout: PoolLayout
+    host: str
+    port: int
+    backends: tuple[str, ...]
+    shm: ShmInfo | None = None
+
+    def to_bytes(self) -> bytes:
+        d = {
+            "version": VERSION, "worker_id": self.worker_id, "backends": list(self.backends),
+            "host": self.host, "port": self.port, "layout": dataclasses.asdict(self.layout),
+            "shm": dataclasses.asdict(self.shm) if self.shm else None,
+        }
+        return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ReceiverMetadata:
+        try:
+            d = json.loads(data)
+            if d.get("version") != VERSION:
+                raise TransferError(f"unsupported kvtransfer metadata version {d.get('version')!r}")
+            return cls(
+                worker_id=str(d["worker_id"]), layout=PoolLayout(**d["layout"]), host=str(d["host"]),
+                port=int(d["port"]), backends=tuple(d["backends"]),
+                shm=ShmInfo(**d["shm"]) if d.get("shm") else None,
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransferError(f"bad kvtransfer metadata: {e}") from e
+
+
+def configure(sock: socket.socket, timeouts: Timeouts) -> None:
+    """Low latency for small frames; keepalive so a silently dead host fails its rooms; a send that
+    stalls fails instead of hanging. The socket stays in blocking mode (no Python timeout) because the
+    scatter/gather path calls the kernel directly on its file descriptor."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", timeouts.keepalive_idle), ("TCP_KEEPINTVL", timeouts.keepalive_intvl),
+                        ("TCP_KEEPCNT", timeouts.keepalive_cnt)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    sec = int(timeouts.send)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", sec, int((timeouts.send - sec) * 1e6)))
+    sock.settimeout(None)
+
+
+class Channel:
+    """A framed, full-duplex connection. Any thread may send (frames never interleave: `send_lock`);
+    one thread reads. `close` takes `send_lock`, so no sender can reach a recycled file descriptor."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self.closed = False
+        self._hdr = bytearray(HEADER.size)
+
+    def send(self, kind: Kind, room: int = 0, body: bytes = b"", payload_len: int = 0) -> None:
+        with self.send_lock:
+            if self.closed:
+                raise ConnectionError("channel closed")
+            self.sock.sendall(HEADER.pack(kind, len(body), room, payload_len) + body)
+
+    def try_send(self, kind: Kind, room: int = 0, body: bytes = b"") -> bool:
+        try:
+            self.send(kind, room, body)
+            return True
+        except OSError:
+            return False
+
+    def recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise ConnectionError("peer closed the connection")
+            got += k
+        return bytes(buf)
+
+    def recv_header(self) -> tuple[Kind, int, int, int]:
+        """(kind, body_len, room, payload_len); raises ConnectionError on EOF."""
+        kind, body_len, room, payload_len = HEADER.unpack(self.recv_exact(HEADER.size))
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown frame kind {kind}") from None
+        if body_len > MAX_BODY:
+            raise ProtocolError(f"frame body of {body_len} bytes")
+        return kind, body_len, room, payload_len
+
+    def recv_frame(self) -> tuple[Kind, int, bytes, int]:
+        kind, body_len, room, payload_len = self.recv_header()
+        return kind, room, self.recv_exact(body_len) if body_len else b"", payload_len
+
+    def drain(self, n: int) -> None:
+        """Read and discard n bytes."""
+        scratch = bytearray(min(n, 1 << 20) or 1)
+        view = memoryview(scratch)
+        while n > 0:
+            k = self.sock.recv_into(view, min(n, len(scratch)))
+            if k == 0:
+                raise ConnectionError("peer closed the connection")
+            n -= k
+
+    def shutdown(self) -> None:
+        """Wake every thread blocked on this socket (they see EOF / an error). Does not free the fd."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        with self.send_lock:
+            if not self.closed:
+                self.closed = True
+                self.sock.close()
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(body: bytes) -> dict:
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"bad JSON body: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError("JSON body is not an object")
+    return obj

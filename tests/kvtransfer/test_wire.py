@@ -1,0 +1,71 @@
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from kvtransfer.base import PoolLayout, TransferError
+from kvtransfer.iovec import page_iov, recv_iov, send_iov
+from kvtransfer.wire import Channel, Kind, ReceiverMetadata, ShmInfo
+
+LAYOUT = PoolLayout(2, 64, 4, 2, 8, "bfloat16")
+
+
+def test_metadata_round_trip():
+    meta = ReceiverMetadata("D-1", LAYOUT, "10.0.0.5", 4242, ("shm", "tcp"),
+                            ShmInfo("/dev/shm/tandem-kv-D-1-1-ab", 4096 + 1024, 4096, "00ff", "node-a"))
+    data = meta.to_bytes()
+    assert ReceiverMetadata.from_bytes(data) == meta
+    assert json.loads(data)["version"] == 1
+    plain = ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",))
+    assert ReceiverMetadata.from_bytes(plain.to_bytes()) == plain
+
+
+@pytest.mark.parametrize("bad", [b"", b"not json", b'{"version": 99}', b'{"version": 1, "worker_id": "x"}'])
+def test_bad_metadata_is_a_transfer_error(bad):
+    with pytest.raises(TransferError):
+        ReceiverMetadata.from_bytes(bad)
+
+
+def test_channel_frames():
+    a, b = socket.socketpair()
+    ca, cb = Channel(a), Channel(b)
+    ca.send(Kind.FINISH, 2**63 - 1, b"aux")
+    ca.send(Kind.DONE, 7)
+    assert cb.recv_frame() == (Kind.FINISH, 2**63 - 1, b"aux", 0)
+    assert cb.recv_frame() == (Kind.DONE, 7, b"", 0)
+    ca.close()
+    ca.close()
+    with pytest.raises(ConnectionError):
+        cb.recv_frame()
+    cb.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_scatter_gather_moves_runs_between_pools(native):
+    """Gather runs from one pool, scatter into other pages of another: 3000 iovecs (several IOV_MAX
+    chunks) of odd sizes, through a socketpair with small buffers so transfers come back partial."""
+    rng = np.random.default_rng(0)
+    src = torch.from_numpy(rng.integers(0, 256, 64 * 3000, dtype=np.uint8))
+    dst = torch.zeros_like(src)
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    pages = rng.permutation(3000)
+    regions = np.array([0], dtype=np.int64)
+    lengths = np.ones(3000, dtype=np.int64)
+    send = page_iov(src.data_ptr(), regions, np.arange(3000), lengths, 64)
+    recv = page_iov(dst.data_ptr(), regions, pages, lengths, 64)
+    import threading
+
+    t = threading.Thread(target=send_iov, args=(a, send, native))
+    t.start()
+    recv_iov(b, recv, native)
+    t.join()
+    assert torch.equal(dst.view(3000, 64)[torch.from_numpy(pages)], src.view(3000, 64))
+    a.close()
+    with pytest.raises(ConnectionError):
+        recv_iov(b, recv[:1], native)
+    b.close()
