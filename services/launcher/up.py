@@ -78,7 +78,7 @@ def run_up(cfg: UpConfig) -> int:
         ready = [w.wait_ready(cfg.ready_timeout_s) for w in workers]
         router = Child("router", python_cmd(
             "router", "--host", cfg.host, "--port", str(cfg.port), "--redis-url", url, "--mode", cfg.mode,
-            "--policy", cfg.policy, *cfg.router_args), on_line=on_line)
+            "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), on_line=on_line)
         router.start()
         router_ready = router.wait_ready(60.0)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
