@@ -27,18 +27,14 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
 
     engine = LLMEngine(engine_cfg, kv_allocator=allocate)
     receiver = holder["rx"]
-    state: dict = {}
+    peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s)
+    worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s), peers,
+                          max_prealloc=wcfg.max_queue)
 
     def add_servicers(server, loop) -> None:
-        client = BootstrapClient(loop, wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s)
-        worker = state["worker"]
-        worker.send_bootstrap, worker.send_abort = client.send_bootstrap, client.send_abort
-        client.worker = worker
+        peers.bind(loop, worker)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, loop), server)
 
-    worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s),
-                          send_bootstrap=None, send_abort=None, max_prealloc=wcfg.max_queue)
-    state["worker"] = worker
     return RoleParts(
         worker=worker, role_pb=worker_pb2.WORKER_ROLE_DECODE, service_names=["tandem.v1.DecodeWorker"],
         add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,

@@ -66,9 +66,8 @@ class BootstrapClient:
     D's transfer metadata goes with the first Bootstrap to each prefill worker, and again whenever
     P says it lacks it (P restarted)."""
 
-    def __init__(self, loop: EngineLoop, worker_id: str, receiver: KVReceiver, backend: str,
-                 timeout_s: float = 10.0):
-        self.loop = loop
+    def __init__(self, worker_id: str, receiver: KVReceiver, backend: str, timeout_s: float = 10.0):
+        self.loop: EngineLoop | None = None
         self.worker_id = worker_id
         self.receiver = receiver
         self.backend = backend
@@ -77,6 +76,10 @@ class BootstrapClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._told: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+
+    def bind(self, loop: EngineLoop, worker: DecodeWorker) -> None:
+        """Attach the engine loop and the worker once the process's server is being assembled."""
+        self.loop, self.worker = loop, worker
 
     def _stub(self, addr: str) -> worker_pb2_grpc.BootstrapStub:
         ch = self._channels.get(addr)

@@ -14,6 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -28,6 +29,14 @@ from services.worker import metrics
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+
+
+class PrefillPeers(Protocol):
+    """How the engine thread reaches prefill workers (implemented on the asyncio side)."""
+
+    def send_bootstrap(self, room: DecodeRoom, req: worker_pb2.BootstrapRequest) -> None: ...
+
+    def send_abort(self, room: DecodeRoom, reason: str) -> None: ...
 
 
 class TransferFailed(RpcFailed):
@@ -56,14 +65,12 @@ class DecodeRoom:
 
 class DecodeWorker:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver, timeouts: DecodeTimeouts,
-                 send_bootstrap: Callable[[DecodeRoom, worker_pb2.BootstrapRequest], None],
-                 send_abort: Callable[[DecodeRoom, str], None], max_prealloc: int = 1024):
+                 peers: PrefillPeers, max_prealloc: int = 1024):
         self.engine = engine
         self.sched = engine.scheduler
         self.receiver = receiver
         self.timeouts = timeouts
-        self.send_bootstrap = send_bootstrap   # schedules the Bootstrap RPC on the asyncio side
-        self.send_abort = send_abort
+        self.peers = peers                     # sends Bootstrap / AbortRoom on the asyncio side
         self.max_prealloc = max_prealloc
         self.prealloc: deque[DecodeRoom] = deque()
         self.transfer: dict[int, DecodeRoom] = {}
@@ -142,7 +149,7 @@ class DecodeWorker:
             dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
             self.receiver.expect(room.room, dst, room.prefill_id)
             self.transfer[room.room] = room
-            self.send_bootstrap(room, worker_pb2.BootstrapRequest(
+            self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(
                 bootstrap_room=room.room, dst_page_ids=dst, decode_prefix_len=req.cache_len, page_size=ps,
             ))
 
@@ -187,7 +194,7 @@ class DecodeWorker:
             # after abort() returns; P is told too so it stops computing and frees its side.
             self.receiver.abort(room.room)
             self.receiver.release(room.room)
-            self.send_abort(room, reason)
+            self.peers.send_abort(room, reason)
             self.sched.kv.release(req)
             self.engine.forget(req.rid)
         else:
