@@ -6,10 +6,11 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_pool import KVPoolSpec
 from kvtransfer import create_receiver
-from kvtransfer.base import KVReceiver, PoolLayout
+from kvtransfer.base import KVReceiver
 from services.decode.servicer import BootstrapClient, DecodeServicer
 from services.decode.worker import DecodeTimeouts, DecodeWorker
 from services.worker.config import WorkerConfig
+from services.worker.layout import layout_of
 from services.worker.server import RoleParts, register_role
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -20,9 +21,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
 
     def allocate(spec: KVPoolSpec):
         # The receiver owns the pool's memory so that writers (shm) can map it directly.
-        layout = PoolLayout(spec.num_layers, spec.num_pages, spec.page_size, spec.kv_heads, spec.head_dim,
-                            str(spec.dtype).removeprefix("torch."))
-        holder["rx"] = create_receiver(wcfg.transfer_backend, layout, wcfg.public_host, wcfg.id)
+        holder["rx"] = create_receiver(wcfg.transfer_backend, layout_of(spec), wcfg.public_host, wcfg.id)
         return holder["rx"].buffer
 
     engine = LLMEngine(engine_cfg, kv_allocator=allocate)

@@ -7,18 +7,12 @@ import dataclasses
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from kvtransfer import create_sender
-from kvtransfer.base import PoolLayout
 from services.prefill.servicer import BootstrapServicer, PrefillServicer
 from services.prefill.worker import PrefillTimeouts, PrefillWorker
 from services.worker.config import WorkerConfig
+from services.worker.layout import layout_of
 from services.worker.server import RoleParts, register_role
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-
-
-def pool_layout(engine: LLMEngine) -> PoolLayout:
-    spec = engine.runner.pool.spec
-    return PoolLayout(spec.num_layers, spec.num_pages, spec.page_size, spec.kv_heads, spec.head_dim,
-                      str(spec.dtype).removeprefix("torch."))
 
 
 @register_role("prefill")
@@ -26,7 +20,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     # A prefill worker never decodes: admission reserves nothing for future tokens.
     cfg = dataclasses.replace(engine_cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     engine = LLMEngine(cfg)
-    sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, pool_layout(engine), wcfg.id)
+    sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec), wcfg.id)
     worker = PrefillWorker(engine, sender, PrefillTimeouts(wcfg.bootstrap_timeout_s, wcfg.transfer_timeout_s),
                            max_rooms=wcfg.max_queue)
 

@@ -1,0 +1,148 @@
+"""Prefill and decode workers driven in one process, over a real tcp transfer, without gRPC.
+
+Each worker's engine-thread object is stepped by hand, so timeouts and aborts are deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvtransfer import create_receiver, create_sender
+from services.decode.worker import DecodeRoom, DecodeTimeouts, DecodeWorker, TransferFailed
+from services.prefill.rooms import BootstrapInfo
+from services.prefill.worker import PrefillTimeouts, PrefillWorker
+from services.worker.layout import layout_of
+from tandem.v1 import worker_pb2
+
+BASE = EngineConfig(dtype="float32", page_size=4, max_total_tokens=512, chunked_prefill_size=16)
+
+
+class DirectPeers:
+    """D's way to P without gRPC: call the prefill worker's commands directly."""
+
+    def __init__(self, prefill: PrefillWorker | None, receiver):
+        self.prefill, self.receiver, self.aborted = prefill, receiver, []
+        self.decode: DecodeWorker | None = None
+
+    def send_bootstrap(self, room: DecodeRoom, req: worker_pb2.BootstrapRequest) -> None:
+        if self.prefill is None:
+            return  # a prefill worker that never answers
+        self.prefill.sender.connect("d", self.receiver.metadata())
+        self.prefill.bootstrap(room.room, BootstrapInfo("d", list(req.dst_page_ids), req.decode_prefix_len))
+        self.decode.bootstrap_done(room.room, None)
+
+    def send_abort(self, room: DecodeRoom, reason: str) -> None:
+        self.aborted.append(room.room)
+        if self.prefill is not None:
+            self.prefill.abort_room(room.room, reason)
+
+
+@pytest.fixture
+def pair(tiny_llama):
+    engine_p = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama), init_new_token_ratio=0, min_new_token_ratio=0))
+    holder = {}
+
+    def allocate(spec):
+        holder["rx"] = create_receiver("tcp", layout_of(spec), "127.0.0.1", "d")
+        return holder["rx"].buffer
+
+    engine_d = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama)), kv_allocator=allocate)
+    receiver = holder["rx"]
+    sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p")
+    prefill = PrefillWorker(engine_p, sender, PrefillTimeouts(bootstrap_s=0.3, transfer_s=2.0))
+    peers = DirectPeers(prefill, receiver)
+    decode = DecodeWorker(engine_d, receiver, DecodeTimeouts(transfer_s=0.5), peers)
+    peers.decode = decode
+    yield prefill, decode, peers
+    sender.close()
+    receiver.close()
+
+
+def drive(prefill, decode, until, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "workers made no progress"
+        for w in (prefill, decode):
+            if w is None:
+                continue
+            w.tick()
+            if w.has_work():
+                w.step()
+        time.sleep(0.001)
+
+
+def submit(prefill, decode, room_id, prompt, params, results, responses):
+    rid = f"r{room_id}"
+    if prefill is not None:
+        prefill.add_prefill(room_id, rid, prompt, params, responses.append)
+    req = decode.engine.make_request(prompt, params, rid)
+    decode.add(DecodeRoom(room_id, req, "p:0", "p", results.setdefault(rid, []).append))
+
+
+def test_tokens_match_the_colocated_engine_and_everything_is_freed(pair, tiny_llama):
+    prefill, decode, _ = pair
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 18, 37)]
+    results, responses = {}, []
+    for i, p in enumerate(prompts):
+        submit(prefill, decode, 100 + i, p, params, results, responses)
+    drive(prefill, decode, lambda: len(responses) == 3 and not decode.streams)
+    colocated = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama))).generate(prompts, params)
+    for i, ref in enumerate(colocated):
+        outs = results[f"r{100 + i}"]
+        assert [t for o in outs for t in o.token_ids] == ref.token_ids
+    assert all(r.state == worker_pb2.TRANSFER_STATE_SUCCESS and r.transfer_bytes > 0 for r in responses)
+    prefill.engine.check_idle()
+    decode.engine.check_idle()
+
+
+def test_prefill_fails_the_room_when_decode_never_bootstraps(pair):
+    prefill, decode, _ = pair
+    responses = []
+    prefill.add_prefill(7, "lonely", [5, 6, 7], SamplingParams(max_tokens=4), responses.append)
+    drive(prefill, None, lambda: responses)
+    assert responses[0].state == worker_pb2.TRANSFER_STATE_FAILED
+    assert "bootstrap timed out" in responses[0].error
+    assert not prefill.rooms
+    prefill.engine.check_idle()
+
+
+def test_decode_fails_and_frees_pages_when_the_kv_never_arrives(tiny_llama):
+    holder = {}
+
+    def allocate(spec):
+        holder["rx"] = create_receiver("tcp", layout_of(spec), "127.0.0.1", "d")
+        return holder["rx"].buffer
+
+    engine_d = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama)), kv_allocator=allocate)
+    peers = DirectPeers(None, holder["rx"])
+    decode = DecodeWorker(engine_d, holder["rx"], DecodeTimeouts(transfer_s=0.2), peers)
+    peers.decode = decode
+    results = {}
+    submit(None, decode, 9, list(range(3, 20)), SamplingParams(max_tokens=4), results, [])
+    drive(None, decode, lambda: results["r9"])
+    [err] = results["r9"]
+    assert isinstance(err, TransferFailed) and "timed out" in str(err)
+    assert peers.aborted == [9]  # P is told to drop the room
+    engine_d.check_idle()
+    holder["rx"].close()
+
+
+def test_client_cancel_during_transfer_frees_both_sides(pair):
+    prefill, decode, peers = pair
+    results, responses = {}, []
+    submit(prefill, decode, 11, list(range(3, 40)), SamplingParams(max_tokens=30, ignore_eos=True), results, responses)
+    decode.tick()  # admitted and bootstrapped, nothing computed yet
+    assert 11 in decode.transfer
+    decode.cancel("r11")
+    assert peers.aborted == [11]
+    assert responses and responses[0].state == worker_pb2.TRANSFER_STATE_FAILED
+    drive(prefill, decode, lambda: not prefill.rooms and not decode.streams)
+    prefill.engine.check_idle()
+    decode.engine.check_idle()
