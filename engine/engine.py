@@ -153,7 +153,7 @@ class LLMEngine:
             self.scheduler.finish(req, reason)
             self.runner.release(req.rid)
             del self._tracked[req.rid]
-            out.usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cache_len)
+            out.usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
         return out
 
     # --- conveniences ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -48,10 +49,13 @@ def register_backend(name: str):
 
 
 def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
-    # Importing the module registers the backend; `auto` picks triton on CUDA when it is present.
+    # Importing a module registers its backend. The triton one is imported only when it is asked
+    # for (or picked by `auto` on CUDA), so CPU runs never import triton.
     import engine.attention.torch_backend  # noqa: F401
     if name == "auto":
-        name = "torch"
+        name = "triton" if pool.buffer.is_cuda and importlib.util.find_spec("triton") is not None else "torch"
+    if name == "triton":
+        import engine.attention.triton_backend  # noqa: F401
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted({*BACKENDS, 'auto', 'triton'})}")
     return BACKENDS[name](pool, num_heads, head_dim)

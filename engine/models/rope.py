@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from engine.model_config import RopeConfig
+
+# `kernels.rope.apply_rope` once the triton attention backend is created on CUDA; CUDA tensors then
+# take the fused kernel (same numerics). CPU tensors always take the torch code below.
+_fused_rope: Callable | None = None
+
+
+def use_fused_rope(fn: Callable | None) -> None:
+    global _fused_rope
+    _fused_rope = fn
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -49,6 +59,8 @@ class RotaryEmbedding(torch.nn.Module):
               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D]; returns rotated copies in the input dtype."""
         cos, sin = cos_sin
+        if _fused_rope is not None and q.is_cuda:
+            return _fused_rope(q, k, cos.squeeze(1), sin.squeeze(1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -36,6 +36,9 @@ class Request:
     # Tokens that must have KV before the next sampling: the prompt, plus (after a retraction)
     # everything generated so far. Fixed at admission.
     fill_len: int = 0
+    # Prompt tokens a prefill worker served from its prefix cache (disaggregated decode); reported
+    # as the request's cached tokens instead of this worker's own prefix hit.
+    prefill_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     num_retractions: int = 0
     first_token_time: float | None = None
@@ -51,6 +54,11 @@ class Request:
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was not computed for this request (the client-visible cache hit)."""
+        return self.cache_len if self.prefill_cached_tokens is None else self.prefill_cached_tokens
 
     @property
     def finished(self) -> bool:

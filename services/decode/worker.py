@@ -177,6 +177,7 @@ class DecodeWorker:
         if status.seconds > 0:
             metrics.TRANSFER_SPEED.set(status.bytes_moved / status.seconds / 1e9)
             metrics.TRANSFER_LATENCY.observe(status.seconds * 1e3)
+        room.req.prefill_cached_tokens = aux.cached_tokens
         first = SampledToken(aux.first_token, aux.logprob, [(t.token_id, t.logprob) for t in aux.top] or None)
         out = self.engine.start_decoding(room.req, first)
         room.emit(out)

@@ -1,0 +1,86 @@
+"""Client disconnects cancel work: an SSE response whose producer is cancelled when the client goes away,
+and a helper that does the same for a non-streaming handler.
+
+Cancelling the producer closes the router's gRPC call, which makes the router abort the request on
+its prefill and decode workers (their pages are freed). Starlette's StreamingResponse only notices a
+gone client on its next write under ASGI 2.4, which for a request still queued on a worker can be
+a long time; these watch `receive()` for `http.disconnect` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was complete."""
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _race(work: asyncio.Future, receive: Receive) -> bool:
+    """Wait for `work`; True when it finished, False when the client left first (work is then cancelled)."""
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return True
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return False
+
+
+async def until_disconnect(request: Request, coro: Awaitable[T]) -> T:
+    """Await `coro`; cancel it and raise ClientDisconnected if the client goes away first."""
+    work = asyncio.ensure_future(coro)
+    try:
+        if not await _race(work, request.receive):
+            raise ClientDisconnected()
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    return work.result()
+
+
+class EventStream:
+    """An ASGI `text/event-stream` response over an async iterator of already-framed SSE bytes."""
+
+    def __init__(self, body: AsyncIterator[bytes], status_code: int = 200):
+        self.body = body
+        self.status_code = status_code
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),
+            ]})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        work = asyncio.ensure_future(pump())
+        try:
+            finished = await _race(work, receive)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        if finished:
+            work.result()  # re-raise a failure of the producer (the server logs it)

@@ -1,0 +1,73 @@
+"""The one mapping from failures to OpenAI-style HTTP errors: `{"error": {message, type, param, code}}`.
+
+Every path out of the gateway that is not a success goes through `APIError`, so a client never sees
+a bare 500 traceback. gRPC statuses from the router map as below; the offending parameter of an
+INVALID_ARGUMENT travels in the router's trailing metadata (services/common/grpc_errors).
+"""
+
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from services.common.grpc_errors import param_from_metadata
+
+# status -> (OpenAI error type, code)
+_KIND = {
+    400: ("invalid_request_error", None),
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", None),
+    404: ("invalid_request_error", "model_not_found"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    499: ("invalid_request_error", "cancelled"),
+    500: ("internal_error", None),
+    503: ("service_unavailable", "unavailable"),
+    504: ("timeout", "deadline_exceeded"),
+}
+
+HTTP_STATUS_BY_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.ABORTED: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else _KIND.get(status, ("internal_error", None))[1]
+
+    @property
+    def type(self) -> str:
+        return _KIND.get(self.status, ("internal_error", None))[0]
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    @classmethod
+    def from_rpc(cls, err: grpc.aio.AioRpcError) -> APIError:
+        code = err.code()
+        status = HTTP_STATUS_BY_GRPC.get(code, 500)
+        message = err.details() or code.name
+        if status == 500:
+            message = f"router error ({code.name}): {message}"
+        return cls(status, message, param_from_metadata(err.trailing_metadata()) if status == 400 else None)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)

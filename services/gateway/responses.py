@@ -1,0 +1,174 @@
+"""OpenAI response bodies and stream chunks, built from the router's GenerateResponse messages."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from services.gateway.tokenizer import GatewayTokenizer
+from tandem.v1 import generation_pb2
+
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_UNSPECIFIED: None,
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+# JSON has no -inf; a token the sampler could never pick is reported with this logprob.
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """One choice's output so far (non-streaming responses accumulate into it)."""
+
+    index: int
+    prompt_tokens: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+    usage: generation_pb2.Usage | None = None
+
+    def add(self, msg: generation_pb2.GenerateResponse) -> None:
+        self.text.append(msg.text)
+        self.num_tokens += len(msg.token_ids)
+        self.logprobs.extend(msg.logprobs)
+        self.observe(msg)
+
+    def track(self, msg: generation_pb2.GenerateResponse) -> None:
+        """Count a streamed chunk without keeping its text (streaming sends the text on)."""
+        self.num_tokens += len(msg.token_ids)
+        self.observe(msg)
+
+    def observe(self, msg: generation_pb2.GenerateResponse) -> None:
+        if msg.finish_reason:
+            self.finish_reason = FINISH_REASONS[msg.finish_reason]
+            self.matched_stop = msg.matched_stop or None
+        if msg.HasField("usage"):
+            self.usage = msg.usage
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage is not None else self.num_tokens
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """Prompt tokens count once per prompt (choice i*n of each prompt), completion tokens per choice."""
+    firsts = [c for c in choices if c.index % n == 0]
+    prompt = sum(c.usage.prompt_tokens if c.usage is not None and c.usage.prompt_tokens else c.prompt_tokens
+                 for c in firsts)
+    cached = sum(c.usage.cached_tokens for c in firsts if c.usage is not None)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class CompletionFormat:
+    """/v1/completions: `text_completion` objects; logprobs in the legacy (tokens, token_logprobs) shape."""
+
+    object = "text_completion"
+
+    def __init__(self, rid: str, created: int, model: str, tokenizer: GatewayTokenizer, logprobs: int | None):
+        self.rid, self.created, self.model = rid, created, model
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
+        self._offsets: dict[int, int] = {}
+
+    def _head(self) -> dict:
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model}
+
+    def _logprobs(self, index: int, lps) -> dict | None:
+        if self.logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = self._offsets.get(index, 0)
+        for lp in lps:
+            text = self.tokenizer.token_text(lp.token_id)
+            tokens.append(text)
+            token_lps.append(_lp(lp.logprob))
+            tops.append({self.tokenizer.token_text(t.token_id): _lp(t.logprob) for t in lp.top} if self.logprobs else None)
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> dict:
+        choice = {"index": index, "text": msg.text, "logprobs": self._logprobs(index, msg.logprobs),
+                  "finish_reason": FINISH_REASONS[msg.finish_reason]}
+        if msg.finish_reason:
+            choice["stop_reason"] = msg.matched_stop or None
+        out = {**self._head(), "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {**self._head(), "choices": [], "usage": usage_}
+
+    def response(self, choices: list[Choice], n: int) -> dict:
+        return {**self._head(), "choices": [
+            {"index": c.index, "text": "".join(c.text), "logprobs": self._logprobs(c.index, c.logprobs),
+             "finish_reason": c.finish_reason, "stop_reason": c.matched_stop}
+            for c in choices], "usage": usage(choices, n), "system_fingerprint": None}
+
+
+class ChatFormat(CompletionFormat):
+    """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs as `content` entries."""
+
+    object = "chat.completion"
+
+    def __init__(self, rid: str, created: int, model: str, tokenizer: GatewayTokenizer, logprobs: bool):
+        super().__init__(rid, created, model, tokenizer, None)
+        self.chat_logprobs = logprobs
+        self._started: set[int] = set()
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.tokenizer.token_text(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+
+    def _chat_logprobs(self, lps) -> dict | None:
+        if not self.chat_logprobs:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t.token_id, t.logprob) for t in lp.top]} for lp in lps],
+                "refusal": None}
+
+    def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> dict:
+        delta: dict = {"content": msg.text}
+        if index not in self._started:  # the first chunk of a choice carries its role
+            self._started.add(index)
+            delta = {"role": "assistant", "content": msg.text}
+        choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(msg.logprobs),
+                  "finish_reason": FINISH_REASONS[msg.finish_reason]}
+        if msg.finish_reason:
+            choice["stop_reason"] = msg.matched_stop or None
+        out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "system_fingerprint": None, "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": [], "usage": usage_}
+
+    def response(self, choices: list[Choice], n: int) -> dict:
+        return {**self._head(), "system_fingerprint": None, "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+             "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason,
+             "stop_reason": c.matched_stop}
+            for c in choices], "usage": usage(choices, n)}
