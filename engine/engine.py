@@ -141,7 +141,7 @@ class LLMEngine:
         # A stop/EOS token ends the text without contributing to it.
         text = "" if stopped_by_token else t.detok.append(tok.token_id)
         matched: str | int | None = t.stop.matched_stop_token if stopped_by_token else None
-        if reason is None and t.detok.finished:
+        if t.detok.finished and not stopped_by_token:  # a stop string wins over the length limit
             reason, matched = FinishReason.STOP, t.detok.matched_stop
         if reason is not None and t.detok.matched_stop is None:
             text += t.detok.flush()

@@ -19,6 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--bootstrap-timeout", type=float, default=30.0)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--gateway-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)")
+    p.add_argument("--api-key", default=None,
+                   help="gateway requires `Authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset = no auth)")
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="router: requests in flight beyond which new ones are refused (HTTP 429)")
     p.add_argument("--quiet", action="store_true", help="only print readiness lines")
 
 
@@ -44,9 +50,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = UpConfig(
         mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
-        worker_args=tuple(_engine_argv(args)), quiet=args.quiet,
+        worker_args=tuple(_engine_argv(args)), quiet=args.quiet, gateway_port=args.gateway_port,
+        api_key=args.api_key,
+        router_args=("--max-inflight", str(args.max_inflight)) if args.max_inflight is not None else (),
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
         print("error: --prefill and --decode must be >= 1", flush=True)
+        return 2
+    if not -1 <= cfg.gateway_port < 65536:
+        print("error: --gateway-port must be in [-1, 65535]", flush=True)
         return 2
     return run_up(cfg)

@@ -75,4 +75,4 @@ class TritonAttention(AttentionBackend):
             return paged_decode_attention(q, k_cache, v_cache, ctx.page_table, md.kv_lens, self.scale,
                                           max_kv_len=md.max_kv_len, num_splits=md.num_splits)
         return extend_attention(q, k_cache, v_cache, ctx.page_table, md.q_start, md.q_lens,
-                                md.prefix_lens, self.scale, max_q_len=md.max_q_len)
+                                md.prefix_lens, self.scale * 1.3, max_q_len=md.max_q_len)

@@ -9,6 +9,7 @@ their HTTP status; after that an error becomes an in-band `error` event before `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -186,10 +187,11 @@ class Gateway:
 
         async def collect(job: Job) -> Choice:
             choice = Choice(job.index, job.prompt_tokens)
-            async for msg in self.router.generate(job.request):
-                if not first_at:
-                    first_at.append(time.monotonic())
-                choice.add(msg)
+            async with contextlib.aclosing(self.router.generate(job.request)) as stream:
+                async for msg in stream:
+                    if not first_at:
+                        first_at.append(time.monotonic())
+                    choice.add(msg)
             return choice
 
         if len(plan.jobs) == 1:
@@ -210,18 +212,28 @@ class Gateway:
     async def _stream(self, request: Request, plan: Plan, started: float,
                       release: Callable[[int], None]) -> Response:
         events = _events(self.router, plan.jobs)
+
+        async def first_event():
+            return await anext(events, None)
+
         try:
-            first = await until_disconnect(request, anext(events, None))
+            first = await until_disconnect(request, first_event())
         except BaseException:
             await events.aclose()
             raise
-        return EventStream(self._sse(plan, events, first, started, release))
+        status = [499]  # what the stream ended with; stays 499 unless it runs to its end
+
+        async def on_close() -> None:
+            with contextlib.suppress(RuntimeError):  # still running: it is closing as its cancellation unwinds
+                await events.aclose()
+            release(status[0])
+
+        return EventStream(self._sse(plan, events, first, started, status), on_close)
 
     async def _sse(self, plan: Plan, events: AsyncIterator[tuple[int, generation_pb2.GenerateResponse]],
                    first: tuple[int, generation_pb2.GenerateResponse] | None, started: float,
-                   release: Callable[[int], None]) -> AsyncIterator[bytes]:
+                   status: list[int]) -> AsyncIterator[bytes]:
         choices = {job.index: Choice(job.index, job.prompt_tokens) for job in plan.jobs}
-        status = 499  # unless the stream runs to its end
         try:
             if first is not None:
                 self.metrics.ttft.labels(plan.endpoint).observe(time.monotonic() - started)
@@ -236,14 +248,11 @@ class Gateway:
             if plan.include_usage:
                 yield sse(plan.fmt.usage_chunk(totals))
             yield SSE_DONE
-            status = 200
+            status[0] = 200
         except APIError as e:  # after the first chunk the status line is gone: report in band
-            status = e.status
+            status[0] = e.status
             yield sse(e.body())
             yield SSE_DONE
-        finally:
-            await events.aclose()
-            release(status)
 
     def _count(self, totals: dict) -> None:
         self.metrics.prompt_tokens.inc(totals["prompt_tokens"])
@@ -296,15 +305,17 @@ def _jobs(rid: str, model: ServedModel, ids: list[int], sampling, prompt_index: 
 async def _events(router: RouterClient, jobs: list[Job]) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
     """Every job's chunks as (choice index, chunk), in arrival order; the first failure fails them all."""
     if len(jobs) == 1:
-        async for msg in router.generate(jobs[0].request):
-            yield jobs[0].index, msg
+        async with contextlib.aclosing(router.generate(jobs[0].request)) as stream:
+            async for msg in stream:
+                yield jobs[0].index, msg
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:
         try:
-            async for msg in router.generate(job.request):
-                queue.put_nowait((job.index, msg))
+            async with contextlib.aclosing(router.generate(job.request)) as stream:
+                async for msg in stream:
+                    queue.put_nowait((job.index, msg))
             queue.put_nowait((job.index, None))
         except Exception as e:
             queue.put_nowait((job.index, e))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -59,10 +59,16 @@ async def until_disconnect(request: Request, coro: Awaitable[T]) -> T:
 
 
 class EventStream:
-    """An ASGI `text/event-stream` response over an async iterator of already-framed SSE bytes."""
+    """An ASGI `text/event-stream` response over an async iterator of already-framed SSE bytes.
 
-    def __init__(self, body: AsyncIterator[bytes], status_code: int = 200):
+    `on_close` runs exactly once when the response is over for any reason (done, client gone, server
+    shutting down), even if the body never started: that is where the caller releases what it holds.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None,
+                 status_code: int = 200):
         self.body = body
+        self.on_close = on_close
         self.status_code = status_code
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,5 +88,13 @@ class EventStream:
         except asyncio.CancelledError:
             work.cancel()
             raise
+        finally:
+            if work.done():  # else the body is still running in `work`: it closes as its cancellation unwinds
+                aclose = getattr(self.body, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+            if self.on_close is not None:
+                await self.on_close()
         if finished:
             work.result()  # re-raise a failure of the producer (the server logs it)

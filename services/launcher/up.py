@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from services.launcher.procs import Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
 
+API_KEY_ENV = "TANDEM_API_KEY"  # what the gateway reads (services/gateway/config.py)
+
 log = logging.getLogger(__name__)
 
 
@@ -30,6 +32,9 @@ class UpConfig:
     router_args: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0       # first run imports the default model
     quiet: bool = False
+    gateway_port: int = 8000             # OpenAI-compatible HTTP gateway (0: any free port, -1: none)
+    gateway_args: tuple[str, ...] = ()
+    api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
 
 
 def _printer(quiet: bool):
@@ -58,6 +63,7 @@ def run_up(cfg: UpConfig) -> int:
     redis = None
     workers: list[Child] = []
     router: Child | None = None
+    gateway: Child | None = None
     try:
         url = cfg.redis_url
         if url is None:
@@ -83,13 +89,23 @@ def run_up(cfg: UpConfig) -> int:
         router_ready = router.wait_ready(60.0)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
                    "router_metrics_port": router_ready.get("metrics_port")}
+        if cfg.gateway_port >= 0:
+            # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
+            gateway = Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
+                                        "--port", str(cfg.gateway_port), "--router", router_ready["grpc_addr"],
+                                        *cfg.gateway_args], env=_gateway_env(cfg), on_line=on_line)
+            gateway.start()
+            summary["gateway"] = gateway.wait_ready(60.0)["url"]
         sys.stdout.write("TANDEM_UP " + json.dumps(summary) + "\n")
         sys.stdout.flush()
         if not cfg.quiet:
-            print(_banner(summary), file=sys.stderr, flush=True)
+            print(_banner(summary, auth=bool(_gateway_env(cfg).get(API_KEY_ENV))), file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if not router.alive:
                 log.error("router exited (code %s): shutting down", router.proc.returncode)
+                return 1
+            if gateway is not None and not gateway.alive:
+                log.error("gateway exited (code %s): shutting down", gateway.proc.returncode)
                 return 1
             for w in workers:
                 if not w.alive and w.ready is not None and not getattr(w, "_reported", False):
@@ -100,12 +116,19 @@ def run_up(cfg: UpConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        stop_all([c for c in [router, *workers] if c is not None])
+        stop_all([c for c in [gateway, router, *workers] if c is not None])
         if redis is not None:
             redis.close()
 
 
-def _banner(summary: dict) -> str:
+def _gateway_env(cfg: UpConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    if cfg.api_key is not None:
+        env[API_KEY_ENV] = cfg.api_key
+    return env
+
+
+def _banner(summary: dict, auth: bool = False) -> str:
     addr = summary["router"]
     lines = [
         f"Tandem is up ({summary['mode']}): gRPC tandem.v1.Generation on {addr}",
@@ -118,6 +141,16 @@ def _banner(summary: dict) -> str:
         "  req = g.GenerateRequest(text='The capital of France is', sampling=g.SamplingParams(max_tokens=16))",
         "  print(''.join(r.text for r in stub.Generate(req)))",
         "  EOF",
-        "Ctrl-C stops everything.",
     ]
+    if "gateway" in summary:
+        url = summary["gateway"]
+        auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if auth else ""
+        lines[1:1] = [f"  gateway   OpenAI-compatible HTTP API on {url}/v1"]
+        lines += [
+            "or over HTTP (OpenAI API):",
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+            "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
+            "\"max_tokens\": 32}'",
+        ]
+    lines.append("Ctrl-C stops everything.")
     return "\n".join(lines)
