@@ -12,10 +12,11 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
+from services.common.convert import prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.worker import metrics
 from services.worker.config import WorkerConfig
-from services.worker.convert import output_to_pb, prompt_from_pb, sampling_from_pb
+from services.worker.convert import output_to_pb
 from services.worker.loop import EngineLoop
 from services.worker.server import RoleParts, register_role
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
@@ -60,11 +61,7 @@ class ColocatedWorker:
         metrics.SLOTS_FREE.set(s.kv.slots.num_free_slots)
 
     def on_idle(self) -> None:
-        try:
-            self.engine.check_idle()
-        except AssertionError as e:
-            metrics.IDLE_CHECK_FAILURES.inc()
-            log.error("idle self-check failed: %s", e)
+        metrics.idle_check(self.engine)
 
     def load(self) -> worker_pb2.WorkerLoad:
         s = self.engine.scheduler

@@ -10,9 +10,10 @@ import grpc
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVReceiver
+from services.common.convert import prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.decode.worker import DecodeRoom, DecodeWorker
-from services.worker.convert import output_to_pb, prompt_from_pb, sampling_from_pb
+from services.worker.convert import output_to_pb
 from services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 

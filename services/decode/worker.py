@@ -128,11 +128,7 @@ class DecodeWorker:
     def on_idle(self) -> None:
         if self.prealloc or self.transfer:
             return
-        try:
-            self.engine.check_idle()
-        except AssertionError as e:
-            metrics.IDLE_CHECK_FAILURES.inc()
-            log.error("idle self-check failed: %s", e)
+        metrics.idle_check(self.engine)
 
     # --- internals ---------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -149,6 +145,7 @@ class DecodeWorker:
             dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
             self.receiver.expect(room.room, dst, room.prefill_id)
             self.transfer[room.room] = room
+            room.bootstrapped_at = time.monotonic()  # the transfer timeout runs from here, not from queueing
             self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(
                 bootstrap_room=room.room, dst_page_ids=dst, decode_prefix_len=req.cache_len, page_size=ps,
             ))
@@ -162,10 +159,10 @@ class DecodeWorker:
             elif status.state is RoomState.FAILED:
                 self._drop(room, TransferFailed(
                     f"KV transfer from prefill worker {room.prefill_id} failed: {status.error}"))
-            elif now - room.created > self.timeouts.transfer_s:
+            elif now - room.bootstrapped_at > self.timeouts.transfer_s:
                 self._drop(room, TransferFailed(
                     f"KV transfer from prefill worker {room.prefill_id} timed out after "
-                    f"{self.timeouts.transfer_s:.0f}s"), reason="transfer timeout")
+                    f"{self.timeouts.transfer_s:g}s"), reason="transfer timeout")
 
     def _start_decoding(self, room: DecodeRoom, status) -> None:
         aux = worker_pb2.AuxRecord.FromString(status.aux)

@@ -9,10 +9,10 @@ import grpc
 
 from engine.errors import TandemError
 from kvtransfer.base import KVSender, TransferError
+from services.common.convert import prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.prefill.rooms import BootstrapInfo
 from services.prefill.worker import PrefillWorker
-from services.worker.convert import prompt_from_pb, sampling_from_pb
 from services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 

@@ -119,20 +119,16 @@ class PrefillWorker:
                 elif status.state is RoomState.FAILED:
                     self._fail(room, f"KV transfer failed: {status.error}")
                 elif now - room.finished_at > self.timeouts.transfer_s:
-                    self._fail(room, f"KV transfer timed out after {self.timeouts.transfer_s:.0f}s")
+                    self._fail(room, f"KV transfer timed out after {self.timeouts.transfer_s:g}s")
             elif not room.ready and now - room.created > self.timeouts.bootstrap_s:
                 missing = "decode worker's bootstrap" if room.info is None else "router's prefill request"
-                self._fail(room, f"bootstrap timed out after {self.timeouts.bootstrap_s:.0f}s waiting for the {missing}")
+                self._fail(room, f"bootstrap timed out after {self.timeouts.bootstrap_s:g}s waiting for the {missing}")
         self._export_metrics()
 
     def on_idle(self) -> None:
         if self.rooms:
             return  # rooms still waiting for their counterpart hold nothing, but are not idle
-        try:
-            self.engine.check_idle()
-        except AssertionError as e:
-            metrics.IDLE_CHECK_FAILURES.inc()
-            log.error("idle self-check failed: %s", e)
+        metrics.idle_check(self.engine)
 
     # --- internals ---------------------------------------------------------------------------
     def _check_capacity(self) -> None:

@@ -4,29 +4,8 @@ tokenizer). Wire defaults are mapped to engine values here, so the checks are th
 from __future__ import annotations
 
 from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from services.common.convert import sampling_from_pb
 from tandem.v1 import generation_pb2
-
-
-def sampling_from_pb(pb: generation_pb2.SamplingParams) -> SamplingParams:
-    """generation.proto's SamplingParams -> the engine's (0 = unset for top_p and repetition_penalty)."""
-    return SamplingParams(
-        max_tokens=pb.max_tokens,
-        temperature=pb.temperature,
-        top_p=pb.top_p or 1.0,
-        top_k=pb.top_k if pb.top_k > 0 else -1,
-        min_p=pb.min_p,
-        repetition_penalty=pb.repetition_penalty or 1.0,
-        frequency_penalty=pb.frequency_penalty,
-        presence_penalty=pb.presence_penalty,
-        seed=pb.seed if pb.HasField("seed") else None,
-        stop=tuple(pb.stop),
-        stop_token_ids=tuple(pb.stop_token_ids),
-        ignore_eos=pb.ignore_eos,
-        logprobs=pb.logprobs,
-        top_logprobs=pb.top_logprobs,
-        skip_special_tokens=pb.skip_special_tokens,
-    )
 
 
 def validate_request(req: generation_pb2.GenerateRequest) -> None:

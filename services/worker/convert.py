@@ -1,43 +1,10 @@
-"""Wire <-> domain conversions for workers: the only place protobuf meets engine types."""
+"""Engine outputs -> wire types for workers (requests are converted in services/common/convert.py)."""
 
 from __future__ import annotations
 
 from engine.detokenizer import FinishReason
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from tandem.v1 import generation_pb2
-
-
-def sampling_from_pb(sp: generation_pb2.SamplingParams) -> SamplingParams:
-    """Proto3 zeros mean "unset" where zero is not a meaningful value (top_p, repetition_penalty)."""
-    return SamplingParams(
-        max_tokens=sp.max_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p or 1.0,
-        top_k=sp.top_k if sp.top_k > 0 else -1,
-        min_p=sp.min_p,
-        repetition_penalty=sp.repetition_penalty or 1.0,
-        frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop=tuple(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        logprobs=sp.logprobs or sp.top_logprobs > 0,
-        top_logprobs=sp.top_logprobs,
-        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
-    )
-
-
-def prompt_from_pb(msg) -> str | list[int]:
-    """The `prompt` oneof of a GenerateRequest / PrefillRequest / DecodeRequest."""
-    which = msg.WhichOneof("prompt")
-    if which == "text":
-        return msg.text
-    if which == "token_ids":
-        return list(msg.token_ids.ids)
-    return ""
-
 
 _FINISH = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,

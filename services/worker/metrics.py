@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
 
 QUEUE_LEN = Gauge("tandem_queue_length", "Requests in each scheduler queue", ["queue"])
 QUEUE_CAP = Gauge("tandem_queue_capacity", "Bound of each scheduler queue", ["queue"])
@@ -16,3 +20,13 @@ TRANSFER_LATENCY = Histogram(
 )
 IDLE_CHECK_FAILURES = Counter("tandem_idle_check_failures_total", "Idle self-checks that found leaked pages/slots")
 STEPS = Counter("tandem_engine_steps_total", "Forward passes run", ["kind"])
+
+
+def idle_check(engine) -> None:
+    """The idle self-check (every page free or evictable, every slot free); a failure is logged and
+    counted rather than raised, so one leak does not take the worker down with it."""
+    try:
+        engine.check_idle()
+    except AssertionError as e:
+        IDLE_CHECK_FAILURES.inc()
+        log.error("idle self-check failed: %s", e)

@@ -57,7 +57,7 @@ def pair(tiny_llama):
     sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p")
     prefill = PrefillWorker(engine_p, sender, PrefillTimeouts(bootstrap_s=0.3, transfer_s=2.0))
     peers = DirectPeers(prefill, receiver)
-    decode = DecodeWorker(engine_d, receiver, DecodeTimeouts(transfer_s=0.5), peers)
+    decode = DecodeWorker(engine_d, receiver, DecodeTimeouts(transfer_s=5.0), peers)
     peers.decode = decode
     yield prefill, decode, peers
     sender.close()

@@ -1,0 +1,38 @@
+"""Public-API wire types -> engine types (torch-free: the router uses it too)."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from tandem.v1 import generation_pb2
+
+
+def sampling_from_pb(sp: generation_pb2.SamplingParams) -> SamplingParams:
+    """Proto3 zeros mean "unset" where zero is not a meaningful value (top_p, repetition_penalty,
+    top_k); `skip_special_tokens` defaults to true when unset; asking for top_logprobs implies logprobs."""
+    return SamplingParams(
+        max_tokens=sp.max_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p or 1.0,
+        top_k=sp.top_k if sp.top_k > 0 else -1,
+        min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty or 1.0,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs or sp.top_logprobs > 0,
+        top_logprobs=sp.top_logprobs,
+        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+    )
+
+
+def prompt_from_pb(msg) -> str | list[int]:
+    """The `prompt` oneof of a GenerateRequest / PrefillRequest / DecodeRequest ("" when unset)."""
+    which = msg.WhichOneof("prompt")
+    if which == "text":
+        return msg.text
+    if which == "token_ids":
+        return list(msg.token_ids.ids)
+    return ""
