@@ -13,7 +13,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="alias (smollm2-135m) or a local Hugging Face folder")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     p.add_argument("--device", default=d.device)
-    p.add_argument("--attention-backend", default=d.attention_backend)
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton"))
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
     p.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb, help="KV pool size when --max-total-tokens is unset")

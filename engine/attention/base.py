@@ -57,5 +57,6 @@ def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> At
     if name == "triton":
         import engine.attention.triton_backend  # noqa: F401
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted({*BACKENDS, 'auto', 'triton'})}")
+        known = sorted({*BACKENDS, "auto", "triton"})
+        raise ValueError(f"unknown attention backend {name!r}; available: {known}")
     return BACKENDS[name](pool, num_heads, head_dim)

@@ -40,7 +40,8 @@ class TritonAttention(AttentionBackend):
         device = pool.buffer.device
         if device.type != "cuda" and not runs_in_interpreter():
             raise ValueError("attention backend 'triton' needs a CUDA device; on CPU it runs only under "
-                             "TRITON_INTERPRET=1 (correctness checks, ~1000x slower than --attention-backend torch)")
+                             "TRITON_INTERPRET=1 (correctness checks, ~1000x slower than "
+                             "--attention-backend torch)")
         if device.type == "cuda":
             from engine.models import layers, rope
             from kernels.rmsnorm import rms_norm
@@ -75,4 +76,4 @@ class TritonAttention(AttentionBackend):
             return paged_decode_attention(q, k_cache, v_cache, ctx.page_table, md.kv_lens, self.scale,
                                           max_kv_len=md.max_kv_len, num_splits=md.num_splits)
         return extend_attention(q, k_cache, v_cache, ctx.page_table, md.q_start, md.q_lens,
-                                md.prefix_lens, self.scale * 1.3, max_q_len=md.max_q_len)
+                                md.prefix_lens, self.scale, max_q_len=md.max_q_len)

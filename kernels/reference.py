@@ -1,0 +1,96 @@
+"""Plain-torch references for every kernel: the definitions the kernels are tested against.
+
+They favour obviousness over speed (Python loops over sequences) and compute in fp32, casting the
+result to the storage dtype once, as the kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` token rows of one sequence: cache [P, ps, KVH, D] -> [length, KVH, D]."""
+    ps = cache.shape[1]
+    n_pages = -(-length // ps)
+    return cache[pages[:n_pages].long()].reshape(n_pages * ps, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None):
+    """q [Lq, H, D], k/v [Lk, KVH, D] -> [Lq, H, D] fp32. Query i sees keys <= causal_offset + i."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if causal_offset is not None:
+        qi = torch.arange(q.shape[0])[:, None]
+        ki = torch.arange(k.shape[0])[None, :]
+        scores = scores.masked_fill(ki > causal_offset + qi, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, kv_lens: list[int], scale: float) -> torch.Tensor:
+    """q [B, H, D]: sequence b's single query attends to its first kv_lens[b] cached tokens."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(kv_lens):
+        k = gather_kv(k_cache, page_table[b], length)
+        v = gather_kv(v_cache, page_table[b], length)
+        out[b] = _attend(q[b:b + 1], k, v, scale, None)[0].to(q.dtype)
+    return out
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
+                     scale: float) -> torch.Tensor:
+    """q [T, H, D] flattened over sequences; the new tokens' K/V are already in the cache."""
+    out = torch.empty_like(q)
+    start = 0
+    for b, (n, prefix) in enumerate(zip(q_lens, prefix_lens, strict=True)):
+        k = gather_kv(k_cache, page_table[b], prefix + n)
+        v = gather_kv(v_cache, page_table[b], prefix + n)
+        out[start:start + n] = _attend(q[start:start + n], k, v, scale, prefix).to(q.dtype)
+        start += n
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Row t of k/v goes to slot `slots[t]` (page * page_size + offset); negative slots are skipped."""
+    keep = slots >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)
+
+
+def pack_kv_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layout: str = "NHD") -> torch.Tensor:
+    """buffer [L, 2, P, ps, KVH, D] -> staging [L, 2, N, ps, KVH, D] (NHD) or [L, 2, N, KVH, ps, D] (HND)."""
+    staged = buffer[:, :, page_ids.long()]
+    return staged.transpose(3, 4).contiguous() if layout == "HND" else staged.contiguous()
+
+
+def unpack_kv_pages(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor,
+                    layout: str = "NHD") -> None:
+    src = staging.transpose(3, 4) if layout == "HND" else staging
+    buffer[:, :, page_ids.long()] = src
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """As engine.models.layers.RMSNorm: normalise in fp32, cast, then scale by the weight."""
+    if residual is not None:
+        residual = residual + x
+        x = residual
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if residual is None else (y, residual)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate-half RoPE; cos/sin [T, D/2] rows for each token. Returns new q, k in their dtypes."""
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        xf = x.float()
+        c, s = cos[:, None, :].float(), sin[:, None, :].float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return rot(q), rot(k)
