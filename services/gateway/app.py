@@ -89,7 +89,8 @@ class Gateway:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.config.api_key.encode()):
-            raise APIError(401, "invalid API key: send `Authorization: Bearer <key>` with the gateway's --api-key")
+            raise APIError(401, "invalid API key: send `Authorization: Bearer <key>` with the gateway's --api-key",
+                           code="invalid_api_key")
 
     # ---- generation endpoints ----------------------------------------------------------------
 
@@ -112,7 +113,8 @@ class Gateway:
         if self.inflight >= self.config.max_inflight:
             self.metrics.requests.labels(endpoint, "429").inc()
             return APIError(429, f"the gateway has {self.inflight} requests in flight "
-                                 f"(--max-inflight {self.config.max_inflight}); retry later").response()
+                                 f"(--max-inflight {self.config.max_inflight}); retry later",
+                            code="rate_limit_exceeded").response()
         self.inflight += 1
         self.metrics.inflight.inc()
         try:

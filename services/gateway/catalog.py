@@ -54,14 +54,16 @@ class ModelCatalog:
         if age > self.ttl_s or (missing and age > _MISS_REFRESH_S):
             await self._refresh(self._fetched_at)
         if not self._models:
-            raise APIError(503, "no workers are registered with the router; retry when the workers are up")
+            raise APIError(503, "no workers are registered with the router; retry when the workers are up",
+                           code="no_workers")
         if not name:
             if len(self._models) > 1:
                 raise APIError(400, f"`model` is required; served: {', '.join(sorted(self._models))}", "model")
             return next(iter(self._models.values()))
         model = self._models.get(name)
         if model is None:
-            raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(sorted(self._models))}", "model")
+            raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(sorted(self._models))}",
+                           "model", code="model_not_found")
         return model
 
     async def _refresh(self, seen: float) -> None:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
@@ -58,27 +59,32 @@ async def until_disconnect(request: Request, coro: Awaitable[T]) -> T:
     return work.result()
 
 
-class EventStream:
+class EventStream(Response):
     """An ASGI `text/event-stream` response over an async iterator of already-framed SSE bytes.
 
     `on_close` runs exactly once when the response is over for any reason (done, client gone, server
     shutting down), even if the body never started: that is where the caller releases what it holds.
     """
 
+    media_type = "text/event-stream"
+
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None,
                  status_code: int = 200):
-        self.body = body
+        # Not Response.__init__: it would render a body and a content-length.
+        self.body_iterator = body
         self.on_close = on_close
         self.status_code = status_code
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no"),
-            ]})
-            async for chunk in self.body:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -90,7 +96,7 @@ class EventStream:
             raise
         finally:
             if work.done():  # else the body is still running in `work`: it closes as its cancellation unwinds
-                aclose = getattr(self.body, "aclose", None)
+                aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(Exception):
                         await aclose()

@@ -12,17 +12,16 @@ from fastapi.responses import JSONResponse
 
 from services.common.grpc_errors import param_from_metadata
 
-# status -> (OpenAI error type, code)
-_KIND = {
-    400: ("invalid_request_error", None),
-    401: ("authentication_error", "invalid_api_key"),
-    403: ("permission_error", None),
-    404: ("invalid_request_error", "model_not_found"),
-    429: ("rate_limit_error", "rate_limit_exceeded"),
-    499: ("invalid_request_error", "cancelled"),
-    500: ("internal_error", None),
-    503: ("service_unavailable", "unavailable"),
-    504: ("timeout", "deadline_exceeded"),
+# HTTP status -> OpenAI error type
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
 }
 
 HTTP_STATUS_BY_GRPC = {
@@ -46,11 +45,11 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code if code is not None else _KIND.get(status, ("internal_error", None))[1]
+        self.code = code
 
     @property
     def type(self) -> str:
-        return _KIND.get(self.status, ("internal_error", None))[0]
+        return _TYPES.get(self.status, "internal_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -66,7 +65,8 @@ class APIError(Exception):
         message = err.details() or code.name
         if status == 500:
             message = f"router error ({code.name}): {message}"
-        return cls(status, message, param_from_metadata(err.trailing_metadata()) if status == 400 else None)
+        param = param_from_metadata(err.trailing_metadata()) if status == 400 else None
+        return cls(status, message, param, code.name.lower())
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

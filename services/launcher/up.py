@@ -99,7 +99,7 @@ def run_up(cfg: UpConfig) -> int:
         sys.stdout.write("TANDEM_UP " + json.dumps(summary) + "\n")
         sys.stdout.flush()
         if not cfg.quiet:
-            print(_banner(summary, auth=bool(_gateway_env(cfg).get(API_KEY_ENV))), file=sys.stderr, flush=True)
+            print(_banner(summary, _auth_header(cfg)), file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if not router.alive:
                 log.error("router exited (code %s): shutting down", router.proc.returncode)
@@ -128,23 +128,26 @@ def _gateway_env(cfg: UpConfig) -> dict[str, str]:
     return env
 
 
-def _banner(summary: dict, auth: bool = False) -> str:
+def _auth_header(cfg: UpConfig) -> str:
+    if cfg.api_key is not None:
+        return " -H 'Authorization: Bearer <your --api-key>'"
+    if os.environ.get(API_KEY_ENV):
+        return f" -H \"Authorization: Bearer ${API_KEY_ENV}\""
+    return ""
+
+
+def _banner(summary: dict, auth: str = "") -> str:
     addr = summary["router"]
     lines = [
         f"Tandem is up ({summary['mode']}): gRPC tandem.v1.Generation on {addr}",
         *(f"  {w['role']:9s} {w['worker_id']} at {w['grpc_addr']} (metrics :{w['metrics_port']})"
           for w in summary["workers"]),
-        "Try:",
-        "  .venv/bin/python - <<'EOF'",
-        "  import grpc; from tandem.v1 import generation_pb2 as g, generation_pb2_grpc as gg",
-        f"  stub = gg.GenerationStub(grpc.insecure_channel('{addr}'))",
-        "  req = g.GenerateRequest(text='The capital of France is', sampling=g.SamplingParams(max_tokens=16))",
-        "  print(''.join(r.text for r in stub.Generate(req)))",
-        "  EOF",
+        "Try it with the gRPC SDK:",
+        "  .venv/bin/python -c \"from tandem_client import Client; "
+        f"print(Client('{addr}').generate('The capital of France is', max_tokens=16).text)\"",
     ]
     if "gateway" in summary:
         url = summary["gateway"]
-        auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if auth else ""
         lines[1:1] = [f"  gateway   OpenAI-compatible HTTP API on {url}/v1"]
         lines += [
             "or over HTTP (OpenAI API):",

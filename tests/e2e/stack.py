@@ -22,10 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Stack:
-    def __init__(self, *args: str, timeout_s: float = 180.0):
+    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`)."""
+
+    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        gateway_port = "0" if gateway else "-1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--quiet", *args],
+            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
             start_new_session=True,
         )
@@ -48,6 +51,10 @@ class Stack:
             raise RuntimeError("stack did not come up:\n" + "\n".join(self.log))
         self.channel = grpc.insecure_channel(self.info["router"])
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    @property
+    def gateway_url(self) -> str:
+        return self.info["gateway"]
 
     def workers(self, role: str) -> list[dict]:
         return [w for w in self.info["workers"] if w["role"] == role]
@@ -75,6 +82,12 @@ class Stack:
         total = float(re.search(r'tandem_kv_pages\{state="total"\} (\S+)', text).group(1))
         return free, total
 
+    def worker_requests(self, worker: dict) -> dict[str, float]:
+        """A worker's finished requests by outcome (success, cancelled, failed) from its /metrics."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{worker['metrics_port']}/metrics", timeout=5).read().decode()
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r'tandem_worker_requests_total\{outcome="(\w+)"\} (\S+)', text)}
+
     def wait_pages_free(self, worker: dict, timeout_s: float = 15.0) -> tuple[float, float]:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -90,6 +103,67 @@ class Stack:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+# ---- sharing one deployment between test modules, and extra services next to it ------------------
+
+_SHARED: dict[tuple, Stack] = {}
+API_KEY = "sk-tandem-test"
+
+
+def shared_stack(config, *args: str, gateway: bool = False) -> Stack:
+    """One Stack per argument list for the whole pytest session (closed when it ends), so modules
+    that can share a deployment start it once. `config` is pytest's (request.config)."""
+    key = (*args, gateway)
+    stack = _SHARED.get(key)
+    if stack is None or stack.proc.poll() is not None:
+        stack = _SHARED[key] = Stack(*args, gateway=gateway)
+        config.add_cleanup(stack.close)
+    return stack
+
+
+def gateway_stack(config, model: Path) -> Stack:
+    """The 1P1D deployment with the HTTP gateway (API key `API_KEY`) that the gateway and SDK e2e
+    tests share: a tiny model, fp32, 4-token pages."""
+    return shared_stack(config, "--model", str(model), "--dtype", "float32", "--page-size", "4",
+                        "--max-total-tokens", "4096", "--api-key", API_KEY, gateway=True)
+
+
+class Service:
+    """One more Tandem process (`python -m MODULE ARGS`, e.g. a second router or gateway), ready once
+    it printed its TANDEM_READY line; `info` is that line's JSON."""
+
+    def __init__(self, *argv: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.log: deque[str] = deque(maxlen=200)
+        self.info: dict | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip())
+            if line.startswith("TANDEM_READY ") and self.info is None:
+                self.info = json.loads(line[len("TANDEM_READY "):])
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        if not self._ready.wait(timeout_s) or self.info is None:
+            self.close()
+            raise RuntimeError("service did not come up:\n" + "\n".join(self.log))
+        return self.info
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)

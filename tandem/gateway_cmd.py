@@ -1,0 +1,18 @@
+"""`tandem gateway`: the OpenAI-compatible HTTP gateway in front of the router."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from services.gateway.config import add_arguments as add_gateway_arguments
+
+    add_gateway_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here, not at module import: `tandem --help` stays instant.
+    from services.gateway.server import run as run_gateway
+
+    return run_gateway(args)
