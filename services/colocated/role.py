@@ -60,6 +60,9 @@ class ColocatedWorker:
         metrics.KV_PAGES.labels("total").set(s.kv.num_pages)
         metrics.SLOTS_FREE.set(s.kv.slots.num_free_slots)
 
+    def polling(self) -> bool:
+        return False
+
     def on_idle(self) -> None:
         metrics.idle_check(self.engine)
 

@@ -125,6 +125,9 @@ class DecodeWorker:
         self._poll_transfers()
         self._export_metrics()
 
+    def polling(self) -> bool:
+        return bool(self.prealloc or self.transfer)
+
     def on_idle(self) -> None:
         if self.prealloc or self.transfer:
             return

@@ -125,6 +125,9 @@ class PrefillWorker:
                 self._fail(room, f"bootstrap timed out after {self.timeouts.bootstrap_s:g}s waiting for the {missing}")
         self._export_metrics()
 
+    def polling(self) -> bool:
+        return bool(self.rooms)
+
     def on_idle(self) -> None:
         if self.rooms:
             return  # rooms still waiting for their counterpart hold nothing, but are not idle

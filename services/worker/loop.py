@@ -31,12 +31,16 @@ class StepWorker(Protocol):
     def on_idle(self) -> None:
         """Called when the worker just became idle: the place for the idle self-check."""
 
+    def polling(self) -> bool:
+        """True while `tick` has something to watch (transfers, timeouts): tick often then."""
+
 
 class EngineLoop:
     """Lifecycle: create -> start() -> (serve) -> stop(); stop is safe to call twice."""
 
     def __init__(self, worker: StepWorker, aio_loop: asyncio.AbstractEventLoop,
-                 on_fatal: Callable[[], None] = lambda: None, idle_wait_s: float = 0.005):
+                 on_fatal: Callable[[], None] = lambda: None, idle_wait_s: float = 0.002,
+                 quiet_wait_s: float = 0.05):
         self.worker = worker
         self.on_fatal = on_fatal
         self.failed = False
@@ -44,7 +48,8 @@ class EngineLoop:
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._idle_wait_s = idle_wait_s
+        self._idle_wait_s = idle_wait_s    # between ticks while transfers/timeouts are pending
+        self._quiet_wait_s = quiet_wait_s  # when nothing is: commands still wake the loop at once
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.busy_s = 0.0
@@ -122,7 +127,7 @@ class EngineLoop:
             if was_busy:
                 was_busy = False
                 self.worker.on_idle()
-            self._wake.wait(self._idle_wait_s)
+            self._wake.wait(self._idle_wait_s if self.worker.polling() else self._quiet_wait_s)
             self._wake.clear()
 
 
