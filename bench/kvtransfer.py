@@ -1,6 +1,6 @@
-"""KV transfer throughput: the shm and tcp backends between two processes, beside the floors they
-compete with, all in one run with repeats interleaved (the cores are shared, so ratios within one run
-are what count).
+"""KV transfer throughput: every backend (shm, tcp, nixl, ucx, auto) between two processes, beside the
+floors they compete with, all in one run with repeats interleaved in a shuffled order (the cores are
+shared, so ratios within one run are what count).
 
     python -m bench.kvtransfer --out bench/results/kvtransfer.json
 
@@ -14,15 +14,24 @@ pools. Rows:
 - `raw_socket`: plain `sendall` / `recv_into` of the same byte count, contiguous, over 127.0.0.1.
 - `raw_socket_sg`: the same socket moving the same scattered pages with gather/scatter `sendmsg` /
   `recvmsg` (what the tcp backend does underneath, without its protocol).
-- `tcp`, `shm`: the backends, timed from `write()` until P sees SUCCESS (which D sends after it has
-  stored the aux record), so the time until D sees the aux record is included. `D ms` is D's own
-  RoomStatus.seconds (first byte of the room -> aux record).
-- `tcp_one_run`: the tcp backend moving the same byte count as one run of consecutive pages.
+- `tcp`, `shm`, `nixl`, `ucx`: the backends, timed from `write()` until P sees SUCCESS (which D sends
+  after it has stored the aux record), so the time until D sees the aux record is included. `D ms` is
+  D's own RoomStatus.seconds (first byte of the room -> aux record). `nixl` uses UCX's default
+  transports (on one host: cma for the writes); `ucx` keeps UCX peer-failure detection (tcp).
+- `nixl_tcp`: nixl with the sender's UCX_TLS=tcp: what nixl gets between CPU hosts without RDMA.
+- `*_one_run`: the backend moving the same byte count as one run of consecutive pages.
+- `auto`: what `auto` picks on one host (shm); `auto_remote`: what it picks when D's shared memory is on
+  another host (the metadata says so: tcp). The targets compare each with the best backend for that
+  situation.
+
+Receivers are shared where the data path is the same (the shm row's sender writes into the auto
+receiver's shared-memory pool), to keep the memory of the run at about 11 GB with the default pools.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import platform
@@ -36,8 +45,13 @@ import numpy as np
 import torch
 
 from kvtransfer import create_receiver, create_sender, merge_runs
+from kvtransfer.backends.ucx_env import UcxSettings
 from kvtransfer.base import PoolLayout, RoomState
 from kvtransfer.iovec import page_iov, recv_iov, send_iov
+
+# The backends that work in each situation (auto's choice is compared with the best of them).
+SAME_HOST = ("shm", "tcp", "nixl", "ucx")
+REMOTE = ("tcp", "nixl_tcp", "ucx")     # ucx here already runs over tcp (it keeps peer-failure detection)
 
 
 def smollm2_layout(pages: int) -> PoolLayout:
@@ -55,8 +69,8 @@ def _sg_iov(buf: torch.Tensor, layout: PoolLayout, starts: np.ndarray, lengths: 
 
 # ---- child processes -----------------------------------------------------------------------------------
 
-def receiver_child(conn, backend: str, layout: PoolLayout) -> None:
-    rx = create_receiver(backend, layout, "127.0.0.1", f"D-{backend}")
+def receiver_child(conn, backend: str, layout: PoolLayout, options: dict) -> None:
+    rx = create_receiver(backend, layout, "127.0.0.1", f"D-{backend}", **options)
     rx.buffer.zero_()                                   # touch every page once, as a running D would have
     conn.send(rx.metadata())
     while True:
@@ -136,43 +150,59 @@ class RawSocket:
         assert self.sock.recv(1) == b"k"
 
 
-class Backend:
-    def __init__(self, name: str, pool: torch.Tensor, layout: PoolLayout):
+class RxChild:
+    """A receiver of one backend in its own process."""
+
+    def __init__(self, name: str, layout: PoolLayout, **options):
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver_child, args=(child_conn, name, layout), daemon=True)
+        self.proc = ctx.Process(target=receiver_child, args=(child_conn, name, layout, options), daemon=True)
         self.proc.start()
-        meta = self.conn.recv()
-        self.name = name
-        self.tx = create_sender(name, pool, layout, f"P-{name}")
-        self.tx.connect(f"D-{name}", meta)
-        assert self.tx.path_kind(f"D-{name}") == name
-        self.d_seconds: list[float] = []
+        self.meta = self.conn.recv()
+        self.worker_id = f"D-{name}"
 
-    def _call(self, *msg):
+    def call(self, *msg):
         self.conn.send(msg)
         return self.conn.recv()
 
+    def close(self) -> None:
+        self.call("exit")
+        self.proc.join(10)
+
+
+class Link:
+    """One row: a sender of this process writing into a receiver child through a given data path."""
+
+    def __init__(self, row: str, rx: RxChild, backend: str, pool: torch.Tensor, layout: PoolLayout, path: str,
+                 meta: bytes | None = None, **options):
+        self.rx, self.peer, self.id = rx, rx.worker_id, f"P-{row}"
+        self.tx = create_sender(backend, pool, layout, self.id, **options)
+        self.tx.connect(self.peer, meta or rx.meta)
+        assert self.tx.path_kind(self.peer) == path, (row, self.tx.path_kind(self.peer))
+        self.d_seconds: list[float] = []
+
     def transfer(self, src: list[int], dst: list[int]) -> float:
         room = random.getrandbits(63)
-        self._call("expect", room, dst, f"P-{self.name}")
+        self.rx.call("expect", room, dst, self.id)
         t0 = time.perf_counter()
-        self.tx.write(f"D-{self.name}", room, src, dst)
-        self.tx.finish(f"D-{self.name}", room, b"x" * 100)
+        self.tx.write(self.peer, room, src, dst)
+        self.tx.finish(self.peer, room, b"x" * 100)
         st = self.tx.wait(room, timeout=60)              # blocks on a condition: no polling thread stealing CPU
         elapsed = time.perf_counter() - t0
         assert st.state == RoomState.SUCCESS, st
-        rst = self._call("poll", room)
+        rst = self.rx.call("poll", room)
         assert rst.state == RoomState.SUCCESS and rst.aux == b"x" * 100, rst
         self.d_seconds.append(rst.seconds)
-        self._call("release", room)
+        self.rx.call("release", room)
         self.tx.release(room)
         return elapsed
 
-    def close(self) -> None:
-        self.tx.close()
-        self._call("exit")
-        self.proc.join(10)
+
+def other_host(meta: bytes) -> bytes:
+    """D's metadata as a sender on another host would see it: its shared memory is out of reach."""
+    d = json.loads(meta)
+    d["shm"]["hostname"] = "another-host"
+    return json.dumps(d).encode()
 
 
 def timed(fn) -> float:
@@ -208,7 +238,16 @@ def main() -> None:
     raw_proc = ctx.Process(target=raw_child, args=(raw_child_conn, layout, nbytes, runs_np[:, 1:]), daemon=True)
     raw_proc.start()
     raw = RawSocket(raw_conn.recv(), pool, layout, nbytes, runs_np[:, [0, 2]])
-    backends = {name: Backend(name, pool, layout) for name in ("shm", "tcp")}
+    rxs = {name: RxChild(name, layout) for name in ("auto", "tcp", "nixl", "ucx")}
+    links = {
+        "tcp": Link("tcp", rxs["tcp"], "tcp", pool, layout, "tcp"),
+        "shm": Link("shm", rxs["auto"], "shm", pool, layout, "shm"),
+        "nixl": Link("nixl", rxs["nixl"], "nixl", pool, layout, "nixl"),
+        "nixl_tcp": Link("nixl_tcp", rxs["nixl"], "nixl", pool, layout, "nixl", ucx=UcxSettings.from_env(tls="tcp")),
+        "ucx": Link("ucx", rxs["ucx"], "ucx", pool, layout, "ucx"),
+        "auto": Link("auto", rxs["auto"], "auto", pool, layout, "shm"),
+        "auto_remote": Link("auto_remote", rxs["auto"], "auto", pool, layout, "tcp", meta=other_host(rxs["auto"].meta)),
+    }
     # The same byte count as one run of consecutive pages on both sides: the tcp protocol's own cost
     # against the contiguous raw socket, without the scattered-memory cost.
     one_run_src = list(range(args.move))
@@ -221,15 +260,26 @@ def main() -> None:
         "copy_1proc_one_run": local.one_run,
         "raw_socket": raw.contiguous,
         "raw_socket_sg": raw.scatter_gather,
-        "tcp": lambda: backends["tcp"].transfer(src, dst),
-        "shm": lambda: backends["shm"].transfer(src, dst),
-        "tcp_one_run": lambda: backends["tcp"].transfer(one_run_src, one_run_dst),
     }
+    one_run = {f"{name}_one_run": name for name in ("tcp", "nixl", "ucx")}
+    transfers = {name: (links[name], src, dst) for name in links}
+    transfers.update({row: (links[name], one_run_src, one_run_dst) for row, name in one_run.items()})
+    for row, (link, pages_from, pages_to) in transfers.items():
+        ops[row] = functools.partial(link.transfer, pages_from, pages_to)
+    d_seconds: dict[str, list[float]] = {row: [] for row in transfers}
     times: dict[str, list[float]] = {k: [] for k in ops}
     cold: dict[str, float] = {}
+    order = list(ops)
     for rep in range(args.repeats + 1):
-        for name, fn in ops.items():
-            t = fn() if name in ("tcp", "shm", "tcp_one_run") else timed(fn)
+        if rep:
+            rng.shuffle(order)           # no row always runs right after the same other row
+        for name in order:
+            fn = ops[name]
+            if name in transfers:
+                t = fn()
+                d_seconds[name].append(transfers[name][0].d_seconds[-1])
+            else:
+                t = timed(fn)
             if rep == 0:
                 cold[name] = t
             else:
@@ -238,11 +288,11 @@ def main() -> None:
     local.copy_loop()
     assert torch.equal(local.dst[:, :, dst[:8]].view(torch.int16), pool[:, :, src[:8]].view(torch.int16))
 
-    d_ms = {"shm": 1e3 * statistics.median(backends["shm"].d_seconds[1:]),
-            "tcp": 1e3 * statistics.median(backends["tcp"].d_seconds[2::2]),
-            "tcp_one_run": 1e3 * statistics.median(backends["tcp"].d_seconds[3::2])}
-    for b in backends.values():
-        b.close()
+    d_ms = {row: 1e3 * statistics.median(ds[1:]) for row, ds in d_seconds.items()}
+    for link in links.values():
+        link.tx.close()
+    for rx in rxs.values():
+        rx.close()
     raw.sock.sendall(b"q")
     raw_proc.join(10)
 
@@ -261,6 +311,14 @@ def main() -> None:
         "raw_socket_sg_vs_raw_socket": by["raw_socket_sg"]["gb_s"] / by["raw_socket"]["gb_s"],
         "tcp_one_run_vs_raw_socket": by["tcp_one_run"]["gb_s"] / by["raw_socket"]["gb_s"],
         "copy_1proc_vs_copy_1proc_one_run": by["copy_1proc"]["gb_s"] / by["copy_1proc_one_run"]["gb_s"],
+        "nixl_vs_raw_socket": by["nixl"]["gb_s"] / by["raw_socket"]["gb_s"],
+        "nixl_vs_raw_socket_sg": by["nixl"]["gb_s"] / by["raw_socket_sg"]["gb_s"],
+        "nixl_one_run_vs_raw_socket": by["nixl_one_run"]["gb_s"] / by["raw_socket"]["gb_s"],
+        "nixl_tcp_vs_raw_socket": by["nixl_tcp"]["gb_s"] / by["raw_socket"]["gb_s"],
+        "ucx_vs_raw_socket": by["ucx"]["gb_s"] / by["raw_socket"]["gb_s"],
+        "ucx_one_run_vs_raw_socket": by["ucx_one_run"]["gb_s"] / by["raw_socket"]["gb_s"],
+        "auto_vs_best_same_host": by["auto"]["gb_s"] / max(by[b]["gb_s"] for b in SAME_HOST),
+        "auto_remote_vs_best_remote": by["auto_remote"]["gb_s"] / max(by[b]["gb_s"] for b in REMOTE),
     }
     # Best-of-repeats ratios: less sensitive to other work on shared cores than the medians.
     best = {r["method"]: nbytes / r["min_ms"] * 1e3 / 1e9 for r in rows}
@@ -269,9 +327,17 @@ def main() -> None:
         "tcp_vs_raw_socket": best["tcp"] / best["raw_socket"],
         "tcp_vs_raw_socket_sg": best["tcp"] / best["raw_socket_sg"],
         "raw_socket_sg_vs_raw_socket": best["raw_socket_sg"] / best["raw_socket"],
+        "nixl_vs_raw_socket": best["nixl"] / best["raw_socket"],
+        "nixl_vs_raw_socket_sg": best["nixl"] / best["raw_socket_sg"],
+        "ucx_vs_raw_socket": best["ucx"] / best["raw_socket"],
+        "auto_vs_best_same_host": best["auto"] / max(best[b] for b in SAME_HOST),
+        "auto_remote_vs_best_remote": best["auto_remote"] / max(best[b] for b in REMOTE),
     }
     targets = {"shm_vs_copy_1proc>=0.8": ratios["shm_vs_copy_1proc"] >= 0.8,
-               "tcp_vs_raw_socket>=0.9": ratios["tcp_vs_raw_socket"] >= 0.9}
+               "tcp_vs_raw_socket>=0.9": ratios["tcp_vs_raw_socket"] >= 0.9,
+               "nixl_vs_raw_socket>=1.0": ratios["nixl_vs_raw_socket"] >= 1.0,
+               "auto_vs_best_same_host>=0.9": ratios["auto_vs_best_same_host"] >= 0.9,
+               "auto_remote_vs_best_remote>=0.9": ratios["auto_remote_vs_best_remote"] >= 0.9}
 
     print(f"\n{'method':<22}{'median ms':>10}{'GB/s':>8}{'min ms':>9}{'max ms':>9}{'cold ms':>9}{'D ms':>8}")
     for r in rows:
@@ -284,7 +350,7 @@ def main() -> None:
         b = f"{ratios_best[k]:7.2f}" if k in ratios_best else ""
         print(f"{k:<34}{v:7.2f}{b}")
     for k, v in targets.items():
-        print(f"target {k:<30}{'met' if v else 'NOT met'}")
+        print(f"target {k:<34}{'met' if v else 'NOT met'}")
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,11 @@
 | `tcp`  | pool in private memory, pages over TCP         | pages over TCP                                  |
 | `shm`  | pool in /dev/shm, control over TCP             | copies into D's mapped pool (same host only)    |
 | `auto` | pool in /dev/shm, accepts shm and tcp writers  | shm when D is on this host and its segment opens, else tcp |
+| `nixl` | pool registered with a NIXL agent (UCX)        | NIXL WRITEs of merged page runs (RDMA, cma, tcp) |
+| `ucx`  | pool reached through a ucxx listener endpoint  | page runs as UCX tagged messages (ucxx)          |
+
+`nixl` and `ucx` load their libraries only when such a backend is created. `auto` does not pick them
+(see docs/benchmarks.md): on one host shm is faster, and between CPU hosts without RDMA so is tcp.
 """
 
 from __future__ import annotations
@@ -26,6 +31,30 @@ _BACKENDS = {           # name -> (data paths a receiver accepts, data paths a s
 for _name, (_accepts, _tries) in _BACKENDS.items():
     RECEIVERS[_name] = functools.partial(Receiver, name=_name, backends=_accepts)
     SENDERS[_name] = functools.partial(Sender, name=_name, paths=_tries)
+
+
+def _nixl_receiver(*args, **options) -> KVReceiver:
+    from kvtransfer.backends.nixl import NixlReceiver
+    return NixlReceiver(*args, **options)
+
+
+def _nixl_sender(*args, **options) -> KVSender:
+    from kvtransfer.backends.nixl import NixlSender
+    return NixlSender(*args, **options)
+
+
+def _ucx_receiver(*args, **options) -> KVReceiver:
+    from kvtransfer.backends.ucx import UcxReceiver
+    return UcxReceiver(*args, **options)
+
+
+def _ucx_sender(*args, **options) -> KVSender:
+    from kvtransfer.backends.ucx import UcxSender
+    return UcxSender(*args, **options)
+
+
+RECEIVERS.update(nixl=_nixl_receiver, ucx=_ucx_receiver)
+SENDERS.update(nixl=_nixl_sender, ucx=_ucx_sender)
 
 
 def create_receiver(name: str, layout: PoolLayout, host: str, worker_id: str, **options) -> KVReceiver:

@@ -12,7 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
-    p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp")
+    p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
     p.add_argument("--policy", default="round_robin", help="router policy: round_robin | least_load")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default=None, help="address peers use to reach this worker")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="announce in this registry (e.g. redis://127.0.0.1:6379)")
-    p.add_argument("--transfer-backend", default=d.transfer_backend, help="auto | shm | tcp")
+    p.add_argument("--transfer-backend", default=d.transfer_backend, help="auto | shm | tcp | nixl | ucx")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="0: any free port, -1: off")
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
     p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s)

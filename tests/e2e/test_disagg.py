@@ -1,7 +1,7 @@
 """Disaggregated serving end to end: real router, prefill and decode processes on 127.0.0.1.
 
-Greedy tokens must be identical through 1P1D and 2P2D (shm and tcp), through the co-located mode,
-and from Hugging Face transformers.
+Greedy tokens must be identical through 1P1D and 2P2D (shm and tcp; 1P1D also nixl and ucx), through
+the co-located mode, and from Hugging Face transformers.
 """
 
 from __future__ import annotations
@@ -68,8 +68,11 @@ def test_colocated_matches_transformers(reference, colocated_outputs):
     assert colocated_outputs == reference[1]
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
-@pytest.mark.parametrize("shape", [(1, 1), (2, 2)], ids=["1p1d", "2p2d"])
+# nixl and ucx run the 1P1D shape only: their data paths are covered by tests/kvtransfer.
+SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), ("tcp", (2, 2)), ("nixl", (1, 1)), ("ucx", (1, 1))]
+
+
+@pytest.mark.parametrize(("backend", "shape"), SHAPES, ids=[f"{p}p{d}d-{b}" for b, (p, d) in SHAPES])
 def test_disagg_matches_colocated_and_transformers(tiny_llama, reference, colocated_outputs, backend, shape):
     items, hf_outs = reference
     stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", backend,

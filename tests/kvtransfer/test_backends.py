@@ -3,9 +3,11 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
+import kvtransfer
 from kvtransfer import cleanup_stale_segments, create_receiver, create_sender
 from kvtransfer.backends.shm import PREFIX, Segment
 from kvtransfer.base import RoomState, TransferError
@@ -15,10 +17,18 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_unknown_backend_lists_the_known_ones():
-    with pytest.raises(ValueError, match="auto, shm, tcp"):
+    with pytest.raises(ValueError, match="auto, nixl, shm, tcp, ucx"):
         create_receiver("rdma", SMALL, "127.0.0.1", "D")
-    with pytest.raises(ValueError, match="auto, shm, tcp"):
+    with pytest.raises(ValueError, match="auto, nixl, shm, tcp, ucx"):
         create_sender("rdma", random_pool(SMALL, 0), SMALL, "P")
+
+
+def test_importing_kvtransfer_loads_neither_nixl_nor_ucxx():
+    code = ("import os, sys, kvtransfer; "
+            "assert not {'nixl', 'nixl_cu12', 'ucxx'} & set(sys.modules), sorted(sys.modules); "
+            "assert not any(k.startswith('UCX_') for k in os.environ)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(kvtransfer.__path__[0]))
 
 
 def test_sender_rejects_a_pool_that_does_not_match_its_layout():

@@ -15,7 +15,8 @@ from kvtransfer import cleanup_stale_segments, create_receiver, create_sender
 from kvtransfer.base import RoomState, TransferError
 from tests.kvtransfer.helpers import BIGGER, SMALL, Child, page_bytes, random_pool, uid, wait_done, wait_until
 
-BACKENDS = ["shm", "tcp", "auto"]
+BACKENDS = ["shm", "tcp", "auto", "nixl", "ucx"]
+PATH_OF = {"shm": "shm", "tcp": "tcp", "auto": "shm", "nixl": "nixl", "ucx": "ucx"}   # data path each one picks here
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -69,7 +70,7 @@ def test_scattered_pages_arrive_bit_exact(child, backend, dtype):
     layout = dataclasses.replace(SMALL, dtype=dtype)
     p = Pair(child, backend, layout)
     try:
-        assert p.tx.path_kind(p.rx_id) == ("tcp" if backend == "tcp" else "shm")
+        assert p.tx.path_kind(p.rx_id) == PATH_OF[backend]
         src, dst = _scatter(24, layout.num_pages, seed=0)
         room = p.send_room(src, dst, aux=b"\x08\x01first-token")
         st = wait_done(lambda: p.tx.status(room))
@@ -83,6 +84,23 @@ def test_scattered_pages_arrive_bit_exact(child, backend, dtype):
         untouched = [q for q in range(layout.num_pages) if q not in dst]
         zero = bytes(len(page_bytes(p.pool, [0])[0]))
         assert set(p.rx.pages(untouched)) == {zero}
+    finally:
+        p.close()
+
+
+def test_long_and_short_runs_arrive_bit_exact(child, backend):
+    """Runs long enough to go pool to pool (ucx: >= 256 KiB per layer-K piece) beside scattered pages
+    that fill more than one 8 MiB staging message."""
+    p = Pair(child, backend, BIGGER)
+    try:
+        rng = random.Random(4)
+        src = list(range(0, 40)) + rng.sample(range(40, 256), 160)
+        dst = list(range(216, 256)) + rng.sample(range(0, 216), 160)
+        room = p.send_room(src, dst)
+        assert wait_done(lambda: p.tx.status(room)).state == RoomState.SUCCESS
+        rst = p.child.call("wait", p.rx_id, room)
+        assert rst.state == RoomState.SUCCESS and rst.bytes_moved == len(src) * 8 * BIGGER.page_bytes
+        assert p.rx.pages(dst) == page_bytes(p.pool, src)
     finally:
         p.close()
 
@@ -250,7 +268,7 @@ def test_peer_killed_mid_transfer_then_reuse(child):
                 victim.call("call", vtx, "write", rx_id, room2, [i], [i])
             assert wait_until(lambda rx=rx, room2=room2: rx.poll(room2).state == RoomState.TRANSFERRING)
             ours.append((backend, tx, vrx, room, rx, room2))
-        segments = [victim.call("segment_path", vrx) for b, _, vrx, *_ in ours if b != "tcp"]
+        segments = [victim.call("segment_path", vrx) for b, _, vrx, *_ in ours if PATH_OF[b] == "shm"]
         victim.kill()
         t0 = time.monotonic()
         for backend, tx, _, room, rx, room2 in ours:
@@ -321,8 +339,10 @@ def test_layout_mismatch_is_rejected(child, backend):
         child.call("call", rx_id, "close")
 
 
-def test_tcp_write_for_unknown_room_is_discarded(child):
-    p = Pair(child, "tcp", SMALL)
+@pytest.mark.parametrize("two_sided", ["tcp", "ucx"])
+def test_write_for_unknown_room_is_discarded(child, two_sided):
+    """Backends where D receives the bytes itself drop a write D does not expect, and go on."""
+    p = Pair(child, two_sided, SMALL)
     try:
         room = random.getrandbits(63)                           # never expected (or already released)
         p.tx.write(p.rx_id, room, [1, 2, 3], [4, 5, 6])
