@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from tandem import gateway_cmd, generate_cmd, router_cmd, up_cmd, worker_cmd
+from tandem import bench_cmd, gateway_cmd, generate_cmd, router_cmd, up_cmd, worker_cmd
 
 # name -> (add_arguments, run); each subcommand lives in its own module.
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable
     "colocated": (worker_cmd.add_arguments, worker_cmd.run_colocated),
     "router": (router_cmd.add_arguments, router_cmd.run),
     "gateway": (gateway_cmd.add_arguments, gateway_cmd.run),
+    "bench": (bench_cmd.add_arguments, bench_cmd.run),
     "up": (up_cmd.add_arguments, up_cmd.run),
 }
 

@@ -1,0 +1,197 @@
+"""Serving metrics from client-side request records. Pure Python: no numpy, no torch.
+
+Definitions (all measured at the client):
+- TTFT: request sent -> first token event.
+- ITL: gaps between consecutive token events of one request, pooled over all requests.
+- TPOT: per request, (E2E - TTFT) / (output tokens - 1); requests with one output token have none.
+- E2E: request sent -> stream finished.
+- Throughput: completed requests (or tokens) / duration of the measured window.
+- Goodput: completed requests that meet every SLO given / duration. A request without a TPOT
+  (one output token) meets any TPOT SLO.
+Percentiles interpolate linearly between closest ranks (numpy's default "linear" method).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from bench.serve.records import RequestRecord
+
+DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0..100) of `values`, linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0.0 <= p <= 100.0:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
+    xs = sorted(values)
+    rank = p / 100.0 * (len(xs) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Summary of one latency distribution, in milliseconds."""
+
+    n: int
+    mean: float
+    std: float
+    min: float
+    max: float
+    percentiles: dict[str, float]  # "p50" -> ms
+
+    @classmethod
+    def of(cls, seconds: Sequence[float], ps: Sequence[float] = DEFAULT_PERCENTILES) -> LatencyStats:
+        if not seconds:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan, {_pname(p): nan for p in ps})
+        ms = [s * 1e3 for s in seconds]
+        mean = sum(ms) / len(ms)
+        std = math.sqrt(sum((x - mean) ** 2 for x in ms) / len(ms))
+        return cls(len(ms), mean, std, min(ms), max(ms), {_pname(p): percentile(ms, p) for p in ps})
+
+    def p(self, q: float) -> float:
+        return self.percentiles[_pname(q)]
+
+
+def _pname(p: float) -> str:
+    return f"p{p:g}"
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives for goodput, in seconds; None = not constrained."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> SLO:
+        """'ttft=2s,tpot=150ms' (a bare number is milliseconds, e.g. 'ttft=2000'); '' = no SLO."""
+        if not text:
+            return cls()
+        values: dict[str, float] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            if not sep:
+                key, sep, value = part.partition(":")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "tpot", "e2e"):
+                raise ValueError(f"bad SLO {part!r}: expected ttft=..., tpot=... or e2e=... (e.g. ttft=2s,tpot=150ms)")
+            m = _DURATION.match(value)
+            if m is None:
+                raise ValueError(f"bad SLO value {value!r} for {key}: expected e.g. 2s, 150ms or 150 (ms)")
+            values[key] = float(m.group(1)) * (1.0 if m.group(2) == "s" else 1e-3)
+        return cls(**values)
+
+    @property
+    def empty(self) -> bool:
+        return self.ttft is None and self.tpot is None and self.e2e is None
+
+    def met(self, r: RequestRecord) -> bool:
+        if not r.success:
+            return False
+        if self.ttft is not None and (r.ttft is None or r.ttft > self.ttft):
+            return False
+        if self.tpot is not None and r.tpot is not None and r.tpot > self.tpot:
+            return False
+        return self.e2e is None or r.e2e <= self.e2e
+
+    def __str__(self) -> str:
+        parts = [f"{k}<={v * 1e3:g}ms" for k, v in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e))
+                 if v is not None]
+        return ",".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class BenchMetrics:
+    duration_s: float
+    completed: int
+    failed: int
+    failures: dict[str, int]          # error message -> count
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float         # completed req/s
+    output_throughput: float          # output tok/s
+    total_token_throughput: float     # (input + output) tok/s
+    slo: str
+    good_requests: int
+    goodput: float                    # req/s meeting the SLO (= request_throughput without an SLO)
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats
+    e2e: LatencyStats
+
+    @property
+    def itl_p99_over_p50(self) -> float:
+        p50 = self.itl.percentiles.get("p50", float("nan"))
+        p99 = self.itl.percentiles.get("p99", float("nan"))
+        return p99 / p50 if p50 > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["itl_p99_over_p50"] = self.itl_p99_over_p50
+        return d
+
+
+def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SLO(),
+                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> BenchMetrics:
+    assert duration_s > 0, "the measured window must have a positive duration"
+    ok = [r for r in records if r.success]
+    failures = Counter(r.error or "unknown error" for r in records if not r.success)
+    in_tokens = sum(r.prompt_len for r in ok)
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = sum(1 for r in ok if slo.met(r))
+    return BenchMetrics(
+        duration_s=duration_s,
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        failures=dict(failures.most_common()),
+        total_input_tokens=in_tokens,
+        total_output_tokens=out_tokens,
+        request_throughput=len(ok) / duration_s,
+        output_throughput=out_tokens / duration_s,
+        total_token_throughput=(in_tokens + out_tokens) / duration_s,
+        slo=str(slo),
+        good_requests=good,
+        goodput=good / duration_s,
+        ttft=LatencyStats.of([r.ttft for r in ok if r.ttft is not None], percentiles),
+        tpot=LatencyStats.of([r.tpot for r in ok if r.tpot is not None], percentiles),
+        itl=LatencyStats.of([x for r in ok for x in r.itl], percentiles),
+        e2e=LatencyStats.of([r.e2e for r in ok], percentiles),
+    )
+
+
+def format_summary(m: BenchMetrics, title: str) -> str:
+    """A human-readable block for the terminal."""
+    rows = [
+        ("Successful requests", f"{m.completed}"),
+        ("Failed requests", f"{m.failed}"),
+        ("Duration (s)", f"{m.duration_s:.2f}"),
+        ("Request throughput (req/s)", f"{m.request_throughput:.3f}"),
+        ("Output token throughput (tok/s)", f"{m.output_throughput:.1f}"),
+        ("Total token throughput (tok/s)", f"{m.total_token_throughput:.1f}"),
+        (f"Goodput (req/s) [{m.slo}]", f"{m.goodput:.3f} ({m.good_requests} requests)"),
+    ]
+    lines = [f"==== {title} ===="]
+    lines += [f"{k:<42s}{v}" for k, v in rows]
+    names = list(m.ttft.percentiles)
+    lines.append(f"{'(ms)':<8s}{'mean':>10s}" + "".join(f"{n:>10s}" for n in names))
+    for label, s in (("TTFT", m.ttft), ("TPOT", m.tpot), ("ITL", m.itl), ("E2E", m.e2e)):
+        lines.append(f"{label:<8s}{s.mean:>10.1f}" + "".join(f"{s.percentiles[n]:>10.1f}" for n in names))
+    lines.append(f"{'ITL p99/p50':<42s}{m.itl_p99_over_p50:.2f}")
+    for msg, count in m.failures.items():
+        lines.append(f"failure x{count}: {msg}")
+    return "\n".join(lines)

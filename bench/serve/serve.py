@@ -1,0 +1,170 @@
+"""One benchmark: a workload against one endpoint at one or more request rates -> JSON (+ PNG).
+
+Rate i draws its prompts with seed + i, so a server's prefix cache never serves a prompt of an
+earlier rate; warm-ups (their own seed) run once, before the first rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.serve import plots
+from bench.serve.backends import BackendConfig, make_backend
+from bench.serve.datasets import DatasetConfig, build_dataset, describe, load_tokenizer
+from bench.serve.metrics import DEFAULT_PERCENTILES, SLO, BenchMetrics, compute_metrics, format_summary
+from bench.serve.runner import LoadConfig, run_load
+
+log = logging.getLogger(__name__)
+
+WARMUP_SEED_OFFSET = 10_000
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    backend: str = "openai-http"
+    backend_cfg: BackendConfig = field(default_factory=lambda: BackendConfig(base_url="http://127.0.0.1:8000"))
+    tokenizer: str = "smollm2-135m"
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    request_rates: tuple[float, ...] = (math.inf,)
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 1
+    slo: SLO = field(default_factory=SLO)
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    progress: bool = True
+    label: str = ""
+    out: str | None = None               # results JSON; plots go beside it
+    plot: bool = True
+    save_requests: bool = True           # per-request records in the JSON
+
+
+@dataclass
+class RateRun:
+    request_rate: float
+    metrics: BenchMetrics
+    records: list[dict]                  # RequestRecord.to_dict()
+
+    def to_dict(self, save_requests: bool) -> dict:
+        d = {"request_rate": plots.rate_label(self.request_rate), "metrics": self.metrics.to_dict()}
+        if save_requests:
+            d["requests"] = self.records
+        return d
+
+
+async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
+    """Run `cfg`'s workload at each of its request rates against one already-running endpoint."""
+    backend = make_backend(cfg.backend, cfg.backend_cfg)
+    await backend.start()
+    try:
+        warmups = []
+        if cfg.num_warmups > 0:
+            warm_cfg = dataclasses.replace(cfg.dataset, num_prompts=cfg.num_warmups,
+                                           seed=cfg.dataset.seed + WARMUP_SEED_OFFSET)
+            warmups = build_dataset(warm_cfg, tokenizer)
+        runs = []
+        for i, rate in enumerate(cfg.request_rates):
+            reqs = build_dataset(dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + i), tokenizer)
+            if i == 0:
+                echo(f"workload: {cfg.dataset.name}, {describe(reqs)}")
+            load = LoadConfig(request_rate=rate, burstiness=cfg.burstiness, max_concurrency=cfg.max_concurrency,
+                              seed=cfg.dataset.seed + i)
+            desc = f"{cfg.label + ' ' if cfg.label else ''}rate {plots.rate_label(rate)}"
+            result = await run_load(backend, reqs, load, warmups=warmups if i == 0 else (),
+                                    progress=cfg.progress, desc=desc)
+            metrics = compute_metrics(result.records, result.duration_s, cfg.slo, cfg.percentiles)
+            conc = f", max concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
+            echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}request rate "
+                                          f"{plots.rate_label(rate)} req/s, burstiness {cfg.burstiness:g}{conc}"))
+            runs.append(RateRun(rate, metrics, [r.to_dict(result.t0) for r in result.records]))
+        return runs
+    finally:
+        await backend.close()
+
+
+def run_serve(cfg: ServeConfig, echo=print) -> dict:
+    """The `tandem bench serve` command: run, print summaries, write JSON and plots; return the JSON."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    runs = asyncio.run(run_rates(cfg, tokenizer, echo))
+    result = {
+        "tool": "tandem bench serve",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(),
+        "config": config_dict(cfg),
+        "runs": [r.to_dict(cfg.save_requests) for r in runs],
+    }
+    if cfg.out:
+        out = Path(cfg.out)
+        write_json(out, result)
+        echo(f"results: {out}")
+        if cfg.plot:
+            label = cfg.label or cfg.backend
+            cdf = plots.plot_cdfs({f"{label} @ {plots.rate_label(r.request_rate)}": cdf_values(r.records) for r in runs},
+                                  out.with_suffix(".cdf.png"), title=f"{label}: latency CDFs")
+            vs = plots.plot_vs_rate({label: [(r.request_rate, r.metrics.to_dict()) for r in runs]},
+                                    out.with_suffix(".rates.png"), title=f"{label}: vs request rate")
+            for p in (cdf, vs):
+                if p is not None:
+                    echo(f"plot: {p}")
+    return result
+
+
+def cdf_values(records: Sequence[dict]) -> dict[str, list[float]]:
+    ok = [r for r in records if r["success"]]
+    return {
+        "TTFT": [r["ttft_ms"] for r in ok if r["ttft_ms"] is not None],
+        "TPOT": [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None],
+        "ITL": [x for r in ok for x in r["itl_ms"]],
+        "E2E": [r["e2e_ms"] for r in ok],
+    }
+
+
+def config_dict(cfg) -> dict:
+    d = dataclasses.asdict(cfg)
+    if "request_rates" in d:
+        d["request_rates"] = [plots.rate_label(r) for r in cfg.request_rates]
+    d["slo"] = str(cfg.slo)
+    return d
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "load_avg_1_5_15m": load,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _json_safe(x):
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_json_safe(data), indent=1) + "\n")

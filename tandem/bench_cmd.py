@@ -1,0 +1,165 @@
+"""`tandem bench serve|sweep`: load-test an endpoint, or compare deployments this tool starts itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(math.inf if t.strip().lower() == "inf" else float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or inf, got {text!r}") from None
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt"])
+    g.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT-format JSON file")
+    g.add_argument("--num-prompts", type=int, default=None, help="requests per request rate")
+    g.add_argument("--input-len", type=int, default=256,
+                   help="prompt tokens (shared-prefix: tokens after the shared prefix)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="output tokens (default 64; sharegpt: the reference reply's length)")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
+    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each group's prefix")
+    g.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("load")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    g.add_argument("--percentiles", type=_floats, default=(50.0, 90.0, 99.0), help="e.g. 50,90,99")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-save-requests", action="store_true", help="leave per-request records out of the JSON")
+
+
+def _dataset(args: argparse.Namespace, default_prompts: int):
+    from bench.serve.datasets import DatasetConfig
+
+    output_len = args.output_len
+    if output_len is None and args.dataset_name != "sharegpt":
+        output_len = 64
+    return DatasetConfig(
+        name=args.dataset_name, num_prompts=args.num_prompts or default_prompts, input_len=args.input_len,
+        output_len=output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+        num_prefix_groups=args.num_prefix_groups, path=args.dataset_path, seed=args.seed)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from bench.serve.backends import BACKENDS, FORCE_OUTPUT_LEN
+
+    p.add_argument("--backend", default="openai-http", choices=sorted(BACKENDS))
+    p.add_argument("--base-url", default=None,
+                   help="openai-http: http://HOST:PORT (default http://127.0.0.1:8000); "
+                        "tandem-grpc: HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--endpoint", default="/v1/completions", help="openai-http: /v1/completions or /v1/chat/completions")
+    p.add_argument("--model", default="smollm2-135m", help="model name for requests and the tokenizer")
+    p.add_argument("--served-model-name", default=None,
+                   help="name sent in requests (default: --model for openai-http, the router's default for gRPC)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json, a model folder or an alias (default: --model)")
+    p.add_argument("--request-rate", type=_floats, default=(math.inf,),
+                   help="requests/s, comma-separated for several runs (inf = all at once)")
+    p.add_argument("--num-warmups", type=int, default=1, help="requests sent one by one before measuring")
+    p.add_argument("--slo", default="", help="goodput SLOs, e.g. ttft=2s,tpot=150ms (bare numbers are ms)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--force-output-len", default="ignore-eos", choices=FORCE_OUTPUT_LEN,
+                   help="how to make the server produce exactly --output-len tokens")
+    p.add_argument("--extra-body", default=None, help="JSON object merged into every HTTP request body")
+    p.add_argument("--api-key", default=None,
+                   help="openai-http: bearer token (default: $TANDEM_API_KEY, else $OPENAI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--label", default="", help="name of this endpoint in output and plots")
+    p.add_argument("--out", default=None, help="results JSON (plots are written beside it)")
+    p.add_argument("--no-plot", action="store_true")
+    _add_workload_arguments(p)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="Tandem alias or HF folder (the peer gets the folder)")
+    p.add_argument("--deployments", default="colocated,1p1d,transformers",
+                   help="comma-separated: colocated, NpMd (e.g. 1p1d), transformers")
+    p.add_argument("--request-rates", type=_floats, default=(0.5, 1.0, 2.0, 4.0))
+    p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--slo", default="ttft=2s,tpot=150ms")
+    p.add_argument("--tandem-backend", default="openai-http", choices=["openai-http", "tandem-grpc"],
+                   help="how to reach Tandem deployments: its OpenAI HTTP gateway (as the peer) or the router's gRPC API")
+    p.add_argument("--dtype", default="bfloat16", help="for every deployment")
+    p.add_argument("--up-args", default="", help="extra `tandem up` flags, e.g. \"--kv-cache-gb 0.5\"")
+    p.add_argument("--peer-kv-cache-gb", type=float, default=1.0,
+                   help="transformers serve's KV cache (its CPU default takes 60%% of RAM and crawls)")
+    p.add_argument("--peer-args", default="", help="extra `transformers serve` flags")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--out", default="bench/results/sweep.json")
+    _add_workload_arguments(p)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    add_serve_arguments(sub.add_parser("serve", help="load-test an OpenAI HTTP endpoint or Tandem's gRPC API"))
+    add_sweep_arguments(sub.add_parser("sweep", help="start deployments here and compare them across request rates"))
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key is not None:
+        return args.api_key or None
+    return os.environ.get("TANDEM_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from bench.serve.backends import DEFAULT_URLS, BackendConfig
+    from bench.serve.metrics import SLO
+    from bench.serve.runner import WarmupFailed
+    from bench.serve.serve import ServeConfig, run_serve
+
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
+        name = args.served_model_name
+        if name is None:
+            name = args.model if args.backend == "openai-http" else ""
+        cfg = ServeConfig(
+            backend=args.backend,
+            backend_cfg=BackendConfig(base_url=args.base_url or DEFAULT_URLS[args.backend], model=name,
+                                      endpoint=args.endpoint, temperature=args.temperature,
+                                      force_output_len=args.force_output_len, extra_body=extra, timeout_s=args.timeout,
+                                      api_key=_api_key(args)),
+            tokenizer=args.tokenizer or args.model, dataset=_dataset(args, 100), request_rates=args.request_rate,
+            burstiness=args.burstiness, max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
+            slo=SLO.parse(args.slo), percentiles=args.percentiles, progress=not args.no_progress,
+            label=args.label, out=args.out, plot=not args.no_plot, save_requests=not args.no_save_requests)
+        result = run_serve(cfg)
+    except (ValueError, OSError, WarmupFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Exit status 1 when every measured request failed (a smoke run can rely on it).
+    return 1 if all(r["metrics"]["completed"] == 0 for r in result["runs"]) else 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from bench.serve.metrics import SLO
+    from bench.serve.sweep import SweepConfig, run_sweep
+
+    try:
+        cfg = SweepConfig(
+            model=args.model, deployments=tuple(d.strip() for d in args.deployments.split(",") if d.strip()),
+            request_rates=args.request_rates, dataset=_dataset(args, 40), burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, slo=SLO.parse(args.slo),
+            percentiles=args.percentiles, tandem_backend=args.tandem_backend, dtype=args.dtype,
+            up_args=tuple(shlex.split(args.up_args)), peer_kv_cache_gb=args.peer_kv_cache_gb,
+            peer_args=tuple(shlex.split(args.peer_args)), start_timeout_s=args.start_timeout, out=args.out,
+            progress=not args.no_progress, save_requests=not args.no_save_requests)
+        result = run_sweep(cfg)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if result["deployments"] else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"serve": run_serve, "sweep": run_sweep}[args.bench_command](args)

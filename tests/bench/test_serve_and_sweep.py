@@ -1,0 +1,141 @@
+"""`tandem bench serve|sweep` end to end against a fake gRPC server (no model, no torch)."""
+
+import argparse
+import json
+import math
+
+import pytest
+
+from bench.serve import sweep
+from bench.serve.sweep import DeploymentUnavailable, Endpoint, SweepConfig, make_deployment
+from tandem import bench_cmd
+from tests.bench.fakes import FakeServer, byte_level_bpe
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    byte_level_bpe().save(str(d / "tokenizer.json"))
+    return d
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    bench_cmd.add_arguments(parser)
+    return bench_cmd.run(parser.parse_args(list(argv)))
+
+
+def test_serve_command_writes_json_and_plots(tokenizer_dir, tmp_path):
+    out = tmp_path / "res.json"
+    with FakeServer(gap=0.002) as fake:
+        rc = cli("serve", "--backend", "tandem-grpc", "--base-url", f"127.0.0.1:{fake.port}",
+                 "--model", str(tokenizer_dir), "--num-prompts", "6", "--input-len", "20", "--output-len", "4",
+                 "--request-rate", "inf,200", "--max-concurrency", "4", "--num-warmups", "2",
+                 "--slo", "ttft=5s,tpot=1s", "--out", str(out), "--no-progress")
+        sent = list(fake.servicer.requests)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["request_rates"] == ["inf", "200"] and res["machine"]["cores"] >= 1
+    assert [r["request_rate"] for r in res["runs"]] == ["inf", "200"]
+    for run in res["runs"]:
+        m = run["metrics"]
+        assert m["completed"] == 6 and m["failed"] == 0 and m["good_requests"] == 6
+        assert m["total_output_tokens"] == 24 and m["ttft"]["n"] == 6 and m["itl"]["n"] == 18
+        assert len(run["requests"]) == 6 and all(r["output_tokens"] == 4 for r in run["requests"])
+    assert len(sent) == 2 + 6 + 6                      # warm-ups once, not measured
+    prompts = [tuple(r.token_ids.ids) for r in sent]
+    assert len(set(prompts)) == len(prompts)          # no prompt repeats across warm-ups and rates
+    assert all(len(p) == 20 for p in prompts)
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".cdf.png").stat().st_size > 0 and out.with_suffix(".rates.png").stat().st_size > 0
+
+
+def test_serve_command_reports_failures(tokenizer_dir, tmp_path, capsys):
+    rc = cli("serve", "--backend", "tandem-grpc", "--base-url", "127.0.0.1:9", "--model", str(tokenizer_dir),
+             "--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--num-warmups", "0", "--no-progress",
+             "--timeout", "5")
+    assert rc == 1                                    # nothing completed
+    assert "UNAVAILABLE" in capsys.readouterr().out
+    assert cli("serve", "--slo", "ttft=fast", "--model", str(tokenizer_dir)) == 2
+
+
+class FakeDeployment:
+    def __init__(self, name, fail=False):
+        self.name, self.fail, self.server = name, fail, None
+
+    def describe(self):
+        return f"fake {self.name}"
+
+    def log_tail(self):
+        return ""
+
+    def start(self):
+        if self.fail:
+            raise DeploymentUnavailable("not installed here")
+        self.server = FakeServer(gap=0.002).__enter__()
+        return Endpoint("tandem-grpc", f"127.0.0.1:{self.server.port}")
+
+    def close(self):
+        if self.server is not None:
+            self.server.__exit__()
+            self.server = None
+
+
+def test_sweep_runs_every_deployment_and_skips_unavailable(tokenizer_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "make_deployment", lambda name, cfg: FakeDeployment(name, fail=name == "transformers"))
+    out = tmp_path / "sweep.json"
+    rc = cli("sweep", "--model", str(tokenizer_dir), "--request-rates", "100,inf", "--num-prompts", "4",
+             "--input-len", "8", "--output-len", "3", "--num-warmups", "1", "--out", str(out), "--no-progress",
+             "--no-save-requests")
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert list(res["deployments"]) == ["colocated", "1p1d"]
+    assert res["skipped"] == {"transformers": "not installed here"}
+    assert all(len(d["runs"]) == 2 and "requests" not in d["runs"][0] for d in res["deployments"].values())
+    table = out.with_suffix(".md").read_text()
+    assert table.count("| colocated |") == 2 and table.count("| 1p1d |") == 2
+    assert any("ITL p99/p50" in line for line in res["targets"])
+
+
+def metrics(goodput, itl50=40.0, itl99=50.0):
+    stats = {"n": 1, "mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0, "percentiles": {"p50": 10.0, "p99": 20.0}}
+    return {"completed": 10, "failed": 0, "good_requests": int(goodput * 10), "request_throughput": 1.0,
+            "output_throughput": 64.0, "goodput": goodput, "ttft": stats, "tpot": stats,
+            "itl": {**stats, "percentiles": {"p50": itl50, "p99": itl99}}, "e2e": stats,
+            "itl_p99_over_p50": itl99 / itl50}
+
+
+def test_target_checks_and_table():
+    res = {"deployments": {
+        "colocated": {"runs": [{"request_rate": "1", "metrics": metrics(1.0)},
+                               {"request_rate": "2", "metrics": metrics(1.5)}]},
+        "1p1d": {"runs": [{"request_rate": "1", "metrics": metrics(1.0)},
+                          {"request_rate": "2", "metrics": metrics(1.4, itl99=80.0)}]},
+        "transformers": {"runs": [{"request_rate": "1", "metrics": metrics(0.2)},
+                                  {"request_rate": "2", "metrics": metrics(0.0)}]},
+    }}
+    res["deployments"]["colocated"]["runs"][0]["metrics"]["goodput"] = 1.01  # within 2%: a tie
+    checks = sweep.target_checks(res, SweepConfig())
+    assert "rate 1" in checks[0] and "colocated 1.01 (met >=)" in checks[0] and "5.0x, met" in checks[0]
+    assert "MISSED >=" in checks[1] and "transformers 0.00 (met >= 3x)" in checks[1]
+    assert checks[2] == "1p1d ITL p99/p50 at rate 2: 2.00 (MISSED <= 1.5)"
+    table = sweep.comparison_table(res)
+    assert len(table.splitlines()) == 2 + 6
+    assert "| 1p1d | 2 | 1.00 | 64.0 | 1.40 (140%) | 10 / 20 | 10 / 20 | 40 / 80 | 2.00 | 0 |" in table
+
+
+def test_deployment_registry():
+    cfg = SweepConfig(model="m", up_args=("--kv-cache-gb", "0.5"), tandem_backend="tandem-grpc")
+    co = make_deployment("colocated", cfg)
+    assert co.argv()[9:17] == ["--mode", "colocated", "--model", "m", "--dtype", "bfloat16", "--kv-cache-gb", "0.5"]
+    assert ["--prefill", "2", "--decode", "3"] == make_deployment("2p3d", cfg).argv()[11:15]
+    peer = make_deployment("transformers", cfg)
+    argv = peer.argv("transformers", "/models/m")
+    assert argv[:3] == ["transformers", "serve", "/models/m"] and "--continuous-batching" in argv
+    assert 0.005 <= float(argv[argv.index("--cb-max-memory-percent") + 1]) <= 0.6
+    assert co.argv()[7:9] == ["--gateway-port", "-1"]
+    http = make_deployment("1p1d", SweepConfig(tandem_backend="openai-http")).argv()
+    assert http[7:9] == ["--gateway-port", "0"]
+    with pytest.raises(ValueError, match="unknown deployment"):
+        make_deployment("3p", cfg)
+    assert math.isinf(bench_cmd._floats("1,inf")[1])
