@@ -76,6 +76,10 @@ class _Room:
 
 
 class Receiver(KVReceiver):
+    # Data paths where the sender writes into our memory itself: an abort must wait for its
+    # ABORT_ACK (sent once its copy in flight is done) before the pages may be reused.
+    ONE_SIDED_PATHS: frozenset[str] = frozenset({"shm"})
+
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "tcp",
                  backends: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True):
         self.name = name
@@ -160,7 +164,7 @@ class Receiver(KVReceiver):
             if conn is None or not conn.alive:
                 self._tombstone(r.peer_id, room)
                 return
-            wait_ack = conn.path == "shm"
+            wait_ack = conn.path in self.ONE_SIDED_PATHS
             if wait_ack:
                 conn.awaiting.add(room)
         conn.ch.try_send(Kind.ABORT, room, b"aborted by receiver")

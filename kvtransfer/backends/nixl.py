@@ -293,6 +293,8 @@ class NixlPath:
 class NixlReceiver(Receiver):
     """D side: the pool in plain memory, registered with NIXL; the control connection as for shm/tcp."""
 
+    ONE_SIDED_PATHS = frozenset({"shm", "nixl"})  # NIXL WRITEs land without us: aborts wait for P's ack
+
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "nixl",
                  backends: tuple[str, ...] = ("nixl",), timeouts: Timeouts = Timeouts(),
                  ucx: UcxSettings | None = None):
@@ -311,34 +313,6 @@ class NixlReceiver(Receiver):
 
     def metadata(self) -> bytes:
         return self._nixl_meta
-
-    def abort(self, room: int) -> None:
-        """Fail the room; returns once P acknowledged (ABORT_ACK after its transfer in flight is DONE),
-        or after `Timeouts.abort`, when the connection is dropped instead."""
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None or r.state.done:
-                return
-            self._fail(r, "aborted by receiver")
-            conn = r.conn or self._peer_conn.get(r.peer_id)
-            if conn is None or not conn.alive:
-                self._tombstone(r.peer_id, room)      # listed in the hello ack if that sender connects later
-                return
-            conn.awaiting.add(room)
-        conn.ch.try_send(Kind.ABORT, room, b"aborted by receiver")
-        deadline = time.monotonic() + self._timeouts.abort
-        with self._lock:
-            while conn.alive and room not in conn.acked and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            stuck = conn.alive and room not in conn.acked
-            conn.awaiting.discard(room)
-            conn.acked.discard(room)
-        if stuck:
-            log.warning("abort of room %d not acknowledged by %s within %.1fs: dropping the connection",
-                        room, conn.peer_id, self._timeouts.abort)
-            conn.ch.shutdown()
-            if conn.thread is not None and conn.thread is not threading.current_thread():
-                conn.thread.join(self._timeouts.abort)
 
     def close(self) -> None:
         super().close()
