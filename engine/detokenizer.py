@@ -157,16 +157,15 @@ class StopChecker:
     """Token- and length-based finish conditions for one request.
 
     `check` is called after each generated token with the whole output so far. A token stop wins
-    over LENGTH when both apply. `matched_stop_token` is the token that caused a STOP (an EOS id or
-    one of stop_token_ids), else None.
+    over LENGTH when both apply. `matched_stop_token` follows vLLM's `stop_reason`: None when the
+    model's EOS ended the output (checked first, so an EOS id also listed in stop_token_ids still
+    reads as EOS), the token id when a `stop_token_ids` entry did.
     """
 
     def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int]):
         self._max_tokens = params.max_tokens
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= eos_token_ids
-        self._stop_ids = frozenset(stop_ids)
+        self._eos_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._stop_ids = frozenset(params.stop_token_ids)
         self.matched_stop_token: int | None = None
 
     def check(self, output_ids: Sequence[int]) -> FinishReason | None:
@@ -174,6 +173,8 @@ class StopChecker:
         if not output_ids:
             return None
         last = output_ids[-1]
+        if last in self._eos_ids:
+            return FinishReason.STOP
         if last in self._stop_ids:
             self.matched_stop_token = last
             return FinishReason.STOP

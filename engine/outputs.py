@@ -30,6 +30,8 @@ class RequestOutput:
     text: str
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    # What ended a STOP (vLLM's `stop_reason`): the stop string, the stop_token_ids entry, or None
+    # when the model's EOS did (and for LENGTH/ABORT).
     matched_stop: str | int | None = None
     usage: Usage | None = None     # set on the final delta
 

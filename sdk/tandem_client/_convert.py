@@ -61,6 +61,11 @@ def build_request(prompt: Prompt, params: SamplingParams, model: str, request_id
     return req
 
 
+def _stop_reason(msg: pb.GenerateResponse) -> str | int | None:
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
+
+
 def chunk_from_pb(msg: pb.GenerateResponse) -> StreamChunk:
     usage = None
     if msg.HasField("usage"):
@@ -72,7 +77,7 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> StreamChunk:
     )
     return StreamChunk(
         request_id=msg.request_id, text=msg.text, token_ids=tuple(msg.token_ids), logprobs=logprobs,
-        finish_reason=_FINISH.get(msg.finish_reason), matched_stop=msg.matched_stop or None, usage=usage,
+        finish_reason=_FINISH.get(msg.finish_reason), matched_stop=_stop_reason(msg), usage=usage,
     )
 
 

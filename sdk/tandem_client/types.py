@@ -66,7 +66,9 @@ class Usage:
 class StreamChunk:
     """New tokens since the previous chunk and the text they complete (never a broken UTF-8 character).
 
-    `finish_reason`, `matched_stop` and `usage` are set on the last chunk only.
+    `finish_reason`, `matched_stop` and `usage` are set on the last chunk only. `matched_stop` is
+    what ended a STOP, as vLLM's `stop_reason`: the stop string, the `stop_token_ids` entry (an int),
+    or None when the model's end-of-sequence token did.
     """
 
     request_id: str
@@ -74,7 +76,7 @@ class StreamChunk:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
-    matched_stop: str | None = None
+    matched_stop: str | int | None = None
     usage: Usage | None = None
 
 
@@ -87,7 +89,7 @@ class GenerateResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    matched_stop: str | None = None
+    matched_stop: str | int | None = None
     usage: Usage | None = None
 
     def add(self, chunk: StreamChunk) -> None:

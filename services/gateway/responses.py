@@ -23,6 +23,12 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else _MIN_LOGPROB
 
 
+def stop_reason(msg: generation_pb2.GenerateResponse) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or stop_token_ids entry that ended the output, else None."""
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
+
+
 def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -40,7 +46,7 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    matched_stop: str | None = None
+    matched_stop: str | int | None = None
     usage: generation_pb2.Usage | None = None
 
     def add(self, msg: generation_pb2.GenerateResponse) -> None:
@@ -57,7 +63,7 @@ class Choice:
     def observe(self, msg: generation_pb2.GenerateResponse) -> None:
         if msg.finish_reason:
             self.finish_reason = FINISH_REASONS[msg.finish_reason]
-            self.matched_stop = msg.matched_stop or None
+            self.matched_stop = stop_reason(msg)
         if msg.HasField("usage"):
             self.usage = msg.usage
 
@@ -110,7 +116,7 @@ class CompletionFormat:
         choice = {"index": index, "text": msg.text, "logprobs": self._logprobs(index, msg.logprobs),
                   "finish_reason": FINISH_REASONS[msg.finish_reason]}
         if msg.finish_reason:
-            choice["stop_reason"] = msg.matched_stop or None
+            choice["stop_reason"] = stop_reason(msg)
         out = {**self._head(), "choices": [choice]}
         if include_usage:
             out["usage"] = None
@@ -155,7 +161,7 @@ class ChatFormat(CompletionFormat):
         choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(msg.logprobs),
                   "finish_reason": FINISH_REASONS[msg.finish_reason]}
         if msg.finish_reason:
-            choice["stop_reason"] = msg.matched_stop or None
+            choice["stop_reason"] = stop_reason(msg)
         out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                "system_fingerprint": None, "choices": [choice]}
         if include_usage:

@@ -18,8 +18,10 @@ def output_to_pb(out: RequestOutput, convert_tokens=None) -> generation_pb2.Gene
     resp = generation_pb2.GenerateResponse(
         request_id=out.rid, token_ids=out.token_ids, text=out.text, finish_reason=_FINISH[out.finish_reason],
     )
-    if out.matched_stop is not None:
-        resp.matched_stop = str(out.matched_stop)
+    if isinstance(out.matched_stop, str):
+        resp.matched_stop = out.matched_stop
+    elif out.matched_stop is not None:
+        resp.matched_stop_token_id = out.matched_stop
     for lp in out.logprobs or ():
         names = convert_tokens([t for t, _ in lp.top]) if convert_tokens and lp.top else [""] * len(lp.top)
         resp.logprobs.append(generation_pb2.TokenLogprob(

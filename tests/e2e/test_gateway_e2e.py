@@ -85,6 +85,7 @@ def test_stop_strings_and_seeds(client, model):
     cut = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "@@"],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert cut.model_extra["stop_reason"] == stop
 
     def sample(seed):
         return client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=1.0,

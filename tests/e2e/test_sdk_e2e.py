@@ -45,6 +45,20 @@ def test_sync_generate_and_stream_agree_with_the_gateway(stack, tiny_llama):
     assert same.choices[0].text == result.text and same.usage.prompt_tokens == result.usage.prompt_tokens
 
 
+def test_stop_token_id_is_reported_through_router_sdk_and_gateway(stack, tiny_llama):
+    prompt = "one two three"
+    with Client(stack.info["router"], timeout=60) as client:
+        ref = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+        tok = ref.token_ids[3]
+        cut = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[tok])
+    assert cut.finish_reason is FinishReason.STOP and cut.matched_stop == tok
+    assert cut.token_ids == ref.token_ids[: ref.token_ids.index(tok) + 1]
+    with openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=API_KEY, max_retries=0) as http:
+        choice = http.completions.create(model=str(tiny_llama), prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True, "stop_token_ids": [tok]}).choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == tok
+
+
 def test_async_generate_stream_and_cancel(stack):
     decode = stack.workers("decode")[0]
     cancelled = stack.worker_requests(decode).get("cancelled", 0)

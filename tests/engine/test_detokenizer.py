@@ -243,11 +243,20 @@ def test_stop_checker_length():
     assert checker.matched_stop_token is None
 
 
-def test_stop_checker_eos():
+def test_stop_checker_eos_stops_without_a_matched_token():
+    # vLLM's stop_reason: None when the model's EOS ended the output.
     checker = StopChecker(SamplingParams(), frozenset({EOS_ID, 99}))
     assert checker.check([5, 99]) is FinishReason.STOP
-    assert checker.matched_stop_token == 99
+    assert checker.matched_stop_token is None
     assert StopChecker(SamplingParams(), frozenset({EOS_ID})).check([EOS_ID, 5]) is None
+
+
+def test_stop_checker_eos_listed_in_stop_token_ids_still_reads_as_eos():
+    checker = StopChecker(SamplingParams(stop_token_ids=(EOS_ID, 7)), frozenset({EOS_ID}))
+    assert checker.check([5, EOS_ID]) is FinishReason.STOP and checker.matched_stop_token is None
+    # With ignore_eos the id is only a stop token, and is reported as one.
+    checker = StopChecker(SamplingParams(stop_token_ids=(EOS_ID,), ignore_eos=True), frozenset({EOS_ID}))
+    assert checker.check([5, EOS_ID]) is FinishReason.STOP and checker.matched_stop_token == EOS_ID
 
 
 def test_stop_checker_ignore_eos():

@@ -113,6 +113,18 @@ def test_stop_token_ids_and_stop_strings(engine):
     engine.check_idle()
 
 
+def test_eos_stops_with_no_matched_stop(engine, monkeypatch):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    [ref] = engine.generate([[11, 12, 13]], params)
+    # Make a token the greedy path produces the model's EOS: it ends the output like EOS does.
+    eos = ref.token_ids[3]
+    monkeypatch.setattr(engine, "eos_token_ids", frozenset({eos}))
+    [res] = engine.generate([[11, 12, 13]], dataclasses.replace(params, ignore_eos=False))
+    assert res.token_ids == ref.token_ids[: ref.token_ids.index(eos) + 1]
+    assert res.finish_reason is FinishReason.STOP and res.matched_stop is None
+    engine.check_idle()
+
+
 def test_logprobs(engine):
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
     [res] = engine.generate([[3, 4, 5]], params)

@@ -66,6 +66,20 @@ def test_generate_and_stream_map_requests_and_results():
             client.generate("x", bogus=1)
 
 
+@pytest.mark.parametrize("end", [{}, {"matched_stop": "\n"}, {"matched_stop_token_id": 0}])
+def test_matched_stop_is_the_stop_string_or_token_id_and_none_for_eos(end):
+    def handler(req, context):
+        yield pb.GenerateResponse(request_id=req.request_id, token_ids=[5], text="a")
+        yield pb.GenerateResponse(request_id=req.request_id, token_ids=[2], finish_reason=pb.FINISH_REASON_STOP,
+                                  **end)
+
+    with FakeRouter(handler) as fake, Client(fake.addr) as client:
+        result = client.generate("hi", max_tokens=4)
+    assert result.finish_reason is FinishReason.STOP
+    assert result.matched_stop == next(iter(end.values()), None)
+    assert type(result.matched_stop) is type(next(iter(end.values()), None))
+
+
 def test_errors_carry_the_server_message_and_param():
     with FakeRouter(failing(grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]", "top_p")) as fake, \
             Client(fake.addr, retry=FAST_RETRY) as client:
