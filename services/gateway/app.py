@@ -347,8 +347,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError.from_http(exc.status_code, str(exc.detail), request.method, request.url.path,
+                                  exc.headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -18,6 +18,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
     499: "invalid_request_error",
     503: "service_unavailable",
@@ -40,23 +41,39 @@ HTTP_STATUS_BY_GRPC = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
+        if status == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
 
     @property
     def type(self) -> str:
-        return _TYPES.get(self.status, "internal_error")
+        # A client error without its own type is still the client's: only 5xx are server errors.
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+    @classmethod
+    def from_http(cls, status: int, detail: str, method: str, path: str,
+                  headers: dict[str, str] | None = None) -> APIError:
+        """An HTTP error raised by the web framework itself (routing: unknown path, wrong method)."""
+        if status == 404:
+            return cls(404, f"Invalid URL ({method} {path}): no such endpoint", code="unknown_url")
+        if status == 405:
+            allow = next((v for k, v in (headers or {}).items() if k.lower() == "allow"), "")
+            hint = f"; use {allow}" if allow else ""
+            return cls(405, f"{method} is not allowed on {path}{hint}", code="method_not_allowed", headers=headers)
+        return cls(status, detail, headers=headers)
 
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> APIError:

@@ -19,6 +19,8 @@ from tandem.v1 import generation_pb2
 
 SEED_MASK = (1 << 64) - 1
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
+# OpenAI's message roles; anything else is a client error, not something to hand the chat template.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StreamOptions(BaseModel):
@@ -190,6 +192,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string `role`", f"messages[{i}].role")
+        if m["role"] not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(repr(r) for r in CHAT_ROLES)}; "
+                              f"got {m['role']!r}", f"messages[{i}].role")
         content = m.get("content")
         if content is None:
             content = ""

@@ -125,6 +125,8 @@ def test_logprobs_in_both_openai_shapes(fake, tiny_llama):
     ("completions", {"prompt": "a", "max_tokens": CONTEXT}, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "a " * CONTEXT}]}, "messages"),
     ("chat", {"messages": [{"content": "a"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+     "messages[1].role"),
     ("chat", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": CONTEXT},
      "max_completion_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
@@ -200,6 +202,22 @@ def test_unknown_model_is_404_and_no_workers_is_503(tiny_llama):
         none, _ = run(empty, tiny_llama, scenario)
         assert empty.calls == 0
     assert none.status_code == 503 and "no workers" in none.json()["error"]["message"]
+
+
+def test_wrong_method_and_unknown_path_are_openai_client_errors(fake, tiny_llama):
+    async def scenario(client, gw):
+        return (await client.get("/v1/chat/completions"), await client.post("/v1/models"),
+                await client.post("/v1/nope", json={}))
+
+    wrong, wrong_models, unknown = run(fake, tiny_llama, scenario)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"] == {"message": "GET is not allowed on /v1/chat/completions; use POST",
+                                     "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+    assert wrong_models.status_code == 405 and wrong_models.json()["error"]["type"] == "invalid_request_error"
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {"message": "Invalid URL (POST /v1/nope): no such endpoint",
+                                       "type": "invalid_request_error", "param": None, "code": "unknown_url"}
+    assert fake.calls == 0
 
 
 def test_api_key_is_required_on_the_api_but_not_on_health_and_metrics(fake, tiny_llama):
