@@ -128,6 +128,11 @@ class KVSender(ABC):
     @abstractmethod
     def has_peer(self, peer_id: str) -> bool: ...
 
+    def transports(self, peer_id: str) -> list:
+        """The transports (kvtransfer.backends.ucx_transports.Transport) the data path to a connected peer
+        uses, where the backend can ask its library (ucx); [] = not known."""
+        return []
+
     @abstractmethod
     def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
         """Queue a write of P's `src_pages` into the peer's `dst_pages` (same length), all layers, K and V.

@@ -19,6 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--bootstrap-timeout", type=float, default=30.0)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="workers: seconds to finish in-flight work and owed KV transfers on SIGTERM")
+    p.add_argument("--require-rdma", action="store_true",
+                   help="workers: fail at start unless UCX can use RDMA (nixl/ucx backends)")
     p.add_argument("--gateway-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)")
     p.add_argument("--api-key", default=None,
@@ -41,6 +45,10 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.disable_prefix_cache:
         out.append("--disable-prefix-cache")
+    if args.drain_timeout is not None:
+        out += ["--drain-timeout", str(args.drain_timeout)]
+    if args.require_rdma:
+        out.append("--require-rdma")
     return out
 
 

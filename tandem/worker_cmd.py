@@ -23,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
     p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="SIGTERM: seconds to finish in-flight work (a prefill worker: the KV transfers it "
+                        "owes) before exiting; keep it below the pod's terminationGracePeriodSeconds")
+    p.add_argument("--pod-uid", default=d.pod_uid,
+                   help="Kubernetes pod UID (downward API metadata.uid), reported to Kubernetes discovery")
+    p.add_argument("--require-rdma", action="store_true",
+                   help="nixl/ucx: exit at start without an RDMA device, refuse peers UCX reaches without RDMA")
 
 
 def run(role: str, args: argparse.Namespace) -> int:
@@ -33,7 +40,8 @@ def run(role: str, args: argparse.Namespace) -> int:
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, metrics_port=args.metrics_port,
         bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
-        max_queue=args.max_queue,
+        max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
+        require_rdma=args.require_rdma,
     )
     return run_worker(engine_config_from_args(args), wcfg)
 

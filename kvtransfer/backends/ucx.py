@@ -47,6 +47,7 @@ import torch
 
 from kvtransfer.backends.liveness import connection_up
 from kvtransfer.backends.ucx_env import UcxSettings
+from kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
 from kvtransfer.base import PoolLayout, RoomState, TransferError
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
@@ -323,9 +324,15 @@ class UcxSender(Sender):
 
     def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "ucx",
                  paths: tuple[str, ...] = ("ucx",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None):
+                 ucx: UcxSettings | None = None, require_rdma: bool = False):
+        """`require_rdma`: refuse a peer unless every lane of its endpoint is an RDMA transport."""
         super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts)
         self._node = _Node(ucx or UcxSettings.from_env(), host=None)
+        self.require_rdma = require_rdma
+        self._transports: dict[str, list[Transport]] = {}
+
+    def transports(self, peer_id: str) -> list[Transport]:
+        return list(self._transports.get(peer_id, ()))
 
     def _open(self, peer_id: str, metadata: bytes, meta: ReceiverMetadata):
         info = _UcxInfo.from_metadata(metadata)
@@ -344,6 +351,12 @@ class UcxSender(Sender):
                 raise TransferError(f"UCX endpoint to {meta.host}:{info.port} did not connect "
                                     f"within {self._timeouts.connect}s")
             req.check_error()
+            transports = endpoint_transports(ep.handle)
+            log.info("ucx: %s reached over %s", peer_id,
+                     ", ".join(f"{t.name}/{t.device}" for t in transports) or "unknown transports")
+            if self.require_rdma:
+                check_rdma(transports, peer_id)
+            self._transports[peer_id] = transports
         except Exception as e:
             if ep is not None:
                 _cancel(ep, [req] if req is not None else [])

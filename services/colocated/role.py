@@ -59,6 +59,7 @@ class ColocatedWorker:
         metrics.KV_PAGES.labels("free").set(s.kv.available_pages)
         metrics.KV_PAGES.labels("total").set(s.kv.num_pages)
         metrics.SLOTS_FREE.set(s.kv.slots.num_free_slots)
+        metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
 
     def polling(self) -> bool:
         return False

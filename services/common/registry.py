@@ -36,7 +36,7 @@ ROLE_NAMES: dict[int, str] = {
 
 def _identity(info: worker_pb2.WorkerInfo) -> tuple:
     # What routing and channels depend on; load changes every heartbeat and is not part of it.
-    return (info.worker_id, info.role, info.grpc_addr, info.bootstrap_addr, info.model)
+    return (info.worker_id, info.role, info.grpc_addr, info.bootstrap_addr, info.model, info.pod_uid, info.boot_epoch)
 
 
 class WorkerRegistry(ABC):

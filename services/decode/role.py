@@ -11,6 +11,7 @@ from services.decode.servicer import BootstrapClient, DecodeServicer
 from services.decode.worker import DecodeTimeouts, DecodeWorker
 from services.worker.config import WorkerConfig
 from services.worker.layout import layout_of
+from services.worker.rdma import transfer_options
 from services.worker.server import RoleParts, register_role
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -21,12 +22,14 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
 
     def allocate(spec: KVPoolSpec):
         # The receiver owns the pool's memory so that writers (shm) can map it directly.
-        holder["rx"] = create_receiver(wcfg.transfer_backend, layout_of(spec), wcfg.public_host, wcfg.id)
+        holder["rx"] = create_receiver(wcfg.transfer_backend, layout_of(spec), wcfg.public_host, wcfg.id,
+                                       **transfer_options(wcfg, "receiver"))
         return holder["rx"].buffer
 
     engine = LLMEngine(engine_cfg, kv_allocator=allocate)
     receiver = holder["rx"]
-    peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s)
+    peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s,
+                            boot_epoch=wcfg.boot_epoch)
     worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s), peers,
                           max_prealloc=wcfg.max_queue)
 

@@ -37,7 +37,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         def add() -> None:
             req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid)
             self.worker.add(DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
-                                       request.prefill_worker_id, emit))
+                                       request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch))
 
         try:
             await self.loop.call(add)
@@ -65,11 +65,14 @@ class BootstrapClient:
     """Sends D's Bootstrap / AbortRoom to prefill workers; one channel per prefill address.
 
     D's transfer metadata goes with the first Bootstrap to each prefill worker, and again whenever
-    P says it lacks it (P restarted)."""
+    P says it lacks it (P restarted). Each Bootstrap names the prefill instance (boot epoch) the router
+    paired, and this worker's own epoch."""
 
-    def __init__(self, worker_id: str, receiver: KVReceiver, backend: str, timeout_s: float = 10.0):
+    def __init__(self, worker_id: str, receiver: KVReceiver, backend: str, timeout_s: float = 10.0,
+                 boot_epoch: int = 0):
         self.loop: EngineLoop | None = None
         self.worker_id = worker_id
+        self.boot_epoch = boot_epoch
         self.receiver = receiver
         self.backend = backend
         self.timeout_s = timeout_s
@@ -103,6 +106,8 @@ class BootstrapClient:
     async def _bootstrap(self, room: DecodeRoom, req: worker_pb2.BootstrapRequest) -> None:
         req.decode_worker_id = self.worker_id
         req.transfer_backend = self.backend
+        req.prefill_boot_epoch = room.prefill_epoch
+        req.decode_boot_epoch = self.boot_epoch
         error = None
         try:
             stub = self._stub(room.prefill_addr)

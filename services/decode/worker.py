@@ -61,6 +61,7 @@ class DecodeRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     created: float = dataclasses.field(default_factory=time.monotonic)
     bootstrapped_at: float | None = None
+    prefill_epoch: int = 0          # boot epoch of the prefill instance the router paired (0: unchecked)
 
 
 class DecodeWorker:
@@ -216,6 +217,7 @@ class DecodeWorker:
         metrics.KV_PAGES.labels("free").set(kv.available_pages)
         metrics.KV_PAGES.labels("total").set(kv.num_pages)
         metrics.SLOTS_FREE.set(kv.slots.num_free_slots)
+        metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
 
     def load(self) -> worker_pb2.WorkerLoad:
         kv = self.sched.kv

@@ -11,6 +11,7 @@ from services.prefill.servicer import BootstrapServicer, PrefillServicer
 from services.prefill.worker import PrefillTimeouts, PrefillWorker
 from services.worker.config import WorkerConfig
 from services.worker.layout import layout_of
+from services.worker.rdma import transfer_options
 from services.worker.server import RoleParts, register_role
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -20,17 +21,19 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     # A prefill worker never decodes: admission reserves nothing for future tokens.
     cfg = dataclasses.replace(engine_cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     engine = LLMEngine(cfg)
-    sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec), wcfg.id)
+    sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
+                           wcfg.id, **transfer_options(wcfg, "sender"))
     worker = PrefillWorker(engine, sender, PrefillTimeouts(wcfg.bootstrap_timeout_s, wcfg.transfer_timeout_s),
                            max_rooms=wcfg.max_queue)
 
     def add_servicers(server, loop) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, loop), server)
-        worker_pb2_grpc.add_BootstrapServicer_to_server(BootstrapServicer(worker, loop, sender), server)
+        worker_pb2_grpc.add_BootstrapServicer_to_server(
+            BootstrapServicer(worker, loop, sender, boot_epoch=wcfg.boot_epoch), server)
 
     return RoleParts(
         worker=worker, role_pb=worker_pb2.WORKER_ROLE_PREFILL,
         service_names=["tandem.v1.PrefillWorker", "tandem.v1.Bootstrap"],
         add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,
-        close=sender.close, inflight=lambda: len(worker.rooms),
+        close=sender.close, inflight=lambda: len(worker.rooms), outstanding=lambda: worker.outstanding_seen,
     )

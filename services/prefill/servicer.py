@@ -13,6 +13,7 @@ from services.common.convert import prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.prefill.rooms import BootstrapInfo
 from services.prefill.worker import PrefillWorker
+from services.worker import metrics
 from services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -47,17 +48,34 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 class BootstrapServicer(worker_pb2_grpc.BootstrapServicer):
-    def __init__(self, worker: PrefillWorker, loop: EngineLoop, sender: KVSender):
+    """`boot_epoch`: this process's instance id (WorkerInfo.boot_epoch). A Bootstrap that names another
+    epoch was meant for an earlier instance of this worker at the same address (the room it refers to
+    died with it): it is refused at once rather than left to time out."""
+
+    def __init__(self, worker: PrefillWorker, loop: EngineLoop, sender: KVSender, boot_epoch: int = 0):
         self.worker, self.loop, self.sender = worker, loop, sender
+        self.boot_epoch = boot_epoch
+        self._peer_epochs: dict[str, int] = {}   # decode worker id -> the epoch its metadata came from
 
     async def Bootstrap(self, request: worker_pb2.BootstrapRequest, context: grpc.aio.ServicerContext):
         peer = request.decode_worker_id
+        if request.prefill_boot_epoch and self.boot_epoch and request.prefill_boot_epoch != self.boot_epoch:
+            return worker_pb2.BootstrapResponse(
+                accepted=False, stale_epoch=True,
+                error=f"stale prefill instance: room {request.bootstrap_room} was paired with boot epoch "
+                      f"{request.prefill_boot_epoch:x}, this process is {self.boot_epoch:x} (it restarted)")
+        if (request.decode_boot_epoch and not request.transfer_metadata
+                and self._peer_epochs.get(peer, request.decode_boot_epoch) != request.decode_boot_epoch):
+            # The decode worker restarted under the same id: what we hold describes its predecessor.
+            return worker_pb2.BootstrapResponse(accepted=False, need_metadata=True)
         if request.transfer_metadata:
             try:
                 # Connecting may open a socket or map shared memory: keep it off the event loop.
                 await asyncio.to_thread(self.sender.connect, peer, request.transfer_metadata)
             except TransferError as e:
                 return worker_pb2.BootstrapResponse(accepted=False, error=f"cannot reach decode worker {peer}: {e}")
+            self._peer_epochs[peer] = request.decode_boot_epoch
+            _report_transports(peer, self.sender.transports(peer))
         elif not self.sender.has_peer(peer):
             return worker_pb2.BootstrapResponse(accepted=False, need_metadata=True)
         if request.page_size and request.page_size != self.worker.page_size:
@@ -74,3 +92,12 @@ class BootstrapServicer(worker_pb2_grpc.BootstrapServicer):
         # The engine thread answers only once no write of the room can still land on the decode side.
         await self.loop.call(lambda: self.worker.abort_room(request.bootstrap_room, request.reason or "aborted by decode"))
         return worker_pb2.AbortRoomResponse(acked=True)
+
+
+def _report_transports(peer: str, transports: list) -> None:
+    """Log and export what UCX negotiated with a decode worker (nixl/ucx; other backends report none)."""
+    if not transports:
+        return
+    log.info("KV transfer to %s uses %s", peer, ", ".join(f"{t.name}/{t.device}" for t in transports))
+    for t in transports:
+        metrics.UCX_TRANSPORT.labels(peer, t.name, "true" if t.rdma else "false").set(1)

@@ -42,6 +42,7 @@ class PrefillWorker:
         self.rooms: dict[int, PrefillRoom] = {}
         self._by_rid: dict[str, PrefillRoom] = {}
         self.page_size = engine.cfg.page_size
+        self.outstanding_seen = 0
         metrics.QUEUE_CAP.labels("bootstrap").set(max_rooms)
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
@@ -212,6 +213,14 @@ class PrefillWorker:
         metrics.KV_PAGES.labels("free").set(kv.available_pages)
         metrics.KV_PAGES.labels("total").set(kv.num_pages)
         metrics.SLOTS_FREE.set(kv.slots.num_free_slots)
+        self.outstanding_seen = self.outstanding()  # read by the asyncio side while draining
+        metrics.KV_TRANSFERS_OUTSTANDING.set(self.outstanding_seen)
+        metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
+
+    def outstanding(self) -> int:
+        """KV transfers this worker owes: rooms a decode worker bootstrapped (reserved pages for) and
+        that have not completed or failed yet. A drain waits for this to reach 0."""
+        return sum(1 for r in self.rooms.values() if r.info is not None and not r.state.done)
 
     def load(self) -> worker_pb2.WorkerLoad:
         kv = self.sched.kv

@@ -9,6 +9,7 @@ from services.router.policy import policy_names
 from tandem.v1 import worker_pb2
 
 MODES = ("disagg", "colocated")
+DISCOVERY = ("redis", "static", "k8s")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,16 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # 0 = no router-side deadline
     drain_timeout_s: float = 5.0
     max_retries: int = 1  # extra attempts on another pair, only on UNAVAILABLE before the first token
+    discovery: str = ""  # redis | static | k8s; "" = redis with --redis-url, else static
+    k8s_namespace: str = ""  # "" = this pod's namespace
+    k8s_selector: str = "app.kubernetes.io/part-of=tandem"  # EndpointSlices of the worker Services
+    k8s_api_server: str | None = None  # None = in-cluster service account, then ~/.kube/config
+
+    @property
+    def discovery_kind(self) -> str:
+        if self.discovery:
+            return self.discovery
+        return "redis" if self.redis_url else "static"
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -36,9 +47,16 @@ class RouterConfig:
         if self.policy not in policy_names():
             raise ValueError(f"--policy must be one of {policy_names()}, got {self.policy!r}")
         static = self.prefill or self.decode or self.colocated
-        if self.redis_url and static:
+        if self.discovery and self.discovery not in DISCOVERY:
+            raise ValueError(f"--discovery must be one of {DISCOVERY}, got {self.discovery!r}")
+        if self.discovery_kind == "k8s":
+            if self.redis_url or static:
+                raise ValueError("--discovery k8s takes no --redis-url or static worker addresses")
+        elif self.redis_url and static:
             raise ValueError("give either --redis-url or --prefill/--decode/--colocated, not both")
-        if not self.redis_url and not static:
+        if self.discovery_kind == "redis" and not self.redis_url:
+            raise ValueError("--discovery redis needs --redis-url")
+        if self.discovery_kind != "k8s" and not self.redis_url and not static:
             raise ValueError("no registry: give --redis-url, or worker addresses with --prefill/--decode/--colocated")
         if static and self.mode == "disagg" and not (self.prefill and self.decode):
             raise ValueError("--mode disagg needs at least one --prefill and one --decode address")
@@ -81,6 +99,10 @@ class RouterConfig:
             max_inflight=args.max_inflight,
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
+            discovery=args.discovery or "",
+            k8s_namespace=args.k8s_namespace,
+            k8s_selector=args.k8s_selector,
+            k8s_api_server=args.k8s_api_server or None,
         )
         config.validate()
         return config
@@ -96,6 +118,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = pick a free one)")
     p.add_argument("--redis-url", default=None, help="registry, e.g. redis://127.0.0.1:6379/0 or unix:///path/redis.sock")
+    p.add_argument("--discovery", choices=DISCOVERY, default=None,
+                   help="where workers are found: redis, static (--prefill/--decode lists) or k8s "
+                        "(ready EndpointSlices labelled tandem.ai/role; default: redis with --redis-url, else static)")
+    p.add_argument("--k8s-namespace", default=d.k8s_namespace, help="k8s discovery: namespace (default: the pod's)")
+    p.add_argument("--k8s-selector", default=d.k8s_selector, help="k8s discovery: label selector of worker EndpointSlices")
+    p.add_argument("--k8s-api-server", default=None,
+                   help="k8s discovery: API server URL (default: in-cluster service account, then ~/.kube/config)")
     p.add_argument("--registry-prefix", default=d.registry_prefix, help="key prefix of the Redis registry")
     p.add_argument("--prefill", action="append", help="static prefill worker addresses host:port, comma separated")
     p.add_argument("--decode", action="append", help="static decode worker addresses, comma separated")

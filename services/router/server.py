@@ -28,7 +28,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def registry_from_config(config: RouterConfig) -> WorkerRegistry:
-    if config.redis_url:
+    if config.discovery_kind == "k8s":
+        from services.common.k8s_registry import KubernetesRegistry, pod_namespace
+
+        return KubernetesRegistry(namespace=config.k8s_namespace or pod_namespace(), selector=config.k8s_selector,
+                                  api_server=config.k8s_api_server)
+    if config.discovery_kind == "redis":
         return create_registry("redis", url=config.redis_url, prefix=config.registry_prefix)
     return create_registry(
         "static", prefill=config.prefill, decode=config.decode, colocated=config.colocated,

@@ -233,7 +233,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
             worker_pb2.DecodeRequest(
                 request_id=rid, bootstrap_room=room, sampling=request.sampling,
-                prefill_bootstrap_addr=p.bootstrap_addr, prefill_worker_id=p.worker_id, **prompt,
+                prefill_bootstrap_addr=p.bootstrap_addr, prefill_worker_id=p.worker_id,
+                prefill_boot_epoch=p.boot_epoch, **prompt,
             ),
             timeout=timeout,
         )

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def new_boot_epoch() -> int:
+    """A random non-zero 63-bit id of one process start (0 means "not checked" on the wire)."""
+    return secrets.randbits(63) or 1
 
 
 @dataclass(frozen=True)
@@ -20,8 +26,13 @@ class WorkerConfig:
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
     max_queue: int = 1024               # bootstrap rooms (P) / prealloc queue (D)
-    drain_timeout_s: float = 10.0
+    drain_timeout_s: float = 10.0       # SIGTERM: the most a drain waits (keep it below the pod's grace period)
     heartbeat_s: float = 1.0
+    pod_uid: str = ""                   # Kubernetes pod UID (downward API), reported in WorkerInfo
+    require_rdma: bool = False          # nixl/ucx: refuse peers whose UCX transport is not RDMA
+    # Identity of this process start, drawn once when the config is built (a restarted container gets
+    # a new one): peers check it in the bootstrap handshake.
+    boot_epoch: int = field(default_factory=new_boot_epoch)
 
     @property
     def id(self) -> str:

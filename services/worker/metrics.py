@@ -20,6 +20,26 @@ TRANSFER_LATENCY = Histogram(
 )
 IDLE_CHECK_FAILURES = Counter("tandem_idle_check_failures_total", "Idle self-checks that found leaked pages/slots")
 STEPS = Counter("tandem_engine_steps_total", "Forward passes run", ["kind"])
+KV_TRANSFERS_OUTSTANDING = Gauge(
+    "tandem_kv_transfers_outstanding",
+    "Prefill: rooms whose decode worker reserved pages and still waits for their KV (a drain waits for 0)")
+DRAINING = Gauge("tandem_worker_draining", "1 once SIGTERM started the drain")
+UCX_TRANSPORT = Gauge(
+    "tandem_kv_ucx_transport_info", "1 per peer: the UCX transport the nixl/ucx backend negotiated with it",
+    ["peer", "transport", "rdma"])
+
+# The names the Gateway API Inference Extension's endpoint picker (and llm-d) scrape from vLLM pods,
+# so such a gateway can pick Tandem pods. Same meaning as vLLM's: waiting = queued, not yet running.
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests queued (vLLM-compatible name)", ["model_name"])
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running (vLLM-compatible name)", ["model_name"])
+VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (vLLM-compatible name)", ["model_name"])
+
+
+def export_vllm_compatible(model: str, load) -> None:
+    """Mirror a worker's `WorkerLoad` under vLLM's metric names (each role's metrics export calls it)."""
+    VLLM_WAITING.labels(model).set(load.waiting)
+    VLLM_RUNNING.labels(model).set(load.running)
+    VLLM_KV_USAGE.labels(model).set(1.0 - load.free_pages / load.total_pages if load.total_pages else 0.0)
 
 
 def idle_check(engine) -> None:

@@ -24,9 +24,12 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from services.common.registry import create_registry
+from services.worker import metrics
 from services.worker.config import WorkerConfig
+from services.worker.identity import WorkerIdentityServicer
 from services.worker.loop import EngineLoop
-from tandem.v1 import worker_pb2
+from services.worker.rdma import preflight
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,8 @@ class RoleParts:
     engine: object
     transfer_backend: str = ""
     close: Callable[[], None] = lambda: None        # transfer backend teardown
-    inflight: Callable[[], int] = lambda: 0
+    inflight: Callable[[], int] = lambda: 0          # requests (P: rooms, incl. transfers owed) in flight
+    outstanding: Callable[[], int] = lambda: 0       # P: KV transfers owed to decode workers
     extra: dict = field(default_factory=dict)
 
 
@@ -74,6 +78,7 @@ def _load_role(role: str) -> None:
 
 async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     _load_role(wcfg.role)
+    preflight(wcfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -87,9 +92,13 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     parts.add_servicers(server, engine_loop)
+    identity = WorkerIdentityServicer(lambda: engine_loop.call(parts.worker.load))
+    worker_pb2_grpc.add_WorkerIdentityServicer_to_server(identity, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*parts.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    identity_name = worker_pb2.DESCRIPTOR.services_by_name["WorkerIdentity"].full_name
+    reflection.enable_server_reflection(
+        [*parts.service_names, identity_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{wcfg.host}:{wcfg.port}")
     if port == 0:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
@@ -105,8 +114,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         bootstrap_addr=addr if wcfg.role == "prefill" else "",
         model=engine_cfg.model, transfer_backend=parts.transfer_backend, started_at=time.time(),
         max_context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
-        load=parts.worker.load(),
+        load=parts.worker.load(), pod_uid=wcfg.pod_uid, boot_epoch=wcfg.boot_epoch,
     )
+    identity.info = info
     registry = None
     heartbeat = None
     if wcfg.redis_url:
@@ -115,27 +125,44 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         await registry.announce(info)
         heartbeat = asyncio.create_task(_report_load(registry, engine_loop, parts.worker, wcfg.heartbeat_s))
     ready = {"role": wcfg.role, "worker_id": wcfg.id, "grpc_addr": addr, "metrics_port": metrics_port,
-             "pid": os.getpid(),
+             "pid": os.getpid(), "boot_epoch": wcfg.boot_epoch,
              "transfer_backend": parts.transfer_backend, "startup_s": round(time.monotonic() - t0, 2)}
     print("TANDEM_READY " + json.dumps(ready), flush=True)
     log.info("%s %s serving on %s (metrics :%s)", wcfg.role, wcfg.id, addr, metrics_port)
 
     await stop.wait()
-    log.info("%s %s draining", wcfg.role, wcfg.id)
+    await _drain(wcfg, health_servicer, registry, heartbeat, parts)
+    await server.stop(grace=1.0)
+    engine_loop.stop()
+    parts.close()
+    log.info("%s %s stopped", wcfg.role, wcfg.id)
+    return 1 if engine_loop.failed else 0
+
+
+async def _drain(wcfg: WorkerConfig, health_servicer, registry, heartbeat, parts: RoleParts) -> None:
+    """Leave routing first (NOT_SERVING fails the readiness probe, so Kubernetes drops the endpoint;
+    the Redis entry is deleted), then keep serving what is in flight: a prefill worker stays until
+    every KV transfer it owes has completed or timed out (its own transfer timeout fails them), all
+    within `drain_timeout_s`. Requests that still arrive from a router with a stale view are served."""
+    t0 = time.monotonic()
+    log.info("%s %s draining: %d in flight, %d KV transfers outstanding",
+             wcfg.role, wcfg.id, parts.inflight(), parts.outstanding())
+    metrics.DRAINING.set(1)
     await health_servicer.enter_graceful_shutdown()
     if heartbeat is not None:
         heartbeat.cancel()
     if registry is not None:
         await registry.withdraw()
         await registry.close()
-    deadline = time.monotonic() + wcfg.drain_timeout_s
+    deadline = t0 + wcfg.drain_timeout_s
     while parts.inflight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await server.stop(grace=1.0)
-    engine_loop.stop()
-    parts.close()
-    log.info("%s %s stopped", wcfg.role, wcfg.id)
-    return 1 if engine_loop.failed else 0
+    left, owed = parts.inflight(), parts.outstanding()
+    if left:
+        log.warning("%s %s drain timed out after %.1fs: %d requests, %d KV transfers still in flight",
+                    wcfg.role, wcfg.id, wcfg.drain_timeout_s, left, owed)
+    else:
+        log.info("%s %s drained in %.2fs", wcfg.role, wcfg.id, time.monotonic() - t0)
 
 
 def _build_sync(engine_cfg: EngineConfig, wcfg: WorkerConfig, loop) -> RoleParts:
