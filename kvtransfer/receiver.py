@@ -205,6 +205,10 @@ class Receiver(KVReceiver):
                 self._fail(r, "receiver closed")
             conns = list(self._conns)
             self._cond.notify_all()
+        if self._segment is not None:
+            # First, so nothing below (joins with timeouts) can leave the file behind; peers' and our
+            # mappings stay valid after the unlink.
+            self._segment.unlink()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -216,8 +220,6 @@ class Receiver(KVReceiver):
             if c.thread is not None:
                 c.thread.join(self._timeouts.connect)
         self._listener.close()
-        if self._segment is not None:
-            self._segment.unlink()
 
     # ---- helpers ------------------------------------------------------------------------------------
 

@@ -7,13 +7,19 @@ its sender thread, copies each run with one strided copy over all layers and K/V
 (hello, WROTE note, aux record, abort) still travel over the receiver's TCP control socket, after the
 copies, so when D sees the aux record the pages are there.
 
-Lifetime: D's `close()` unlinks the file (mappings stay valid until their tensors are freed). A D
-killed with SIGKILL leaks its file: `cleanup_stale_segments()` removes files whose owner pid is gone
-(pids are checked in this pid namespace, so run it where the workers run).
+Lifetime: D's `close()` unlinks the file (mappings stay valid until their tensors are freed); so does
+interpreter exit, or the segment being garbage-collected, if `close()` never ran. A D killed with
+SIGKILL leaks its file; the next segment created in the same directory removes it first
+(`cleanup_stale_segments()`). A file counts as stale only when both say its owner is gone: the pid in
+its name is not alive in this pid namespace, and nobody holds the `flock` that the owner keeps on it
+for its whole life (locks are per open file, so this also protects a live owner in another pid
+namespace that shares /dev/shm).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import re
@@ -21,6 +27,7 @@ import secrets
 import socket
 import struct
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -35,22 +42,30 @@ HEADER_BYTES = 4096
 _MAGIC = b"TANDEMKV"
 _HEAD = struct.Struct("<8s16sQ")      # magic, nonce, owner pid
 
+log = logging.getLogger(__name__)
+
 
 def _pool_bytes(layout: PoolLayout) -> int:
     return layout.page_bytes * layout.num_pages * layout.num_layers * 2
 
 
 class Segment:
-    """A shared-memory file holding one pool, mapped MAP_SHARED in this process."""
+    """A shared-memory file holding one pool, mapped MAP_SHARED in this process.
 
-    def __init__(self, path: str, mm: mmap.mmap, nonce: bytes, owner: bool):
+    The creating process owns the file: it holds an exclusive `flock` on it until `unlink()`, which
+    runs at the latest when the Segment is garbage-collected or the interpreter exits."""
+
+    def __init__(self, path: str, mm: mmap.mmap, nonce: bytes, owner_fd: int | None = None):
         self.path = path
         self._mm = mm
         self._nonce = nonce
-        self._owner = owner
+        self._unlink = weakref.finalize(self, _release, path, owner_fd) if owner_fd is not None else None
 
     @classmethod
     def create(cls, layout: PoolLayout, worker_id: str, directory: str = SHM_DIR) -> Segment:
+        """Create and map a new segment, after removing the stale ones of dead workers in `directory`."""
+        for path in cleanup_stale_segments(directory):
+            log.warning("removed the shared-memory KV segment %s of a worker that is gone", path)
         safe = re.sub(r"[^A-Za-z0-9_.]", "_", worker_id)[:64]
         path = os.path.join(directory, f"{PREFIX}{safe}-{os.getpid()}-{secrets.token_hex(4)}")
         size = HEADER_BYTES + _pool_bytes(layout)
@@ -60,15 +75,14 @@ class Segment:
         except OSError as e:
             raise TransferError(f"cannot create shared-memory segment {path}: {e}") from e
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # held until unlink: "the owner is alive"
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
-            os.unlink(path)
+            _release(path, fd)
             raise TransferError(f"cannot reserve {size} bytes of shared memory in {directory}: {e}") from e
-        finally:
-            os.close(fd)
         mm[:_HEAD.size] = _HEAD.pack(_MAGIC, nonce, os.getpid())
-        return cls(path, mm, nonce, owner=True)
+        return cls(path, mm, nonce, owner_fd=fd)
 
     @classmethod
     def open(cls, info: ShmInfo, layout: PoolLayout) -> Segment:
@@ -90,7 +104,7 @@ class Segment:
         magic, nonce, _ = _HEAD.unpack(mm[:_HEAD.size])
         if magic != _MAGIC or nonce.hex() != info.nonce:
             raise TransferError(f"{info.path} is not the advertised segment (another /dev/shm?)")
-        return cls(info.path, mm, nonce, owner=False)
+        return cls(info.path, mm, nonce)
 
     def info(self) -> ShmInfo:
         return ShmInfo(path=self.path, size=len(self._mm), offset=HEADER_BYTES, nonce=self._nonce.hex(),
@@ -103,16 +117,33 @@ class Segment:
         return raw.view(layout.torch_dtype).view(layout.shape)
 
     def unlink(self) -> None:
-        if self._owner:
-            self._owner = False
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        """Owner: remove the file and drop the lock (idempotent); a no-op on a peer's mapping."""
+        if self._unlink is not None:
+            self._unlink()
+
+
+def _release(path: str, fd: int) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                       # someone else's live process
+    return True
 
 
 def cleanup_stale_segments(directory: str = SHM_DIR) -> list[str]:
-    """Remove segments whose owner process no longer exists; returns the paths removed."""
+    """Remove segments whose owner is gone (its pid is dead and nobody holds the file's lock);
+    returns the paths removed. Files that are not Tandem segments are never touched."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -125,19 +156,21 @@ def cleanup_stale_segments(directory: str = SHM_DIR) -> list[str]:
             pid = int(name.rsplit("-", 2)[1])
         except (IndexError, ValueError):
             continue
-        try:
-            os.kill(pid, 0)
-            continue                      # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if _pid_alive(pid):
             continue
         path = os.path.join(directory, name)
         try:
-            os.unlink(path)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue                      # gone already, a symlink, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)               # unlinked while we hold the lock: no owner can be mid-create
             removed.append(path)
         except OSError:
-            pass
+            pass                          # locked: a live owner (another pid namespace); or not ours
+        finally:
+            os.close(fd)
     return removed
 
 

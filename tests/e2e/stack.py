@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import re
@@ -97,15 +99,29 @@ class Stack:
             time.sleep(0.2)
 
     def close(self) -> None:
+        """Stop the deployment; fails if a graceful stop left a worker's shared memory behind (a
+        killed one's is removed here, as the next worker would)."""
         if getattr(self, "channel", None) is not None:
             self.channel.close()
+        killed = False
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
+                killed = True
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+        leaked = shm_segments_of(self.proc.pid)
+        for path in leaked:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        assert killed or not leaked, f"`tandem up` stopped but left shared memory behind: {leaked}"
+
+
+def shm_segments_of(launcher_pid: int) -> list[str]:
+    """KV segments of the workers a `tandem up` started (their ids end with the launcher's pid)."""
+    return glob.glob(f"/dev/shm/tandem-kv-*_{launcher_pid}-*")
 
 
 # ---- sharing one deployment between test modules, and extra services next to it ------------------

@@ -1,5 +1,7 @@
 """Registry, auto's choice of path, shared-memory housekeeping (in one process)."""
 
+import fcntl
+import gc
 import json
 import os
 import subprocess
@@ -92,6 +94,60 @@ def test_cleanup_removes_only_segments_of_dead_owners(tmp_path):
         f.write_bytes(b"x")
     assert cleanup_stale_segments(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_cleanup_keeps_a_segment_whose_owner_still_holds_its_lock(tmp_path):
+    # A live owner in another pid namespace: its pid looks dead here, but it holds the file's flock.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    held = tmp_path / f"{PREFIX}D_z-{dead.pid}-abcd"
+    held.write_bytes(b"x")
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert cleanup_stale_segments(str(tmp_path)) == [] and held.exists()
+    finally:
+        os.close(fd)
+    assert cleanup_stale_segments(str(tmp_path)) == [str(held)] and not held.exists()
+
+
+def test_a_new_segment_removes_stale_ones_and_unlinks_itself_when_dropped(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{PREFIX}decode_0_1-{dead.pid}-abcd"
+    stale.write_bytes(b"x")
+    seg = Segment.create(SMALL, "decode-0-2", directory=str(tmp_path))
+    assert not stale.exists() and os.path.exists(seg.path)
+    # The live owner's file survives a cleanup (its pid is ours, and it holds the lock).
+    assert cleanup_stale_segments(str(tmp_path)) == [] and os.path.exists(seg.path)
+    path = seg.path
+    del seg
+    gc.collect()
+    assert not os.path.exists(path)  # close() never ran: the segment's finalizer unlinked it
+
+
+def test_a_worker_killed_with_sigkill_leaks_a_segment_the_next_worker_removes(tmp_path):
+    code = ("import sys, time; from kvtransfer.backends.shm import Segment; from tests.kvtransfer.helpers import SMALL; "
+            "seg = Segment.create(SMALL, 'decode-0', directory=sys.argv[1]); print(seg.path, flush=True); "
+            "time.sleep(60)")
+    root = os.path.dirname(kvtransfer.__path__[0])
+    victim = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        path = victim.stdout.readline().strip()
+        assert path and os.path.exists(path)
+        assert cleanup_stale_segments(str(tmp_path)) == []    # alive: kept
+    finally:
+        victim.kill()
+        victim.wait()
+        victim.stdout.close()
+    assert os.path.exists(path)                               # SIGKILL: nothing ran
+    seg = Segment.create(SMALL, "decode-0", directory=str(tmp_path))
+    try:
+        assert not os.path.exists(path) and os.listdir(tmp_path) == [os.path.basename(seg.path)]
+    finally:
+        seg.unlink()
+        seg.unlink()                                          # idempotent
+    assert os.listdir(tmp_path) == []
 
 
 def test_segment_refuses_a_file_that_is_not_the_advertised_one(tmp_path):
