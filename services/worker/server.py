@@ -33,6 +33,10 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# gRPC health service name that answers SERVING while the process is alive, through a drain too
+# (Kubernetes liveness/startup probes); "" and the role's services answer readiness.
+LIVENESS = "liveness"
+
 
 @dataclass
 class RoleParts:
@@ -105,7 +109,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     addr = f"{wcfg.public_host}:{port}"
     engine_loop.start()
     await server.start()
-    for name in ["", *parts.service_names]:
+    for name in [LIVENESS, "", *parts.service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     metrics_port = _start_metrics(wcfg)
@@ -148,7 +152,9 @@ async def _drain(wcfg: WorkerConfig, health_servicer, registry, heartbeat, parts
     log.info("%s %s draining: %d in flight, %d KV transfers outstanding",
              wcfg.role, wcfg.id, parts.inflight(), parts.outstanding())
     metrics.DRAINING.set(1)
-    await health_servicer.enter_graceful_shutdown()
+    # Not enter_graceful_shutdown(): LIVENESS stays SERVING so a liveness probe does not kill the drain.
+    for name in ["", *parts.service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if heartbeat is not None:
         heartbeat.cancel()
     if registry is not None:

@@ -1,0 +1,107 @@
+"""`make k8s-check` passes on k8s/ as committed, and fails on manifests broken on purpose."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.k8s.check import ROOT, check, invariants, schema_problems
+from tests.k8s.render import RenderError, render
+
+K8S = ROOT / "k8s"
+
+
+def by_name(objs, kind, name):
+    [o] = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return o
+
+
+@pytest.fixture
+def k8s_copy(tmp_path) -> Path:
+    dst = tmp_path / "k8s"
+    shutil.copytree(K8S, dst)
+    return dst
+
+
+def edit(path: Path, fn) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for d in docs:
+        fn(d)
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+
+
+def test_every_overlay_passes_schemas_invariants_and_checkov():
+    assert check(K8S) == {"cpu-dev": [], "gpu-rdma": []}
+
+
+def test_the_renderer_resolves_the_overlays():
+    dev = render(K8S / "overlays" / "cpu-dev")
+    assert {o["metadata"].get("namespace") for o in dev if o["kind"] != "Namespace"} == {"tandem"}
+    prefill = by_name(dev, "Deployment", "tandem-prefill")["spec"]["template"]["spec"]["containers"][0]
+    assert prefill["image"] == "tandem:dev" and prefill["imagePullPolicy"] == "IfNotPresent"
+    assert prefill["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
+    assert by_name(dev, "Deployment", "tandem-router")["spec"]["replicas"] == 1
+    assert by_name(dev, "ConfigMap", "tandem-config")["data"]["MAX_TOTAL_TOKENS"] == "16384"
+    assert by_name(dev, "RoleBinding", "tandem-router-discovery")["subjects"][0]["namespace"] == "tandem"
+
+    gpu = render(K8S / "overlays" / "gpu-rdma")
+    pod = by_name(gpu, "Deployment", "tandem-decode")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["image"] == "ghcr.io/tandem-ai/tandem:0.1.0"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "--require-rdma" in c["args"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True          # kept from the base
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/cache", "/tmp", "/dev/shm"]
+    assert [v["name"] for v in pod["volumes"]] == ["cache", "tmp", "dshm"]
+    router = by_name(gpu, "Deployment", "tandem-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "capabilities" not in router["securityContext"] or "add" not in router["securityContext"]["capabilities"]
+
+
+def test_a_misspelt_field_fails_the_strict_schema(k8s_copy):
+    def misspell(d):
+        if d["kind"] == "Deployment":
+            d["spec"]["replica"] = d["spec"].pop("replicas")
+    edit(k8s_copy / "base" / "router.yaml", misspell)
+    problems = check(k8s_copy, run_checkov=False)
+    assert any("Deployment/tandem-router: schema" in p and "replica" in p for p in problems["cpu-dev"])
+
+
+def test_a_wrong_type_fails_the_schema():
+    objs = render(K8S / "overlays" / "cpu-dev")
+    d = by_name(objs, "Deployment", "tandem-decode")
+    d["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
+    assert any("tandem-decode" in p for p in schema_problems(objs))
+
+
+def test_a_missing_readiness_probe_fails_the_invariants_and_checkov(k8s_copy):
+    def drop_probe(d):
+        if d["kind"] == "Deployment":
+            del d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    edit(k8s_copy / "base" / "decode.yaml", drop_probe)
+    problems = check(k8s_copy)["gpu-rdma"]
+    assert "Deployment/tandem-decode container decode: no readinessProbe" in problems
+    assert any("tandem-decode: checkov CKV_K8S_9" in p for p in problems)
+
+
+def test_capabilities_pdbs_and_skips_are_policed(k8s_copy):
+    objs = render(K8S / "overlays" / "cpu-dev")
+    router = by_name(objs, "Deployment", "tandem-router")
+    router["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
+    objs = [o for o in objs if not (o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "tandem-prefill")]
+    problems = invariants(objs)
+    assert any("tandem-router container router: adds capabilities ['IPC_LOCK']" in p for p in problems)
+    assert "Deployment/tandem-prefill: no PodDisruptionBudget selects its pods" in problems
+
+    (k8s_copy / "overlays" / "cpu-dev" / "checkov-skips.yaml").write_text("CKV_K8S_9: ''\n")
+    assert any("skip of CKV_K8S_9 has no reason" in p for p in check(k8s_copy)["cpu-dev"])
+
+
+def test_the_renderer_refuses_what_it_does_not_implement(k8s_copy):
+    k = k8s_copy / "overlays" / "cpu-dev" / "kustomization.yaml"
+    k.write_text(k.read_text() + "commonAnnotations:\n  a: b\n")
+    with pytest.raises(RenderError, match="commonAnnotations"):
+        render(k.parent)
+    assert check(k8s_copy, run_checkov=False)["cpu-dev"][0].startswith("render:")
