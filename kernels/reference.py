@@ -76,12 +76,12 @@ def unpack_kv_pages(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """As engine.models.layers.RMSNorm: normalise in fp32, cast, then scale by the weight."""
+    """As engine.models.layers.RMSNorm: normalise in fp32, cast to the weight's dtype, then scale."""
     if residual is not None:
         residual = residual + x
         x = residual
     xf = x.float()
-    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype)
     return y if residual is None else (y, residual)
 
 

@@ -1,8 +1,8 @@
 """Fused RMSNorm, optionally with the residual add: `residual += x; y = norm(residual) * weight`.
 
-Numerics follow `engine.models.layers.RMSNorm`: the sum `residual + x` is rounded to the storage
-dtype (it is what the next layer adds to), the normalisation runs in fp32 and is rounded to the
-storage dtype before the weight multiplies it. One program per row.
+Numerics follow `engine.models.layers.RMSNorm`: the sum `residual + x` is kept in the residual's
+dtype (fp32 in the decoders, whatever x's dtype), the normalisation runs in fp32 and is rounded to
+the weight's dtype (the model dtype) before the weight multiplies it. One program per row.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _rms_norm_kernel(
         tl.store(ResOut + row * stride_ro + cols, s, mask=mask)
         x = s.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    y = (x * inv_rms).to(ResOut.dtype.element_ty).to(tl.float32)
+    y = (x * inv_rms).to(Out.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
 
@@ -56,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     else:
         r2 = x2
         sum_dtype = x.dtype
-    out = torch.empty(x2.shape, dtype=torch.promote_types(sum_dtype, weight.dtype), device=x.device)
+    out = torch.empty(x2.shape, dtype=weight.dtype, device=x.device)
     res_out = torch.empty(x2.shape, dtype=sum_dtype, device=x.device) if residual is not None else x2
     rows = x2.shape[0]
     if rows:

@@ -4,6 +4,14 @@ Tokens of every sequence in a step are flattened into one `[T]` batch: the linea
 matrix, and only attention (behind `AttentionBackend`) knows where sequences start and end.
 Q/K/V and gate/up projections are fused into one matmul each; `load_weights` stacks the Hugging Face
 tensors into them.
+
+Precision: in bf16/fp16 the matmuls, attention and KV cache run in the model dtype, while the
+residual stream, the norms, RoPE and the logits of the top candidates stay fp32 (see
+`engine.models.logits`). Rounding the residual sum to bf16 after every block is where most of a
+bf16 forward's drift from fp32 comes from; keeping it wide costs one fp32 `[T, hidden]` add per
+block. Measured on SmolLM2 (14 chat and completion prompts, 40 teacher-forced tokens each): the
+greedy token agrees with the fp32 model at 97.5% of positions with a bf16 residual and bf16 logits
+(Hugging Face's bf16: 97.7%), 99.6% with both fp32.
 """
 
 from __future__ import annotations
@@ -11,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from engine.forward_context import ForwardContext
 from engine.model_config import ModelConfig
 from engine.models.layers import RMSNorm, SiluAndMul
+from engine.models.logits import compute_logits
 from engine.models.rope import RotaryEmbedding
 
 
@@ -65,7 +73,7 @@ class DecoderLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x.float(), self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(x, ctx, cos_sin)
@@ -90,11 +98,10 @@ class LlamaForCausalLM(torch.nn.Module):
         cos_sin = self.rope.lookup(ctx.positions)
         for layer in self.layers:
             x, residual = layer(x, residual, ctx, cos_sin)
-        x = x + residual
         # Only the last position of each sampling sequence needs the (large) vocab projection.
-        x = self.norm(x.index_select(0, ctx.logits_indices))
+        h = self.norm.forward_fp32((x + residual).index_select(0, ctx.logits_indices))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return compute_logits(h, weight)
 
     # --- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -75,3 +75,22 @@ def test_cpu_without_interpreter_is_a_clear_error_and_torch_never_imports_triton
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+
+
+def test_bf16_agrees_with_hf_bf16(tiny_llama):
+    # The precision rules (fp32 residual stream, fp32 top logits) hold whatever the attention
+    # backend; the interpreter rounds the kernels' bf16 stores by truncation, which the tie rule
+    # of test_bf16_parity absorbs.
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_bf16_parity import TINY_LOGIT_RTOL, check_same_until_tie
+
+    hf32 = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    engine = make_engine(tiny_llama, attention_backend="triton", dtype="bfloat16")
+    prompts = random_prompts([1, 7, 18], 512, seed=3)
+    for prompt, res in zip(prompts, engine.generate(prompts, greedy(6)), strict=True):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        check_same_until_tie(hf32, prompt, res.token_ids, ref, TINY_LOGIT_RTOL)
+    engine.check_idle()

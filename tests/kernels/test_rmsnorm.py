@@ -32,6 +32,20 @@ def test_matches_module(dtype, dim):
     assert_close(new_residual, res_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_residual_stream(dtype):
+    # The decoders keep the residual in fp32 and feed the norm's output to bf16/fp16 matmuls.
+    gen = torch.Generator().manual_seed(2)
+    norm = make_norm(64, dtype, gen)
+    x = randn(5, 64, dtype=dtype, gen=gen) * 3
+    residual = randn(5, 64, dtype=torch.float32, gen=gen)
+    y, new_residual = rms_norm(x, norm.weight, norm.eps, residual)
+    y_ref, res_ref = norm.add_forward(x, residual)
+    assert y.dtype == dtype and new_residual.dtype == torch.float32
+    assert_close(y, y_ref, dtype)
+    assert_close(new_residual, res_ref, torch.float32)
+
+
 def test_strided_3d_input_as_qk_norm():
     # Qwen3's q_norm: [T, H, D] heads of a strided slice of the fused qkv projection.
     gen = torch.Generator().manual_seed(1)
