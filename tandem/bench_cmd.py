@@ -19,7 +19,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt"])
+    g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt"],
+                   help="random token prompts, groups of prompts sharing a prefix, or ShareGPT conversations")
     g.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT-format JSON file")
     g.add_argument("--num-prompts", type=int, default=None, help="requests per request rate")
     g.add_argument("--input-len", type=int, default=256,
@@ -29,7 +30,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompts, their lengths and the arrival times")
     g = p.add_argument_group("load")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -53,7 +54,8 @@ def _dataset(args: argparse.Namespace, default_prompts: int):
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from bench.serve.backends import BACKENDS, FORCE_OUTPUT_LEN
 
-    p.add_argument("--backend", default="openai-http", choices=sorted(BACKENDS))
+    p.add_argument("--backend", default="openai-http", choices=sorted(BACKENDS),
+                   help="an OpenAI-compatible HTTP server (Tandem's gateway or another), or Tandem's gRPC router")
     p.add_argument("--base-url", default=None,
                    help="openai-http: http://HOST:PORT (default http://127.0.0.1:8000); "
                         "tandem-grpc: HOST:PORT (default 127.0.0.1:50051)")
@@ -66,7 +68,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests/s, comma-separated for several runs (inf = all at once)")
     p.add_argument("--num-warmups", type=int, default=1, help="requests sent one by one before measuring")
     p.add_argument("--slo", default="", help="goodput SLOs, e.g. ttft=2s,tpot=150ms (bare numbers are ms)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--force-output-len", default="ignore-eos", choices=FORCE_OUTPUT_LEN,
                    help="how to make the server produce exactly --output-len tokens")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every HTTP request body")
@@ -75,7 +77,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--label", default="", help="name of this endpoint in output and plots")
     p.add_argument("--out", default=None, help="results JSON (plots are written beside it)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only, no PNG plots")
     _add_workload_arguments(p)
 
 
@@ -83,9 +85,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="Tandem alias or HF folder (the peer gets the folder)")
     p.add_argument("--deployments", default="colocated,1p1d,transformers",
                    help="comma-separated: colocated, NpMd (e.g. 1p1d), transformers")
-    p.add_argument("--request-rates", type=_floats, default=(0.5, 1.0, 2.0, 4.0))
-    p.add_argument("--num-warmups", type=int, default=2)
-    p.add_argument("--slo", default="ttft=2s,tpot=150ms")
+    p.add_argument("--request-rates", type=_floats, default=(0.5, 1.0, 2.0, 4.0),
+                   help="requests/s of each run, comma-separated (inf = all at once)")
+    p.add_argument("--num-warmups", type=int, default=2, help="requests sent one by one before each deployment's runs")
+    p.add_argument("--slo", default="ttft=2s,tpot=150ms", help="goodput SLOs (bare numbers are ms)")
     p.add_argument("--tandem-backend", default="openai-http", choices=["openai-http", "tandem-grpc"],
                    help="how to reach Tandem deployments: its OpenAI HTTP gateway (as the peer) or the router's gRPC API")
     p.add_argument("--dtype", default="bfloat16", help="for every deployment")
@@ -93,15 +96,17 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-kv-cache-gb", type=float, default=1.0,
                    help="transformers serve's KV cache (its CPU default takes 60%% of RAM and crawls)")
     p.add_argument("--peer-args", default="", help="extra `transformers serve` flags")
-    p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--out", default="bench/results/sweep.json")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to come up")
+    p.add_argument("--out", default="bench/results/sweep.json", help="results JSON (plots are written beside it)")
     _add_workload_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", required=True)
-    add_serve_arguments(sub.add_parser("serve", help="load-test an OpenAI HTTP endpoint or Tandem's gRPC API"))
-    add_sweep_arguments(sub.add_parser("sweep", help="start deployments here and compare them across request rates"))
+    for name, summary, add in (
+            ("serve", "load-test an OpenAI HTTP endpoint or Tandem's gRPC API", add_serve_arguments),
+            ("sweep", "start deployments here and compare them across request rates", add_sweep_arguments)):
+        add(sub.add_parser(name, help=summary, description=summary, formatter_class=p.formatter_class))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -12,15 +12,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: all")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: unseeded); see docs/sampling.md for what it guarantees")
+    p.add_argument("--stop", action="append", default=[], help="stop string, not included in the output; repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,16 +9,19 @@ from tandem.engine_args import add_engine_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
+                   help="disagg: separate prefill and decode workers; colocated: one worker doing both")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
     p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
     p.add_argument("--policy", default="round_robin", help="router policy: round_robin | least_load")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    p.add_argument("--bootstrap-timeout", type=float, default=30.0)
-    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--bootstrap-timeout", type=float, default=30.0,
+                   help="workers: seconds a request waits for its peer's half of the bootstrap handshake")
+    p.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="workers: seconds a request's KV transfer may take")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="workers: seconds to finish in-flight work and owed KV transfers on SIGTERM")
     p.add_argument("--require-rdma", action="store_true",
@@ -28,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="gateway requires `Authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset = no auth)")
     p.add_argument("--max-inflight", type=int, default=None,
-                   help="router: requests in flight beyond which new ones are refused (HTTP 429)")
+                   help="router: requests in flight beyond which new ones are refused (HTTP 429; "
+                        "default: the router's own)")
     p.add_argument("--quiet", action="store_true", help="only print readiness lines")
 
 

@@ -13,16 +13,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = WorkerConfig(role="")
     add_engine_arguments(p)
-    p.add_argument("--host", default=d.host)
+    p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="0: any free port")
     p.add_argument("--advertise-host", default=None, help="address peers use to reach this worker")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None,
+                   help="this worker's id in the registry and in logs (default: ROLE-HOSTNAME-PID)")
     p.add_argument("--redis-url", default=None, help="announce in this registry (e.g. redis://127.0.0.1:6379)")
     p.add_argument("--transfer-backend", default=d.transfer_backend, help="auto | shm | tcp | nixl | ucx")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="0: any free port, -1: off")
-    p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
-    p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s)
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
+                   help="seconds a request waits for its peer worker's half of the bootstrap handshake "
+                        "before it fails on both sides")
+    p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s,
+                   help="seconds a request's KV transfer may take before it fails on both sides")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests waiting for a peer (prefill: bootstrap rooms, decode: pre-allocation) "
+                        "beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="SIGTERM: seconds to finish in-flight work (a prefill worker: the KV transfers it "
                         "owes) before exiting; keep it below the pod's terminationGracePeriodSeconds")

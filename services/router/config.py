@@ -132,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="model id of static workers (reported by ListModels)")
     p.add_argument("--probe-interval", type=float, default=d.probe_s,
                    help="seconds between gRPC health probes of static workers (0 = never drop them)")
-    p.add_argument("--policy", choices=policy_names(), default=d.policy)
+    p.add_argument("--policy", choices=policy_names(), default=d.policy,
+                   help="how a (prefill, decode) pair is picked: in turn, or the least loaded")
     p.add_argument("--mode", choices=MODES, default=d.mode, help="route to prefill+decode pairs or to co-located workers")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = pick free, -1 = off)")
     p.add_argument("--max-inflight", type=int, default=d.max_inflight,
