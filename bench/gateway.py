@@ -34,9 +34,9 @@ PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capi
 
 def start_stack(model: str, mode: str, timeout_s: float = 600.0) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--quiet", "--model", model,
-         "--mode", mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--quiet", "--ready-json",
+         "--model", model, "--mode", mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     info: dict = {}
     ready = threading.Event()
 

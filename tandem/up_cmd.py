@@ -33,7 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=None,
                    help="router: requests in flight beyond which new ones are refused (HTTP 429; "
                         "default: the router's own)")
-    p.add_argument("--quiet", action="store_true", help="only print readiness lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="no banner and no service logs, only the services' readiness lines and errors")
+    p.add_argument("--ready-json", action="store_true",
+                   help="once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of "
+                        "router, gateway, workers, metrics ports): for scripts and tests")
 
 
 def _engine_argv(args: argparse.Namespace) -> list[str]:
@@ -58,12 +62,15 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from services.launcher.up import UpConfig, run_up
+    from services.worker.config import WorkerConfig
 
+    # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
+    drain_s = args.drain_timeout if args.drain_timeout is not None else WorkerConfig(role="").drain_timeout_s
     cfg = UpConfig(
         mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
-        worker_args=tuple(_engine_argv(args)), quiet=args.quiet, gateway_port=args.gateway_port,
-        api_key=args.api_key,
+        worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
+        stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
         router_args=("--max-inflight", str(args.max_inflight)) if args.max_inflight is not None else (),
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):

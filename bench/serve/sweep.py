@@ -133,7 +133,7 @@ class TandemUp:
     def argv(self) -> list[str]:
         # The gateway only when it is what we measure (its default port 8000 may be taken).
         gateway_port = "0" if self.cfg.tandem_backend == "openai-http" else "-1"
-        return [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--quiet", "--gateway-port", gateway_port,
+        return [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--quiet", "--ready-json", "--gateway-port", gateway_port,
                 *self.mode_args, "--model", self.cfg.model, "--dtype", self.cfg.dtype, *self.cfg.up_args]
 
     def describe(self) -> str:

@@ -8,12 +8,16 @@ import os
 import signal
 import sys
 import threading
+import time
+import urllib.request
 from dataclasses import dataclass
 
-from services.launcher.procs import Child, python_cmd, stop_all
+from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
 
 API_KEY_ENV = "TANDEM_API_KEY"  # what the gateway reads (services/gateway/config.py)
+# With `ready_json`, the one stdout line scripts and tests wait for: this prefix, then the summary JSON.
+READY_JSON_PREFIX = "TANDEM_UP "
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,9 @@ class UpConfig:
     worker_args: tuple[str, ...] = ()    # engine flags forwarded to every worker
     router_args: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0       # first run imports the default model
-    quiet: bool = False
+    quiet: bool = False                  # no banner, no progress, no worker logs (errors only)
+    ready_json: bool = False             # print READY_JSON_PREFIX + summary JSON on stdout once up
+    stop_grace_s: float = 20.0           # SIGTERM -> SIGKILL; above the workers' drain timeout
     gateway_port: int = 8000             # OpenAI-compatible HTTP gateway (0: any free port, -1: none)
     gateway_args: tuple[str, ...] = ()
     api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
@@ -41,7 +47,10 @@ def _printer(quiet: bool):
     lock = threading.Lock()
 
     def on_line(name: str, line: str) -> None:
-        if quiet and not line.startswith("TANDEM_READY"):
+        if line.startswith(READY_PREFIX):
+            if not quiet:  # the banner says where it listens; the JSON is for the launcher
+                line = "ready"
+        elif quiet:
             return
         with lock:  # one write per line: print() writes text and newline separately
             sys.stderr.write(f"[{name}] {line}\n")
@@ -55,15 +64,71 @@ def worker_threads(cfg: UpConfig) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
+class _Interrupted(Exception):
+    """SIGINT/SIGTERM arrived while the stack was still starting."""
+
+
+def _wait_ready(child: Child, timeout_s: float, stop: threading.Event) -> dict:
+    """The child's READY line; gives up at once when asked to stop."""
+    deadline = time.monotonic() + timeout_s
+    while not child.ready_event.wait(0.2):
+        if stop.is_set():
+            raise _Interrupted
+        if time.monotonic() > deadline:
+            break
+    return child.wait_ready(0)
+
+
+def _wait_healthy(what: str, probe, child: Child, timeout_s: float, stop: threading.Event) -> None:
+    """Poll `probe()` until it is true: the service says it can serve (not just that it listens)."""
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        if stop.is_set():
+            raise _Interrupted
+        if not child.alive:
+            raise RuntimeError(f"{child.name} exited (code {child.proc.returncode}) before {what} was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} was not ready within {timeout_s:.0f}s")
+        stop.wait(0.2)
+
+
+def _gateway_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:       # connection refused, or HTTP 503 (urllib's HTTPError is an OSError)
+        return False
+
+
+def _router_healthy(addr: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def run_up(cfg: UpConfig) -> int:
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals: list[str] = []
+
+    def on_signal(signum: int, _frame) -> None:
+        signals.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     on_line = _printer(cfg.quiet)
+    say = (lambda _msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
     redis = None
     workers: list[Child] = []
     router: Child | None = None
     gateway: Child | None = None
+    up = False
     try:
         url = cfg.redis_url
         if url is None:
@@ -79,14 +144,16 @@ def run_up(cfg: UpConfig) -> int:
                                   "--redis-url", url, "--worker-id", f"{name}-{os.getpid()}",
                                   "--transfer-backend", cfg.transfer_backend)
                 workers.append(Child(name, argv, on_line=on_line))
+        say(f"Starting Tandem ({cfg.mode}): {len(workers)} worker(s), router"
+            + (", gateway" if cfg.gateway_port >= 0 else "") + " ...")
         for w in workers:
             w.start()
-        ready = [w.wait_ready(cfg.ready_timeout_s) for w in workers]
+        ready = [_wait_ready(w, cfg.ready_timeout_s, stop) for w in workers]
         router = Child("router", python_cmd(
             "router", "--host", cfg.host, "--port", str(cfg.port), "--redis-url", url, "--mode", cfg.mode,
             "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), on_line=on_line)
         router.start()
-        router_ready = router.wait_ready(60.0)
+        router_ready = _wait_ready(router, 60.0, stop)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
                    "router_metrics_port": router_ready.get("metrics_port")}
         if cfg.gateway_port >= 0:
@@ -95,11 +162,17 @@ def run_up(cfg: UpConfig) -> int:
                                         "--port", str(cfg.gateway_port), "--router", router_ready["grpc_addr"],
                                         *cfg.gateway_args], env=_gateway_env(cfg), on_line=on_line)
             gateway.start()
-            summary["gateway"] = gateway.wait_ready(60.0)["url"]
-        sys.stdout.write("TANDEM_UP " + json.dumps(summary) + "\n")
-        sys.stdout.flush()
-        if not cfg.quiet:
-            print(_banner(summary, _auth_header(cfg)), file=sys.stderr, flush=True)
+            summary["gateway"] = _wait_ready(gateway, 60.0, stop)["url"]
+            # Up means a request would be served: the gateway's /health checks that the router
+            # reaches workers of every role it needs.
+            _wait_healthy("the gateway", lambda: _gateway_healthy(summary["gateway"]), gateway, 60.0, stop)
+        else:
+            _wait_healthy("the router", lambda: _router_healthy(summary["router"]), router, 60.0, stop)
+        up = True
+        if cfg.ready_json:
+            sys.stdout.write(READY_JSON_PREFIX + json.dumps(summary) + "\n")
+            sys.stdout.flush()
+        say(_banner(summary, cfg.host, _auth_header(cfg)))
         while not stop.wait(0.5):
             if not router.alive:
                 log.error("router exited (code %s): shutting down", router.proc.returncode)
@@ -112,13 +185,22 @@ def run_up(cfg: UpConfig) -> int:
                     w._reported = True
                     log.warning("%s exited (code %s); the rest keep serving", w.name, w.proc.returncode)
         return 0
+    except _Interrupted:
+        print(f"Interrupted ({signals[0]}) while starting.", file=sys.stderr, flush=True)
+        return 1
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        stop_all([c for c in [gateway, router, *workers] if c is not None])
+        children = [c for c in [gateway, router, *workers] if c is not None]
+        if signals:
+            say(f"\nStopping Tandem ({signals[0]}): letting in-flight requests finish "
+                f"(up to {cfg.stop_grace_s:.0f}s) ...")
+        stop_all(children, grace_s=cfg.stop_grace_s)
         if redis is not None:
             redis.close()
+        if up and signals:
+            say("Tandem stopped.")
 
 
 def _gateway_env(cfg: UpConfig) -> dict[str, str]:
@@ -136,24 +218,38 @@ def _auth_header(cfg: UpConfig) -> str:
     return ""
 
 
-def _banner(summary: dict, auth: str = "") -> str:
+def _display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+
+
+def _banner(summary: dict, host: str, auth: str = "") -> str:
+    """What a person reads once everything is up: where each API and metrics endpoint is."""
+    h = _display_host(host)
     addr = summary["router"]
-    lines = [
-        f"Tandem is up ({summary['mode']}): gRPC tandem.v1.Generation on {addr}",
-        *(f"  {w['role']:9s} {w['worker_id']} at {w['grpc_addr']} (metrics :{w['metrics_port']})"
-          for w in summary["workers"]),
-        "Try it with the gRPC SDK:",
-        "  .venv/bin/python -c \"from tandem_client import Client; "
-        f"print(Client('{addr}').generate('The capital of France is', max_tokens=16).text)\"",
-    ]
+    workers = summary["workers"]
+    lines = [f"Tandem is up ({summary['mode']}, {len(workers)} worker{'s' if len(workers) != 1 else ''}):"]
     if "gateway" in summary:
         url = summary["gateway"]
-        lines[1:1] = [f"  gateway   OpenAI-compatible HTTP API on {url}/v1"]
+        lines += [f"  OpenAI HTTP API   {url}/v1   (health {url}/health, metrics {url}/metrics)"]
+    lines.append(f"  gRPC API          {addr}   (tandem.v1.Generation; the router)")
+    if summary.get("router_metrics_port") is not None:
+        lines.append(f"  router metrics    http://{h}:{summary['router_metrics_port']}/metrics")
+    for w in workers:
+        metrics = f"http://{h}:{w['metrics_port']}/metrics" if w.get("metrics_port", -1) >= 0 else "off"
+        lines.append(f"  {w['role']:<9s} worker {w['grpc_addr']}   (metrics {metrics})")
+    lines.append(f"  registry          {summary['redis_url']}")
+    if "gateway" in summary:
         lines += [
-            "or over HTTP (OpenAI API):",
-            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+            "Try it over HTTP:",
+            f"  curl -s {summary['gateway']}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
             "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
             "\"max_tokens\": 32}'",
+            "or",
         ]
+    else:
+        lines.append("Try it")
+    lines[-1] += " with the gRPC SDK:"
+    lines.append("  .venv/bin/python -c \"from tandem_client import Client; "
+                 f"print(Client('{addr}').generate('The capital of France is', max_tokens=16).text)\"")
     lines.append("Ctrl-C stops everything.")
     return "\n".join(lines)

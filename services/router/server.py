@@ -141,7 +141,8 @@ async def serve(config: RouterConfig) -> int:
         await server.stop(0)
         print(f"error: router failed to start: {e}", file=sys.stderr)
         return 1
-    print("TANDEM_READY " + json.dumps({"role": "router", "grpc_addr": server.grpc_addr}), flush=True)
+    print("TANDEM_READY " + json.dumps({"role": "router", "grpc_addr": server.grpc_addr,
+                                        "metrics_port": server.metrics_port}), flush=True)
     await stop.wait()
     log.info("signal received: draining for up to %.1f s", config.drain_timeout_s)
     await server.stop()

@@ -30,7 +30,8 @@ class Stack:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         gateway_port = "0" if gateway else "-1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet", *args],
+            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
+             "--ready-json", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
             start_new_session=True,
         )

@@ -25,6 +25,7 @@ def assert_pages_free(stack):
 
 
 def test_sync_generate_and_stream_agree_with_the_gateway(stack, tiny_llama):
+    assert stack.info["router_metrics_port"] > 0  # `tandem up --ready-json` reports the router's metrics
     prompt = "the capital of France is"
     with Client(stack.info["router"], timeout=60) as client:
         result = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True)

@@ -1,0 +1,59 @@
+"""`tandem up`'s launcher without models: the banner, and startup that gives up on Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from services.launcher.procs import Child, stop_all
+from services.launcher.up import _banner, _Interrupted, _wait_ready
+
+pytestmark = pytest.mark.timeout(30)
+
+SUMMARY = {
+    "router": "127.0.0.1:50051", "mode": "disagg", "redis_url": "unix:///tmp/r/redis.sock",
+    "router_metrics_port": 9101, "gateway": "http://127.0.0.1:8000",
+    "workers": [{"role": "prefill", "worker_id": "prefill-0-1", "grpc_addr": "127.0.0.1:4001", "metrics_port": 9201},
+                {"role": "decode", "worker_id": "decode-0-1", "grpc_addr": "127.0.0.1:4002", "metrics_port": 9202}],
+}
+
+
+def test_banner_names_every_endpoint_for_a_person():
+    text = _banner(SUMMARY, "0.0.0.0")
+    assert text.startswith("Tandem is up (disagg, 2 workers)")
+    for url in ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/health", "http://127.0.0.1:8000/metrics",
+                "127.0.0.1:50051", "http://127.0.0.1:9101/metrics", "http://127.0.0.1:9201/metrics",
+                "http://127.0.0.1:9202/metrics", "curl -s http://127.0.0.1:8000/v1/chat/completions",
+                "Ctrl-C stops everything."):
+        assert url in text, url
+    assert "{" not in text.splitlines()[0] and "TANDEM_UP" not in text
+    no_gateway = _banner({k: v for k, v in SUMMARY.items() if k != "gateway"}, "127.0.0.1")
+    assert "HTTP" not in no_gateway and "Try it with the gRPC SDK:" in no_gateway
+
+
+def test_startup_gives_up_at_once_when_asked_to_stop():
+    child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
+    child.start()
+    stop = threading.Event()
+    try:
+        threading.Timer(0.3, stop.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(_Interrupted):
+            _wait_ready(child, 600.0, stop)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stop_all([child], grace_s=5.0)
+    assert not child.alive
+
+
+def test_a_child_that_never_gets_ready_is_an_error_after_its_timeout():
+    child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
+    child.start()
+    try:
+        with pytest.raises(RuntimeError, match="sleeper did not become ready"):
+            _wait_ready(child, 0.5, threading.Event())
+    finally:
+        stop_all([child], grace_s=5.0)
