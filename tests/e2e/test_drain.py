@@ -58,7 +58,12 @@ def test_sigterm_to_a_prefill_worker_with_transfers_in_flight_loses_no_request(t
             time.sleep(0.1)
         # The rest keep serving, and nothing leaked on the decode side.
         assert len(stack.generate(list(range(10, 30)), max_tokens=5, ignore_eos=True).token_ids) == 5
-        free, total = stack.wait_pages_free(stack.workers("decode")[0], timeout_s=20)
+        decode = stack.workers("decode")[0]
+        free, total = stack.wait_pages_free(decode, timeout_s=20)
         assert free == total
+        # Load under the names a Gateway API Inference Extension endpoint picker scrapes.
+        text = urllib.request.urlopen(f"http://127.0.0.1:{decode['metrics_port']}/metrics", timeout=5).read().decode()
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+            assert re.search(rf'^{name}{{model_name="[^"]+"}} 0\.0$', text, re.M), name
     finally:
         stack.close()
