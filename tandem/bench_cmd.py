@@ -84,7 +84,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="Tandem alias or HF folder (the peer gets the folder)")
     p.add_argument("--deployments", default="colocated,1p1d,transformers",
-                   help="comma-separated: colocated, NpMd (e.g. 1p1d), transformers")
+                   help="comma-separated: colocated, NpMd (e.g. 1p1d), transformers, vllm (`make vllm-venv` first)")
     p.add_argument("--request-rates", type=_floats, default=(0.5, 1.0, 2.0, 4.0),
                    help="requests/s of each run, comma-separated (inf = all at once)")
     p.add_argument("--num-warmups", type=int, default=2, help="requests sent one by one before each deployment's runs")
@@ -96,6 +96,11 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-kv-cache-gb", type=float, default=1.0,
                    help="transformers serve's KV cache (its CPU default takes 60%% of RAM and crawls)")
     p.add_argument("--peer-args", default="", help="extra `transformers serve` flags")
+    p.add_argument("--vllm-venv", default=None,
+                   help="the vllm deployment's venv (default: $TANDEM_VLLM_VENV, else .venv-vllm from `make vllm-venv`)")
+    p.add_argument("--vllm-kv-cache-gb", type=int, default=2, help="vLLM's KV space, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM's --max-model-len")
+    p.add_argument("--vllm-args", default="", help="extra flags of vLLM's OpenAI api_server")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to come up")
     p.add_argument("--out", default="bench/results/sweep.json", help="results JSON (plots are written beside it)")
     _add_workload_arguments(p)
@@ -158,7 +163,10 @@ def run_sweep(args: argparse.Namespace) -> int:
             percentiles=args.percentiles, tandem_backend=args.tandem_backend, dtype=args.dtype,
             up_args=tuple(shlex.split(args.up_args)), peer_kv_cache_gb=args.peer_kv_cache_gb,
             peer_args=tuple(shlex.split(args.peer_args)), start_timeout_s=args.start_timeout, out=args.out,
-            progress=not args.no_progress, save_requests=not args.no_save_requests)
+            progress=not args.no_progress, save_requests=not args.no_save_requests,
+            vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len,
+            vllm_args=tuple(shlex.split(args.vllm_args)),
+            **({"vllm_venv": args.vllm_venv} if args.vllm_venv else {}))
         result = run_sweep(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

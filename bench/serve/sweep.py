@@ -5,12 +5,15 @@ they never share the machine):
     colocated      `tandem up --mode colocated` (one worker does prefill and decode)
     NpMd, e.g.1p1d `tandem up --mode disagg --prefill N --decode M`
     transformers   `transformers serve MODEL_FOLDER --continuous-batching` (the peer), if it runs here
+    vllm           vLLM's CPU backend (`python -m vllm.entrypoints.openai.api_server`) from its own venv,
+                   `.venv-vllm` (`make vllm-venv`; elsewhere: --vllm-venv or $TANDEM_VLLM_VENV)
 A deployment that cannot start is skipped and the reason is kept in the results.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -45,6 +48,15 @@ class DeploymentUnavailable(RuntimeError):
     """The deployment cannot run on this machine (the message says why)."""
 
 
+VLLM_VENV_ENV = "TANDEM_VLLM_VENV"
+_VLLM_VENV_SIZE = "3.5 GB"
+
+
+def default_vllm_venv() -> str:
+    """Where the vLLM peer's venv is: $TANDEM_VLLM_VENV, else `.venv-vllm` in the repository (`make vllm-venv`)."""
+    return os.environ.get(VLLM_VENV_ENV) or str(ROOT / ".venv-vllm")
+
+
 @dataclass(frozen=True)
 class SweepConfig:
     model: str = "smollm2-135m"          # Tandem alias or HF folder; the peer gets the resolved folder
@@ -61,6 +73,10 @@ class SweepConfig:
     up_args: tuple[str, ...] = ()        # extra `tandem up` flags (engine flags, transfer backend, ...)
     peer_kv_cache_gb: float = 1.0        # the peer's KV cache, as Tandem's default --kv-cache-gb
     peer_args: tuple[str, ...] = ()      # extra `transformers serve` flags
+    vllm_venv: str = field(default_factory=default_vllm_venv)  # the vLLM peer's venv (its bin/python runs it)
+    vllm_kv_cache_gb: int = 2            # VLLM_CPU_KVCACHE_SPACE (GiB, an integer for vLLM)
+    vllm_max_model_len: int = 2048       # --max-model-len (vLLM's default, the model's 8192, wastes its KV space)
+    vllm_args: tuple[str, ...] = ()      # extra api_server flags
     start_timeout_s: float = 600.0
     out: str = "bench/results/sweep.json"
     progress: bool = True
@@ -96,10 +112,11 @@ def free_port() -> int:
 class _Proc:
     """A child process in its own session whose output is kept (last lines) for error messages."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
+                 cwd: str | Path = ROOT):
         self.argv = argv
         self.log: deque[str] = deque(maxlen=200)
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
                                      env=env, start_new_session=True)
 
         def pump() -> None:
@@ -121,6 +138,50 @@ class _Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+    def stop_group(self, timeout_s: float = 20.0, grace_s: float = 5.0) -> None:
+        """SIGTERM to the whole session (a server and the workers it forked), then SIGKILL to whatever is left,
+        also after the leader has exited: no child may outlive the deployment."""
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        _killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:  # the forked workers shut down too
+            time.sleep(0.1)
+        _killpg(pgid, signal.SIGKILL)
+        self.proc.wait(10)
+        deadline = time.monotonic() + 2.0  # SIGKILL is not instant on a busy machine
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (zombies do not count: PID 1 may be slow to reap orphans)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return _killpg(pgid, 0)
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """Signal a process group; False when no process of it is left."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # only zombies left (macOS reports them so)
+        return False
 
 
 class TandemUp:
@@ -243,6 +304,109 @@ class TransformersServe:
         return self._proc.tail() if self._proc is not None else ""
 
 
+class VllmServe:
+    """The peer to beat: vLLM's CPU backend, co-located, default scheduling, on the same model folder.
+
+    It lives in a venv of its own (`make vllm-venv`): it pins torch==2.13.0+cpu and many packages that
+    must not touch Tandem's. It is started as a module (its `vllm` console script fails: the
+    distribution is named vllm-cpu), from a neutral directory (this repository's `engine`, `tandem`,
+    ... packages must not shadow anything), with its KV space and max-model-len set by the sweep.
+    It compiles its model with inductor at start-up (about 2 minutes on 2 cores): progress lines
+    every `progress_every_s`. It honours `ignore_eos`. Stopped as a process group (the API server
+    forks an engine-core process).
+
+    Cores: the sweep has no per-deployment core setting, so vLLM keeps its own default
+    (VLLM_CPU_OMP_THREADS_BIND=auto: one core is reserved for its API server and scheduler, the OpenMP
+    threads get the rest, on 2 cores one thread on CPU 0). VLLM_CPU_* variables in the environment are
+    passed on and shown in the recorded command.
+    """
+
+    name = "vllm"
+    entrypoint: tuple[str, ...] = ("-m", "vllm.entrypoints.openai.api_server")  # tests put a fake server here
+    progress_every_s = 15.0
+    stop_timeout_s = 20.0                 # for the API server to exit on SIGTERM
+    stop_grace_s = 5.0                    # then for the rest of its process group, before SIGKILL
+
+    def __init__(self, cfg: SweepConfig, echo: Callable[[str], None] = print):
+        self.cfg, self.echo = cfg, echo
+        self.port = 0                     # picked at start(): a port picked early may be taken by then
+        self._proc: _Proc | None = None
+
+    def python(self) -> Path:
+        return Path(self.cfg.vllm_venv) / "bin" / "python"
+
+    def check_venv(self) -> Path:
+        """The venv's python, or DeploymentUnavailable saying how to build it."""
+        venv, py = Path(self.cfg.vllm_venv), self.python()
+        how = (f"build it with `make vllm-venv` (a separate venv, ~{_VLLM_VENV_SIZE}), or point --vllm-venv / "
+               f"${VLLM_VENV_ENV} at a venv with vllm-cpu installed")
+        if not os.access(py, os.X_OK):
+            raise DeploymentUnavailable(f"vLLM's venv {venv} is missing ({py} not found): {how}")
+        if not any(venv.glob("lib/python*/site-packages/vllm/__init__.py")):
+            raise DeploymentUnavailable(f"vLLM is not installed in {venv}: {how}")
+        return py
+
+    def argv(self, python: str | Path, folder: str) -> list[str]:
+        return [str(python), *self.entrypoint, "--model", folder, "--host", "127.0.0.1",
+                "--port", str(self.port or "PORT"), "--dtype", self.cfg.dtype,
+                "--max-model-len", str(self.cfg.vllm_max_model_len), *self.cfg.vllm_args]
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        for k in ("PYTHONPATH", "PYTHONHOME", "VLLM_API_KEY"):  # not Tandem's modules; an open server like the others
+            env.pop(k, None)
+        venv = str(Path(self.cfg.vllm_venv).resolve())
+        env.update(VIRTUAL_ENV=venv, PATH=os.pathsep.join([venv + "/bin", env.get("PATH", "")]),
+                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.vllm_kv_cache_gb), VLLM_TARGET_DEVICE="cpu",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   PYTHONUNBUFFERED="1")
+        return env
+
+    def describe(self) -> str:
+        # With its CPU settings from the environment (e.g. VLLM_CPU_OMP_THREADS_BIND), which change what is measured.
+        env = " ".join(f"{k}={v}" for k, v in sorted(self.env().items()) if k.startswith("VLLM_CPU_"))
+        return env + " " + " ".join(self.argv(self.python(), self.cfg.model))
+
+    def start(self) -> Endpoint:
+        py = self.check_venv()
+        from engine.model_source import resolve_model
+
+        folder = str(resolve_model(self.cfg.model))
+        self.port = free_port()
+        self._proc = _Proc(self.argv(py, folder), env=self.env(), cwd=Path(self.cfg.vllm_venv))
+        url = f"http://127.0.0.1:{self.port}"
+        t0 = time.monotonic()
+        deadline, next_progress = t0 + self.cfg.start_timeout_s, t0 + self.progress_every_s
+        while not _http_ok(url + "/health"):
+            now = time.monotonic()
+            if self._proc.proc.poll() is not None:
+                raise DeploymentUnavailable(f"vLLM's api_server exited ({self._proc.proc.returncode}) before it was "
+                                            f"ready:\n{self._proc.tail()}")
+            if now > deadline:
+                raise DeploymentUnavailable(f"vLLM's api_server was not ready in {self.cfg.start_timeout_s:.0f} s "
+                                            f"(--start-timeout):\n{self._proc.tail()}")
+            if now >= next_progress:
+                last = self._proc.log[-1] if self._proc.log else ""
+                self.echo(f"--- {self.name}: starting, {now - t0:.0f} s (it compiles its model once, ~2 min): "
+                          f"{last[:160]}")
+                next_progress = now + self.progress_every_s
+            time.sleep(0.5)
+        model = first_http_model(url)
+        if self._proc.proc.poll() is not None or model != folder:
+            # Another server answered on this port (ours lost the race for it, or exited).
+            raise DeploymentUnavailable(f"port {self.port} is served by something else (model {model!r}):\n"
+                                        f"{self._proc.tail()}")
+        return Endpoint("openai-http", url, model, "ignore-eos")
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.stop_group(self.stop_timeout_s, self.stop_grace_s)
+            self._proc = None
+
+    def log_tail(self) -> str:
+        return self._proc.tail() if self._proc is not None else ""
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -266,19 +430,44 @@ def first_http_model(base_url: str, api_key: str | None = None) -> str | None:
 _DISAGG = re.compile(r"^(\d+)p(\d+)d$")
 
 
-def make_deployment(name: str, cfg: SweepConfig) -> Deployment:
+def make_deployment(name: str, cfg: SweepConfig, echo: Callable[[str], None] = print) -> Deployment:
     if name == "colocated":
         return TandemUp(name, ["--mode", "colocated"], cfg)
     if name == "transformers":
         return TransformersServe(cfg)
+    if name == "vllm":
+        return VllmServe(cfg, echo)
     m = _DISAGG.match(name)
     if m:
         return TandemUp(name, ["--mode", "disagg", "--prefill", m.group(1), "--decode", m.group(2)], cfg)
-    raise ValueError(f"unknown deployment {name!r}: use colocated, NpMd (e.g. 1p1d) or transformers")
+    raise ValueError(f"unknown deployment {name!r}: use colocated, NpMd (e.g. 1p1d), transformers or vllm")
 
 
 def run_sweep(cfg: SweepConfig, echo=print) -> dict:
-    deployments = [make_deployment(n, cfg) for n in cfg.deployments]  # fail fast on a bad name
+    deployments = [make_deployment(n, cfg, echo) for n in cfg.deployments]  # fail fast on a bad name
+    with _terminate_as_exit():
+        return _run_sweep(cfg, deployments, echo)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit():
+    """SIGTERM/SIGHUP raise SystemExit while the sweep runs, so its `finally` stops the deployment it started
+    (each runs in its own session: a killed sweep would otherwise leave it serving)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     results: dict = {
         "tool": "tandem bench sweep", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
@@ -296,6 +485,9 @@ def run_sweep(cfg: SweepConfig, echo=print) -> dict:
             results["skipped"][dep.name] = str(e)
             dep.close()
             continue
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: stop what was started
+            dep.close()
+            raise
         try:
             echo(f"--- {dep.name}: up in {time.monotonic() - t0:.0f} s ({ep.backend} {ep.base_url})")
             serve_cfg = ServeConfig(
@@ -363,13 +555,36 @@ def comparison_table(results: dict) -> str:
 
 def target_checks(results: dict, cfg: SweepConfig) -> list[str]:
     """The issue's targets, per offered rate: 1P1D goodput >= co-located and >= 3x transformers;
-    1P1D ITL p99/p50 <= 1.5 at the highest rate (the most prefill-heavy load)."""
+    1P1D ITL p99/p50 <= 1.5 at the highest rate (the most prefill-heavy load); then the targets against vLLM."""
     deps = results["deployments"]
     by = {n: {r["request_rate"]: r["metrics"] for r in d["runs"]} for n, d in deps.items()}
-    out = []
     disagg = next((n for n in by if _DISAGG.match(n)), None)
     if disagg is None:
-        return ["targets: no disaggregated deployment in this sweep"]
+        return ["targets: no disaggregated deployment in this sweep"] + vllm_checks(by)
+    return _disagg_checks(by, disagg) + vllm_checks(by)
+
+
+def vllm_checks(by: dict[str, dict[str, dict]]) -> list[str]:
+    """Issue [8]'s targets against vLLM's CPU backend, per offered rate: co-located goodput >= 1.2x vLLM's,
+    NpMd goodput >= vLLM's (2% slack for a tie, as above)."""
+    if "vllm" not in by:
+        return []
+    out = []
+    for rate, v in by["vllm"].items():
+        parts = [f"rate {rate}: vllm goodput {v['goodput']:.2f}"]
+        for name in by:
+            if name == "vllm" or rate not in by[name] or not (name == "colocated" or _DISAGG.match(name)):
+                continue
+            g, need = by[name][rate]["goodput"], 1.2 if name == "colocated" else 1.0
+            verdict = ("MISSED: both 0" if g == 0 == v["goodput"] else
+                       "met" if g >= 0.98 * need * v["goodput"] else "MISSED")
+            parts.append(f"{name} {g:.2f} ({verdict} >= {need:g}x vllm)")
+        out.append("; ".join(parts))
+    return out
+
+
+def _disagg_checks(by: dict[str, dict[str, dict]], disagg: str) -> list[str]:
+    out = []
     for rate, m in by[disagg].items():
         parts = [f"rate {rate}: {disagg} goodput {m['goodput']:.2f}"]
         if "colocated" in by and rate in by["colocated"]:

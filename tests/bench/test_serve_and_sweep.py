@@ -82,7 +82,7 @@ class FakeDeployment:
 
 
 def test_sweep_runs_every_deployment_and_skips_unavailable(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "make_deployment", lambda name, cfg: FakeDeployment(name, fail=name == "transformers"))
+    monkeypatch.setattr(sweep, "make_deployment", lambda name, cfg, echo=print: FakeDeployment(name, fail=name == "transformers"))
     out = tmp_path / "sweep.json"
     rc = cli("sweep", "--model", str(tokenizer_dir), "--request-rates", "100,inf", "--num-prompts", "4",
              "--input-len", "8", "--output-len", "3", "--num-warmups", "1", "--out", str(out), "--no-progress",
