@@ -127,15 +127,21 @@ def test_target_checks_and_table():
 def test_deployment_registry():
     cfg = SweepConfig(model="m", up_args=("--kv-cache-gb", "0.5"), tandem_backend="tandem-grpc")
     co = make_deployment("colocated", cfg)
-    assert co.argv()[9:17] == ["--mode", "colocated", "--model", "m", "--dtype", "bfloat16", "--kv-cache-gb", "0.5"]
-    assert ["--prefill", "2", "--decode", "3"] == make_deployment("2p3d", cfg).argv()[11:15]
+    argv = co.argv()
+    assert argv[3] == "up" and "--ready-json" in argv
+    at = argv.index("--mode")
+    assert argv[at:] == ["--mode", "colocated", "--model", "m", "--dtype", "bfloat16", "--kv-cache-gb", "0.5"]
+    argv = make_deployment("2p3d", cfg).argv()
+    at = argv.index("--mode")
+    assert argv[at:at + 6] == ["--mode", "disagg", "--prefill", "2", "--decode", "3"]
     peer = make_deployment("transformers", cfg)
     argv = peer.argv("transformers", "/models/m")
     assert argv[:3] == ["transformers", "serve", "/models/m"] and "--continuous-batching" in argv
     assert 0.005 <= float(argv[argv.index("--cb-max-memory-percent") + 1]) <= 0.6
-    assert co.argv()[7:9] == ["--gateway-port", "-1"]
+    argv = co.argv()
+    assert argv[argv.index("--gateway-port") + 1] == "-1"
     http = make_deployment("1p1d", SweepConfig(tandem_backend="openai-http")).argv()
-    assert http[7:9] == ["--gateway-port", "0"]
+    assert http[http.index("--gateway-port") + 1] == "0"
     with pytest.raises(ValueError, match="unknown deployment"):
         make_deployment("3p", cfg)
     assert math.isinf(bench_cmd._floats("1,inf")[1])
