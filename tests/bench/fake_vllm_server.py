@@ -43,8 +43,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 server = ThreadingHTTPServer((args.host, args.port), Handler)
-with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-    json.dump({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "child": child.pid}, f)
+record = os.environ["FAKE_VLLM_RECORD"]
+with open(record + ".tmp", "w") as f:
+    json.dump({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid(),
+               "child": child.pid}, f)
+os.replace(record + ".tmp", record)  # whole or absent
 print("INFO: Application startup complete.", flush=True)
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # the leader exits on SIGTERM; its child does not
 server.serve_forever()

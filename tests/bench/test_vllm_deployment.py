@@ -131,6 +131,7 @@ def test_start_and_process_group_teardown(fake_vllm):
         assert rec["argv"][:2] == ["--model", cfg.model] and rec["argv"][rec["argv"].index("--port") + 1] == str(dep.port)
         assert rec["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and rec["cwd"] == str(Path(cfg.vllm_venv).resolve())
         leader, child = dep._proc.proc.pid, rec["child"]
+        assert rec["pid"] == leader
         assert alive(leader) and alive(child)
     finally:
         t0 = time.monotonic()
@@ -176,3 +177,36 @@ def test_targets_against_vllm():
     del res["deployments"]["1p1d"]
     assert sweep.target_checks(res, SweepConfig())[0] == "targets: no disaggregated deployment in this sweep"
     assert len(sweep.target_checks(res, SweepConfig())) == 4
+
+
+SWEEP_SCRIPT = """
+import sys
+from bench.serve import sweep
+from bench.serve.datasets import DatasetConfig
+sweep.VllmServe.entrypoint = (sys.argv[1],)
+sweep.VllmServe.stop_grace_s = 0.5
+sweep._http_ok = lambda url: False                           # never ready: SIGTERM arrives while it starts
+sweep.run_sweep(sweep.SweepConfig(model=sys.argv[2], deployments=("vllm",), vllm_venv=sys.argv[3], start_timeout_s=60,
+                                  dataset=DatasetConfig(num_prompts=1, input_len=4, output_len=2), out=sys.argv[4]))
+"""
+
+
+def test_sigterm_to_the_sweep_stops_the_server(fake_vllm, tmp_path):
+    import subprocess
+    cfg, record = fake_vllm
+    (Path(cfg.model) / "tokenizer.json").unlink()
+    from tests.bench.fakes import byte_level_bpe
+    byte_level_bpe().save(str(Path(cfg.model) / "tokenizer.json"))
+    sweeper = subprocess.Popen([sys.executable, "-c", SWEEP_SCRIPT, str(FAKE_SERVER), cfg.model, cfg.vllm_venv,
+                                str(tmp_path / "s.json")], cwd=sweep.ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not record.exists():
+            assert sweeper.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        rec = json.loads(record.read_text())
+        sweeper.terminate()
+        assert sweeper.wait(10) == 128 + 15
+    finally:
+        sweeper.kill()
+    assert not alive(rec["pid"]) and not alive(rec["child"])
