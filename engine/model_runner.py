@@ -68,6 +68,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.last_timings = StepTimings()
+        self.last_batch: StepBatch | None = None   # the batch of the latest run() (step metrics read it)
 
     @property
     def num_pages(self) -> int:
@@ -142,6 +143,7 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> list[SampledToken]:
         """Run one forward pass; returns a token for each sampling sequence, in batch order."""
         t0 = time.perf_counter()
+        self.last_batch = batch
         ctx = self.build_context(batch)
         sampling = batch.sampling
         t1 = time.perf_counter()
