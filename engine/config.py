@@ -20,7 +20,13 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     context_length: int | None = None     # None: the model's max_position_embeddings
     max_running_requests: int = 64        # request slots (decode batch size bound)
-    max_waiting_requests: int = 4096      # bounded waiting queue; beyond it ResourceExhausted
+    # Requests waiting for compute (co-located/prefill: the waiting queue, decode: the prealloc
+    # queue). When full, the one served last (the newcomer unless it outranks someone) gets
+    # ResourceExhausted; see engine/scheduler/queue_policy.py.
+    max_queued_requests: int = 4096
+    enable_priority_scheduling: bool = False   # order queues by Request.priority, then arrival
+    low_priority_values_first: bool = False    # a lower `priority` value is more urgent
+    priority_preemption_threshold: int = 10    # a waiting request preempts a running one this much less urgent
     chunked_prefill_size: int = 2048      # max new prompt tokens per prefill step
     enable_prefix_cache: bool = True
     # Admission control reserves `remaining_tokens * new_token_ratio` pages for running requests.
@@ -40,6 +46,10 @@ class EngineConfig:
             raise InvalidRequest("max_total_tokens must hold at least one page", "max_total_tokens")
         if self.kv_cache_gb <= 0:
             raise InvalidRequest("kv_cache_gb must be > 0", "kv_cache_gb")
+        if self.max_queued_requests < 1:
+            raise InvalidRequest("max_queued_requests must be >= 1", "max_queued_requests")
+        if self.priority_preemption_threshold < 0:
+            raise InvalidRequest("priority_preemption_threshold must be >= 0", "priority_preemption_threshold")
         if self.max_running_requests < 1:
             raise InvalidRequest("max_running_requests must be >= 1", "max_running_requests")
         if self.chunked_prefill_size < self.page_size:

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, ResourceExhausted
 from engine.kv_pool import KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -56,9 +56,12 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # --- primitives --------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises InvalidRequest / ResourceExhausted."""
-        req = self.make_request(prompt, params, rid)
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
+                    priority: int = 0) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequest / ResourceExhausted.
+        A full queue may turn away a queued request of lower priority instead: the caller collects it
+        with `take_evicted` (already forgotten here) and answers it."""
+        req = self.make_request(prompt, params, rid, priority)
         try:
             self.scheduler.add(req)
         except Exception:
@@ -66,7 +69,8 @@ class LLMEngine:
             raise
         return req.rid
 
-    def make_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None) -> Request:
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
+                     priority: int = 0) -> Request:
         """Validate, tokenize and start tracking a request without queueing it (disaggregated
         workers queue it themselves). Raises InvalidRequest."""
         params.validate()
@@ -82,7 +86,7 @@ class LLMEngine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
-        req = Request(rid, prompt_ids, params)
+        req = Request(rid, prompt_ids, params, priority=priority)
         self.scheduler.validate(req)
         self._tracked[rid] = _Tracked(
             req,
@@ -90,6 +94,15 @@ class LLMEngine:
             StopChecker(params, self.eos_token_ids),
         )
         return req
+
+    def take_evicted(self) -> list[tuple[str, ResourceExhausted]]:
+        """Requests a higher-priority newcomer pushed out of the full waiting queue since the last
+        call (their resources are freed): (request id, the error their caller gets)."""
+        out = []
+        for req, err in self.scheduler.take_evicted():
+            self.forget(req.rid)
+            out.append((req.rid, err))
+        return out
 
     def forget(self, rid: str) -> None:
         """Stop tracking a request that never got queued (or whose resources the caller freed)."""

@@ -28,8 +28,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="most new prompt tokens per prefill step (longer prompts are prefilled in chunks)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes seen before (radix cache)")
+    add_queue_arguments(p, d.max_queued_requests)
+    p.add_argument("--priority-preemption-threshold", type=int, default=d.priority_preemption_threshold,
+                   help="with --enable-priority-scheduling: a waiting request preempts (retracts, to be "
+                        "recomputed later) a running one whose priority is lower by more than this")
     p.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: torch's own choice; `tandem up` splits the cores between workers)")
+
+
+def add_queue_arguments(p: argparse.ArgumentParser, max_queued_default: int) -> None:
+    """Queue flags that workers and the router share (`tandem up` passes them to both)."""
+    p.add_argument("--max-queued-requests", type=int, default=max_queued_default,
+                   help="requests waiting to be served (workers: waiting for compute or, on decode, for KV "
+                        "pages; router: for an in-flight slot, see --max-inflight); when full, the one that "
+                        "would be served last (the newcomer unless it outranks someone) gets "
+                        "RESOURCE_EXHAUSTED / HTTP 429 at once")
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="serve queued requests by their `priority`, then arrival (default: arrival only)")
+    p.add_argument("--low-priority-values-first", action="store_true",
+                   help="a lower `priority` value is more urgent (default: a higher one), as SGLang's "
+                        "--schedule-low-priority-values-first")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -46,5 +64,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_prefix_cache=not args.disable_prefix_cache,
+        max_queued_requests=args.max_queued_requests,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        low_priority_values_first=args.low_priority_values_first,
+        priority_preemption_threshold=args.priority_preemption_threshold,
         num_threads=args.num_threads,
     )

@@ -24,6 +24,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0                # see engine/scheduler/queue_policy.py (ignored unless enabled)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # KV bookkeeping, owned by KVManager. `pages` cover `num_computed` tokens of `all_ids` (plus

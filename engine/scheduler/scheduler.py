@@ -13,7 +13,6 @@ back to the front of the queue and is recomputed later) and the ratio jumps back
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
@@ -21,6 +20,7 @@ from engine.detokenizer import FinishReason
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.kv_manager import KVManager, pages_for
+from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
 
 
@@ -29,7 +29,13 @@ class Scheduler:
         self.cfg = cfg
         self.context_len = context_len
         self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache)
-        self.waiting: deque[Request] = deque()
+        self.policy = QueuePolicy(cfg.enable_priority_scheduling, cfg.low_priority_values_first,
+                                  cfg.priority_preemption_threshold)
+        self.waiting: PolicyQueue[Request] = PolicyQueue(self.policy)
+        # Queued requests a newcomer of higher priority pushed out of a full queue: already finished
+        # (they held nothing); the owner takes them with `take_evicted` and answers their callers.
+        self.evicted: list[tuple[Request, ResourceExhausted]] = []
+        self.num_preemptions = 0
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = cfg.init_new_token_ratio
@@ -38,12 +44,23 @@ class Scheduler:
 
     # --- intake ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a request. Raises InvalidRequest if it can never run, ResourceExhausted if full."""
+        """Queue a request. Raises InvalidRequest if it can never run, ResourceExhausted if the queue
+        is full and `req` is the one turned away; when a queued request of lower priority is turned
+        away instead, it lands in `evicted`."""
         self.validate(req)
-        if len(self.waiting) >= self.cfg.max_waiting_requests:
-            raise ResourceExhausted(f"waiting queue is full ({self.cfg.max_waiting_requests} requests)")
+        cap = self.cfg.max_queued_requests
+        # Retracted requests already streamed tokens: they are never turned away.
+        out = self.waiting.offer(req, cap, evictable=lambda r: r.num_retractions == 0)
+        if out is req:
+            raise ResourceExhausted(self.policy.queue_full_message("waiting queue", cap, req))
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        if out is not None:
+            self.finish(out, FinishReason.ABORT)
+            self.evicted.append((out, ResourceExhausted(self.policy.evicted_message("waiting queue", cap, out, req))))
+
+    def take_evicted(self) -> list[tuple[Request, ResourceExhausted]]:
+        out, self.evicted = self.evicted, []
+        return out
 
     def validate(self, req: Request) -> None:
         """Raise InvalidRequest if the request could never run on this worker."""
@@ -68,6 +85,7 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running)
 
     def schedule(self) -> StepBatch | None:
+        self._preempt_for_priority()
         batch = self._schedule_prefill()
         if batch is None and self.running:
             batch = self._schedule_decode()
@@ -120,6 +138,21 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         # Least decoded progress, then newest: loses the least work, as SGLang's retract does.
         return min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+
+    def _preempt_for_priority(self) -> None:
+        """Retract running requests far enough below the head of the queue in priority (see
+        QueuePolicy) until the head could be admitted, so that it is admitted in this step."""
+        if not self.policy.enable_priority or not self.waiting:
+            return
+        head = self.waiting[0]
+        while not (self.kv.slots.num_free_slots > 0 and self.admission_room(head)):
+            victim = self.policy.preemption_victim(head, self.running, lambda r: len(r.output_ids))
+            if victim is None:
+                return
+            ratio = self.new_token_ratio
+            self._retract(victim)
+            self.new_token_ratio = ratio  # a preemption says nothing about the memory estimate
+            self.num_preemptions += 1
 
     def _retract(self, req: Request) -> None:
         # Co-located, `add` guarantees that one request alone always fits, so a lone request is

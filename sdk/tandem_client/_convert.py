@@ -50,8 +50,12 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return out
 
 
-def build_request(prompt: Prompt, params: SamplingParams, model: str, request_id: str) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, model=model, sampling=params_to_pb(params))
+def build_request(prompt: Prompt, params: SamplingParams, model: str, request_id: str,
+                  priority: int = 0) -> pb.GenerateRequest:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+    # The server checks the range (an int32) and answers INVALID_ARGUMENT; int64 on the wire.
+    req = pb.GenerateRequest(request_id=request_id, model=model, sampling=params_to_pb(params), priority=priority)
     if isinstance(prompt, str):
         req.text = prompt
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):

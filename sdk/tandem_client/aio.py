@@ -124,16 +124,18 @@ class AsyncClient:
         return self._methods
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str = "",
-               request_id: str = "", timeout: float | None = DEFAULT, **overrides: Any) -> AsyncStream:
+               request_id: str = "", priority: int = 0, timeout: float | None = DEFAULT,
+               **overrides: Any) -> AsyncStream:
         """Start a generation; `async for` over the result for its chunks."""
-        request = build_request(prompt, merge_params(params, overrides), model, request_id)
+        request = build_request(prompt, merge_params(params, overrides), model, request_id, priority)
         return AsyncStream(self, request, self.timeout if timeout is DEFAULT else timeout)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str = "",
-                       request_id: str = "", timeout: float | None = DEFAULT, **overrides: Any) -> GenerateResult:
+                       request_id: str = "", priority: int = 0, timeout: float | None = DEFAULT,
+                 **overrides: Any) -> GenerateResult:
         result = GenerateResult()
-        async with self.stream(prompt, params, model=model, request_id=request_id, timeout=timeout,
-                               **overrides) as s:
+        async with self.stream(prompt, params, model=model, request_id=request_id, priority=priority,
+                               timeout=timeout, **overrides) as s:
             async for chunk in s:
                 result.add(chunk)
         return result

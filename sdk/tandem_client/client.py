@@ -108,16 +108,19 @@ class Client:
             response_deserializer=pb.ListModelsResponse.FromString)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str = "",
-               request_id: str = "", timeout: float | None = DEFAULT, **overrides: Any) -> Stream:
+               request_id: str = "", priority: int = 0, timeout: float | None = DEFAULT,
+               **overrides: Any) -> Stream:
         """Start a generation; iterate the result for its chunks. `overrides` are SamplingParams fields."""
-        request = build_request(prompt, merge_params(params, overrides), model, request_id)
+        request = build_request(prompt, merge_params(params, overrides), model, request_id, priority)
         return Stream(self, request, self.timeout if timeout is DEFAULT else timeout)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, model: str = "",
-                 request_id: str = "", timeout: float | None = DEFAULT, **overrides: Any) -> GenerateResult:
+                 request_id: str = "", priority: int = 0, timeout: float | None = DEFAULT,
+                 **overrides: Any) -> GenerateResult:
         """The whole generation (text, token ids, logprobs, finish reason, usage)."""
         result = GenerateResult()
-        with self.stream(prompt, params, model=model, request_id=request_id, timeout=timeout, **overrides) as s:
+        with self.stream(prompt, params, model=model, request_id=request_id, priority=priority, timeout=timeout,
+                         **overrides) as s:
             for chunk in s:
                 result.add(chunk)
         return result

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
-from services.common.convert import prompt_from_pb, sampling_from_pb
+from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.worker import metrics
 from services.worker.config import WorkerConfig
@@ -29,11 +29,15 @@ class ColocatedWorker:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.streams: dict[str, Callable[[RequestOutput], None]] = {}
+        self.streams: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
 
-    def add(self, prompt, params, rid: str, emit: Callable[[RequestOutput], None]) -> None:
-        self.engine.add_request(prompt, params, rid)
+    def add(self, prompt, params, rid: str, emit: Callable[[RequestOutput | BaseException], None],
+            priority: int = 0) -> None:
+        self.engine.add_request(prompt, params, rid, priority)
         self.streams[rid] = emit
+        for evicted, err in self.engine.take_evicted():  # pushed out of the full queue by this one
+            metrics.REQUESTS.labels("rejected").inc()
+            self.streams.pop(evicted)(err)
 
     def cancel(self, rid: str) -> None:
         if self.streams.pop(rid, None) is not None:
@@ -78,19 +82,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.worker, self.loop, self.model_name = worker, loop, model_name
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         engine = self.worker.engine
         rid = request.request_id or f"co-{id(queue):x}"
         try:
-            params = sampling_from_pb(request.sampling)
+            params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add(
-                prompt_from_pb(request), params, rid, lambda out: self.loop.deliver(queue.put_nowait, out)))
+                prompt_from_pb(request), params, rid, lambda out: self.loop.deliver(queue.put_nowait, out),
+                priority))
         except TandemError as e:
             await abort_with(context, e)
         finished = False
         try:
             while True:
                 out = await queue.get()
+                if isinstance(out, BaseException):  # turned away from the full queue
+                    finished = True
+                    await abort_with(context, out)
                 yield output_to_pb(out, engine.tokenizer.convert_ids_to_tokens)
                 if out.finished:
                     finished = True

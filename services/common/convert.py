@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.scheduler.queue_policy import check_priority
 from tandem.v1 import generation_pb2
 
 
@@ -36,3 +38,11 @@ def prompt_from_pb(msg) -> str | list[int]:
     if which == "token_ids":
         return list(msg.token_ids.ids)
     return ""
+
+
+def priority_from_pb(msg) -> int:
+    """The `priority` of a GenerateRequest / PrefillRequest / DecodeRequest. Raises InvalidRequest."""
+    try:
+        return check_priority(msg.priority)
+    except ValueError as e:
+        raise InvalidRequest(str(e), "priority") from None

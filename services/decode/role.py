@@ -31,7 +31,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s,
                             boot_epoch=wcfg.boot_epoch)
     worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s), peers,
-                          max_prealloc=wcfg.max_queue)
+                          max_prealloc=engine_cfg.max_queued_requests)
 
     def add_servicers(server, loop) -> None:
         peers.bind(loop, worker)

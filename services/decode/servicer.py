@@ -10,7 +10,7 @@ import grpc
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVReceiver
-from services.common.convert import prompt_from_pb, sampling_from_pb
+from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.decode.worker import DecodeRoom, DecodeWorker
 from services.worker.convert import output_to_pb
@@ -35,7 +35,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.loop.deliver(queue.put_nowait, item)
 
         def add() -> None:
-            req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid)
+            req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid,
+                                      priority_from_pb(request))
             self.worker.add(DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
                                        request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,6 +21,7 @@ from engine.engine import LLMEngine
 from engine.errors import ResourceExhausted
 from engine.outputs import RequestOutput
 from engine.scheduler.batch import SampledToken
+from engine.scheduler.queue_policy import PolicyQueue
 from engine.scheduler.request import Request
 from kvtransfer.base import KVReceiver, RoomState
 from services.common.grpc_errors import RpcFailed
@@ -63,6 +63,15 @@ class DecodeRoom:
     bootstrapped_at: float | None = None
     prefill_epoch: int = 0          # boot epoch of the prefill instance the router paired (0: unchecked)
 
+    # The prealloc queue orders rooms by their request's priority and arrival (queue_policy).
+    @property
+    def priority(self) -> int:
+        return self.req.priority
+
+    @property
+    def arrival(self) -> float:
+        return self.req.arrival
+
 
 class DecodeWorker:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver, timeouts: DecodeTimeouts,
@@ -73,22 +82,28 @@ class DecodeWorker:
         self.timeouts = timeouts
         self.peers = peers                     # sends Bootstrap / AbortRoom on the asyncio side
         self.max_prealloc = max_prealloc
-        self.prealloc: deque[DecodeRoom] = deque()
+        self.prealloc: PolicyQueue[DecodeRoom] = PolicyQueue(self.sched.policy)
         self.transfer: dict[int, DecodeRoom] = {}
         self.streams: dict[str, DecodeRoom] = {}   # rid -> room, for every request in flight
         metrics.QUEUE_CAP.labels("prealloc").set(max_prealloc)
 
     # --- commands ----------------------------------------------------------------------------
     def add(self, room: DecodeRoom) -> None:
-        """Queue a validated request (see LLMEngine.make_request). Raises ResourceExhausted."""
-        if len(self.prealloc) >= self.max_prealloc:
-            self.engine.forget(room.req.rid)
-            raise ResourceExhausted(f"decode prealloc queue is full ({self.max_prealloc} requests)")
+        """Queue a validated request (see LLMEngine.make_request). Raises ResourceExhausted when the
+        prealloc queue is full and this request is the one served last; otherwise the one served
+        last (lower priority) fails with RESOURCE_EXHAUSTED through its stream."""
         if room.room in self.transfer or any(r.room == room.room for r in self.prealloc):
             self.engine.forget(room.req.rid)
             raise TransferFailed(f"bootstrap room {room.room} is already in use")
-        self.prealloc.append(room)
+        out = self.prealloc.offer(room, self.max_prealloc)
+        policy = self.sched.policy
+        if out is room:
+            self.engine.forget(room.req.rid)
+            raise ResourceExhausted(policy.queue_full_message("decode prealloc queue", self.max_prealloc, room))
         self.streams[room.req.rid] = room
+        if out is not None:
+            self._drop(out, ResourceExhausted(
+                policy.evicted_message("decode prealloc queue", self.max_prealloc, out, room)), reason="queue full")
 
     def bootstrap_done(self, room_id: int, error: str | None) -> None:
         """The Bootstrap RPC's answer (called back from the asyncio side)."""

@@ -158,7 +158,7 @@ class Gateway:
             max_tokens = _max_tokens(model, len(ids), req.max_tokens, "prompt", "max_tokens")
             sampling = make_sampling(req, max_tokens, logprobs=req.logprobs is not None,
                                      top_logprobs=req.logprobs or 0)
-            jobs += _jobs(rid, model, ids, sampling, p_index, req.n)
+            jobs += _jobs(rid, model, ids, sampling, p_index, req.n, req.priority or 0)
         fmt = CompletionFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs)
         return Plan("completions", fmt, jobs, req.n, req.stream, req.include_usage)
 
@@ -182,7 +182,8 @@ class Gateway:
                                  max_tokens_param=max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs)
-        return Plan("chat", fmt, _jobs(rid, model, ids, sampling, 0, req.n), req.n, req.stream, req.include_usage)
+        return Plan("chat", fmt, _jobs(rid, model, ids, sampling, 0, req.n, req.priority or 0), req.n, req.stream,
+                    req.include_usage)
 
     async def _complete(self, plan: Plan, started: float) -> JSONResponse:
         first_at: list[float] = []
@@ -294,12 +295,14 @@ def _max_tokens(model: ServedModel, prompt_len: int, requested: int | None, prom
     return requested
 
 
-def _jobs(rid: str, model: ServedModel, ids: list[int], sampling, prompt_index: int, n: int) -> list[Job]:
+def _jobs(rid: str, model: ServedModel, ids: list[int], sampling, prompt_index: int, n: int,
+          priority: int) -> list[Job]:
     jobs = []
     for i in range(n):
         index = prompt_index * n + i
         req = generation_pb2.GenerateRequest(request_id=f"{rid}-{index}", model=model.id,
-                                             token_ids=generation_pb2.TokenIds(ids=ids), sampling=sampling.to_pb(i))
+                                             token_ids=generation_pb2.TokenIds(ids=ids), sampling=sampling.to_pb(i),
+                                             priority=priority)
         jobs.append(Job(index, len(ids), req))
     return jobs
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.scheduler.queue_policy import check_priority
 from services.gateway.errors import bad_request
 from tandem.v1 import generation_pb2
 
@@ -50,6 +51,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: StrictInt | None = None  # SGLang's extension; strict: "3", 3.0 and true are 400s
 
     @property
     def include_usage(self) -> bool:
@@ -126,6 +128,11 @@ def check_common(req: _Common, max_n: int) -> None:
         raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.priority is not None:
+        try:
+            check_priority(req.priority)
+        except ValueError as e:
+            raise bad_request(str(e), "priority") from None
 
 
 def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs: int,

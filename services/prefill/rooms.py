@@ -29,6 +29,7 @@ class PrefillRoom:
     next_page: int = 0                          # next prompt page index to send
     finished_at: float | None = None            # when the aux record was queued
     error: str = ""
+    rejection: BaseException | None = None      # the Prefill RPC fails with this status instead (queue full)
     on_done: Callable[[PrefillRoom], None] | None = None  # resolves the Prefill RPC
 
     @property

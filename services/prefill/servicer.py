@@ -9,7 +9,7 @@ import grpc
 
 from engine.errors import TandemError
 from kvtransfer.base import KVSender, TransferError
-from services.common.convert import prompt_from_pb, sampling_from_pb
+from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.prefill.rooms import BootstrapInfo
 from services.prefill.worker import PrefillWorker
@@ -27,18 +27,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         done: asyncio.Future = asyncio.get_running_loop().create_future()
 
-        def on_done(resp: worker_pb2.PrefillResponse) -> None:  # engine thread
+        def on_done(resp: worker_pb2.PrefillResponse | BaseException) -> None:  # engine thread
             self.loop.deliver(lambda: done.done() or done.set_result(resp))
 
         rid = f"{request.request_id}/{request.bootstrap_room:x}"  # unique per attempt (see decode)
         try:
-            params = sampling_from_pb(request.sampling)
+            params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add_prefill(
-                request.bootstrap_room, rid, prompt_from_pb(request), params, on_done))
+                request.bootstrap_room, rid, prompt_from_pb(request), params, on_done, priority))
         except TandemError as e:
             await abort_with(context, e)
         try:
             resp = await done
+            if isinstance(resp, BaseException):  # turned away from the full waiting queue
+                await abort_with(context, resp)
             resp.request_id = request.request_id
             return resp
         except asyncio.CancelledError:

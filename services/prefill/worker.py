@@ -46,7 +46,7 @@ class PrefillWorker:
         metrics.QUEUE_CAP.labels("bootstrap").set(max_rooms)
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
-    def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done) -> None:
+    def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0) -> None:
         """The router's Prefill: validate and wait for D's Bootstrap. Raises InvalidRequest."""
         if room_id in self.rooms and self.rooms[room_id].req is not None:
             raise InvalidRequest(f"bootstrap room {room_id} is already in use", "bootstrap_room")
@@ -56,7 +56,7 @@ class PrefillWorker:
         if room is None:
             self._check_capacity()
         # P samples exactly one token; D validates the whole request (context, max_tokens) too.
-        req = self.engine.make_request(prompt, dataclasses.replace(params, max_tokens=1), rid)
+        req = self.engine.make_request(prompt, dataclasses.replace(params, max_tokens=1), rid, priority)
         if room is None:
             room = self.rooms[room_id] = PrefillRoom(room_id)
         room.req, room.on_done = req, on_done
@@ -143,8 +143,12 @@ class PrefillWorker:
         try:
             _check_pages(room.req.prompt_ids, room.info, self.page_size)
             self.sched.add(room.req)
-        except (InvalidRequest, ResourceExhausted) as e:
+        except InvalidRequest as e:
             self._fail(room, str(e))  # answered through the Prefill RPC's FAILED response
+        except ResourceExhausted as e:
+            self._fail(room, str(e), rejection=e)  # the caller's answer: RESOURCE_EXHAUSTED, not a retry
+        for req, err in self.sched.take_evicted():  # lower-priority rooms this one pushed out
+            self._fail(self._by_rid[req.rid], str(err), rejection=err)
 
     def _send(self, room: PrefillRoom, final: bool) -> None:
         src, dst = room.pages_to_send(self.page_size, room.req.num_computed, final)
@@ -172,11 +176,11 @@ class PrefillWorker:
         metrics.REQUESTS.labels("success").inc()
         self._close(room, status.bytes_moved, status.seconds)
 
-    def _fail(self, room: PrefillRoom, error: str) -> None:
+    def _fail(self, room: PrefillRoom, error: str, rejection: BaseException | None = None) -> None:
         if room.state.done:
             return
         log.warning("room %d (%s) failed: %s", room.room, room.req.rid if room.req else "-", error)
-        room.state, room.error = RoomState.FAILED, error
+        room.state, room.error, room.rejection = RoomState.FAILED, error, rejection
         if room.info is not None:
             self.sender.abort(room.room)  # returns once no write of this room can land on D
         metrics.REQUESTS.labels("failed").inc()
@@ -194,7 +198,9 @@ class PrefillWorker:
             self._by_rid.pop(req.rid, None)
         self.sender.release(room.room)
         self.rooms.pop(room.room, None)
-        if room.on_done is not None:
+        if room.on_done is not None and room.rejection is not None:
+            room.on_done(room.rejection)
+        elif room.on_done is not None:
             room.on_done(worker_pb2.PrefillResponse(
                 request_id=req.rid if req else "", bootstrap_room=room.room,
                 state=_STATE_PB[room.state], error=room.error,

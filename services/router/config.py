@@ -27,6 +27,9 @@ class RouterConfig:
     mode: str = "disagg"
     metrics_port: int = -1  # 0 = pick a free port, -1 = no metrics endpoint
     max_inflight: int = 1024
+    max_queued_requests: int = 0  # requests waiting for an in-flight slot; 0 = refuse beyond max_inflight
+    enable_priority_scheduling: bool = False  # the queue serves higher `priority` first (see queue_policy)
+    low_priority_values_first: bool = False
     request_timeout_s: float = 600.0  # 0 = no router-side deadline
     drain_timeout_s: float = 5.0
     max_retries: int = 1  # extra attempts on another pair, only on UNAVAILABLE before the first token
@@ -66,6 +69,8 @@ class RouterConfig:
             raise ValueError("ports must be in [0, 65535] (metrics: -1 = off)")
         if self.max_inflight < 1:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0:
             raise ValueError("timeouts and retries must be >= 0")
 
@@ -97,6 +102,9 @@ class RouterConfig:
             mode=args.mode,
             metrics_port=args.metrics_port,
             max_inflight=args.max_inflight,
+            max_queued_requests=args.max_queued_requests,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            low_priority_values_first=args.low_priority_values_first,
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
             discovery=args.discovery or "",
@@ -138,6 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = pick free, -1 = off)")
     p.add_argument("--max-inflight", type=int, default=d.max_inflight,
                    help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED at once")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests beyond --max-inflight that wait for a slot; when full, the one that would "
+                        "be served last (the newcomer unless it outranks someone) gets RESOURCE_EXHAUSTED at "
+                        "once; 0: none wait")
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="waiting requests are served by `priority`, then arrival (default: arrival only)")
+    p.add_argument("--low-priority-values-first", action="store_true",
+                   help="a lower `priority` value is more urgent (default: a higher one)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")

@@ -19,8 +19,10 @@ from collections.abc import Sequence
 import grpc
 
 from engine.errors import ModelNotFound, TandemError
+from engine.scheduler.queue_policy import QueuePolicy
 from services.common.grpc_errors import PARAM_METADATA_KEY, abort, abort_with, status_for
 from services.common.registry import ROLE_NAMES, WorkerRegistry
+from services.router.admission import Admission
 from services.router.channels import ChannelPool
 from services.router.config import RouterConfig
 from services.router.metrics import RouterMetrics
@@ -96,7 +98,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.channels = channels
         self.metrics = metrics
         self._policies = {role: make_policy(config.policy) for role in config.roles}
-        self.inflight = 0
+        self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
+            config.enable_priority_scheduling, config.low_priority_values_first))
         self._worker_inflight: Counter[str] = Counter()
 
     # ---- public RPCs -------------------------------------------------------------------------
@@ -112,20 +115,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     m.max_context_len = w.max_context_len  # the smallest: what every worker can take
         return generation_pb2.ListModelsResponse(models=[models[k] for k in sorted(models)])
 
+    @property
+    def inflight(self) -> int:
+        return self.admission.inflight
+
     async def Generate(self, request, context):
-        if self.inflight >= self.config.max_inflight:
-            self.metrics.requests.labels("resource_exhausted").inc()
-            await abort(
-                context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"router has {self.inflight} requests in flight (--max-inflight {self.config.max_inflight}); retry later",
-            )
         started = time.monotonic()
+        try:
+            validate_request(request)  # before queueing: a bad request never waits for a slot
+            await asyncio.wait_for(self.admission.acquire(request.priority),
+                                   self._timeout(self._deadline(context, started)))
+        except TandemError as e:
+            self.metrics.requests.labels(status_for(e).name.lower()).inc()
+            log.info("[%s] rejected: %s", request.request_id, e)
+            await abort_with(context, e)
+        except TimeoutError:
+            self.metrics.requests.labels("deadline_exceeded").inc()
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed after "
+                        f"{time.monotonic() - started:.1f}s waiting in the router queue for an in-flight slot")
         rid = request.request_id or uuid.uuid4().hex
-        self.inflight += 1
         self.metrics.inflight.inc()
         status = "unknown"
         try:
-            validate_request(request)
             sent = await self._route(request, rid, context, self._deadline(context, started), started)
             status = "ok"
             log.debug("[%s] done: %d chunks in %.3f s", rid, sent, time.monotonic() - started)
@@ -146,7 +157,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.exception("[%s] router error", rid)
             await abort(context, grpc.StatusCode.INTERNAL, f"router error: {type(e).__name__}: {e}")
         finally:
-            self.inflight -= 1
+            self.admission.release()
             self.metrics.inflight.dec()
             self.metrics.requests.labels(status).inc()
 
@@ -227,14 +238,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         log.info("[%s] prefill=%s decode=%s room=%d", rid, p.worker_id, d.worker_id, room)
         timeout = self._timeout(deadline)
         prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
-            worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling, **prompt),
+            worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
+                                      priority=request.priority, **prompt),
             timeout=timeout,
         )
         decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
             worker_pb2.DecodeRequest(
                 request_id=rid, bootstrap_room=room, sampling=request.sampling,
                 prefill_bootstrap_addr=p.bootstrap_addr, prefill_worker_id=p.worker_id,
-                prefill_boot_epoch=p.boot_epoch, **prompt,
+                prefill_boot_epoch=p.boot_epoch, priority=request.priority, **prompt,
             ),
             timeout=timeout,
         )

@@ -4,7 +4,7 @@ tokenizer). Wire defaults are mapped to engine values here, so the checks are th
 from __future__ import annotations
 
 from engine.errors import InvalidRequest
-from services.common.convert import sampling_from_pb
+from services.common.convert import priority_from_pb, sampling_from_pb
 from tandem.v1 import generation_pb2
 
 
@@ -18,3 +18,4 @@ def validate_request(req: generation_pb2.GenerateRequest) -> None:
     if kind == "token_ids" and not req.token_ids.ids:
         raise InvalidRequest("prompt token_ids is empty", "prompt")
     sampling_from_pb(req.sampling).validate()
+    priority_from_pb(req)

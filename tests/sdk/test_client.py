@@ -64,6 +64,10 @@ def test_generate_and_stream_map_requests_and_results():
         assert client.list_models()[0].max_context_len == 64
         with pytest.raises(TypeError):
             client.generate("x", bogus=1)
+        client.generate("x", max_tokens=1, priority=-7)
+        assert fake.requests[-1].priority == -7 and req.priority == 0
+        with pytest.raises(TypeError, match="priority"):
+            client.generate("x", priority="high")
 
 
 @pytest.mark.parametrize("end", [{}, {"matched_stop": "\n"}, {"matched_stop_token_id": 0}])
@@ -136,7 +140,8 @@ def test_cancelled_stream_is_cancelled_on_the_server():
 def test_async_client():
     async def body(addr: str, fake: FakeRouter):
         async with AsyncClient(addr, retry=FAST_RETRY) as client:
-            result = await client.generate("a b", max_tokens=2, seed=1)
+            result = await client.generate("a b", max_tokens=2, seed=1, priority=3)
+            assert fake.requests[-1].priority == 3
             assert result.text == "t0 t1 " and result.usage.completion_tokens == 2
             texts = [c.text async for c in client.stream([7], max_tokens=3)]
             assert texts == ["t0 ", "t1 ", "t2 "]

@@ -14,7 +14,7 @@ from engine.scheduler.batch import SampledToken
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
 
-CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, max_waiting_requests=4)
+CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, max_queued_requests=4)
 
 
 def make(num_pages=32, context=256, **kw) -> Scheduler:

@@ -53,6 +53,16 @@ def test_completion_maps_parameters_and_reports_usage(fake, tiny_llama):
     assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1)
     assert s.presence_penalty == pytest.approx(0.5) and s.frequency_penalty == pytest.approx(0.25)
     assert s.repetition_penalty == pytest.approx(1.1)
+    assert req.priority == 0
+
+
+def test_priority_reaches_the_router(fake, tiny_llama):
+    async def scenario(client, gw):
+        return await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "priority": -(1 << 31)})
+
+    assert run(fake, tiny_llama, scenario).status_code == 200
+    assert [r.priority for r in fake.requests] == [-(1 << 31)]
 
 
 def test_chat_stream_applies_template_and_ends_with_usage_and_done(fake, tiny_llama):
@@ -131,6 +141,11 @@ def test_logprobs_in_both_openai_shapes(fake, tiny_llama):
      "max_completion_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat", {"messages": []}, "messages"),
+    ("completions", {"prompt": "a", "priority": "high"}, "priority"),
+    ("completions", {"prompt": "a", "priority": 1.5}, "priority"),
+    ("completions", {"prompt": "a", "priority": True}, "priority"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "priority": 1 << 31}, "priority"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "priority": -(1 << 31) - 1}, "priority"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter_without_touching_the_router(fake, tiny_llama, endpoint,
                                                                                body, param):

@@ -236,6 +236,40 @@ def test_max_inflight_answers_resource_exhausted_at_once():
     arun(body())
 
 
+def test_router_queue_serves_by_priority_and_turns_away_the_lowest():
+    async def body():
+        p, d = FakePrefill("hang"), FakeDecode("hang")
+        config = replace(BASE, max_inflight=1, max_queued_requests=1, enable_priority_scheduling=True)
+        async with cluster([p], [d], config=config) as (router, stub):
+            first = stub.Generate(_req())
+            await wait_until(lambda: d.requests)
+            low = asyncio.ensure_future(_collect(stub, _req(priority=1)))
+            await asyncio.sleep(0.2)
+            high = asyncio.ensure_future(_collect(stub, _req(priority=2)))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await low
+            assert info.value.code() == S.RESOURCE_EXHAUSTED
+            assert "router queue" in info.value.details() and "higher priority (2)" in info.value.details()
+            assert [r.priority for r in d.requests] == [0]  # nothing else was disturbed
+            p.release.set()
+            d.release.set()
+            assert len([m async for m in first]) == 3 and len(await high) == 3
+            assert [r.priority for r in d.requests] == [0, 2] and [r.priority for r in p.requests] == [0, 2]
+            assert router.servicer.inflight == 0
+
+    arun(body())
+
+
+def test_out_of_range_priority_is_invalid_argument():
+    async def body():
+        async with cluster([FakePrefill()], [FakeDecode()]) as (router, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, _req(priority=1 << 31))
+            assert info.value.code() == S.INVALID_ARGUMENT and "priority must be in" in info.value.details()
+
+    arun(body())
+
+
 def test_invalid_requests_are_rejected_before_any_worker_is_called():
     async def body():
         p, d = FakePrefill(), FakeDecode()
