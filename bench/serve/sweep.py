@@ -330,6 +330,7 @@ class VllmServe:
     def __init__(self, cfg: SweepConfig, echo: Callable[[str], None] = print):
         self.cfg, self.echo = cfg, echo
         self.port = 0                     # picked at start(): a port picked early may be taken by then
+        self.folder = ""                  # the model folder, resolved at start()
         self._proc: _Proc | None = None
 
     def python(self) -> Path:
@@ -365,13 +366,13 @@ class VllmServe:
     def describe(self) -> str:
         # With its CPU settings from the environment (e.g. VLLM_CPU_OMP_THREADS_BIND), which change what is measured.
         env = " ".join(f"{k}={v}" for k, v in sorted(self.env().items()) if k.startswith("VLLM_CPU_"))
-        return env + " " + " ".join(self.argv(self.python(), self.cfg.model))
+        return env + " " + " ".join(self.argv(self.python(), self.folder or self.cfg.model))
 
     def start(self) -> Endpoint:
         py = self.check_venv()
         from engine.model_source import resolve_model
 
-        folder = str(resolve_model(self.cfg.model))
+        self.folder = folder = str(resolve_model(self.cfg.model))
         self.port = free_port()
         self._proc = _Proc(self.argv(py, folder), env=self.env(), cwd=Path(self.cfg.vllm_venv))
         url = f"http://127.0.0.1:{self.port}"

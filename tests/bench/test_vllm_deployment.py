@@ -132,6 +132,7 @@ def test_start_and_process_group_teardown(fake_vllm):
         assert rec["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and rec["cwd"] == str(Path(cfg.vllm_venv).resolve())
         leader, child = dep._proc.proc.pid, rec["child"]
         assert rec["pid"] == leader
+        assert f"--model {cfg.model} " in dep.describe() and f"--port {dep.port} " in dep.describe()  # as it ran
         assert alive(leader) and alive(child)
     finally:
         t0 = time.monotonic()
