@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import EngineConfig
 from tandem.engine_args import add_engine_arguments
 
 
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers: seconds to finish in-flight work and owed KV transfers on SIGTERM")
     p.add_argument("--require-rdma", action="store_true",
                    help="workers: fail at start unless UCX can use RDMA (nixl/ucx backends)")
+    p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
+                   help="workers: an engine step still running after this long dumps stacks and exits the "
+                        "worker (default: the worker's own; 0: off)")
     p.add_argument("--gateway-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)")
     p.add_argument("--api-key", default=None,
@@ -53,11 +57,29 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.disable_prefix_cache:
         out.append("--disable-prefix-cache")
+    out += ["--max-queued-requests", str(args.max_queued_requests),
+            "--priority-preemption-threshold", str(args.priority_preemption_threshold)]
+    out += _priority_flags(args)
+    if args.watchdog_timeout is not None:
+        out += ["--watchdog-timeout", str(args.watchdog_timeout)]
     if args.drain_timeout is not None:
         out += ["--drain-timeout", str(args.drain_timeout)]
     if args.require_rdma:
         out.append("--require-rdma")
     return out
+
+
+def _priority_flags(args: argparse.Namespace) -> list[str]:
+    return ([*(["--enable-priority-scheduling"] if args.enable_priority_scheduling else []),
+             *(["--low-priority-values-first"] if args.low_priority_values_first else [])])
+
+
+def _router_argv(args: argparse.Namespace) -> list[str]:
+    out = ["--max-inflight", str(args.max_inflight)] if args.max_inflight is not None else []
+    # The router queues only when asked: its default (0) refuses at --max-inflight, as before.
+    if args.max_queued_requests != EngineConfig().max_queued_requests:
+        out += ["--max-queued-requests", str(args.max_queued_requests)]
+    return out + _priority_flags(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
         worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
         stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
-        router_args=("--max-inflight", str(args.max_inflight)) if args.max_inflight is not None else (),
+        router_args=tuple(_router_argv(args)),
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
         print("error: --prefill and --decode must be >= 1", flush=True)

@@ -27,8 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s,
                    help="seconds a request's KV transfer may take before it fails on both sides")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="requests waiting for a peer (prefill: bootstrap rooms, decode: pre-allocation) "
-                        "beyond which new ones get RESOURCE_EXHAUSTED")
+                   help="prefill: bootstrap rooms (requests waiting for their decode worker's half of the "
+                        "handshake) beyond which new ones get RESOURCE_EXHAUSTED; queues waiting for compute "
+                        "are bounded by --max-queued-requests")
+    p.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout_s, metavar="SECONDS",
+                   help="an engine step (scheduling + forward pass) still running after this long logs every "
+                        "thread's stack and exits the worker non-zero, for its supervisor to restart; 0: off")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="SIGTERM: seconds to finish in-flight work (a prefill worker: the KV transfers it "
                         "owes) before exiting; keep it below the pod's terminationGracePeriodSeconds")
@@ -46,6 +50,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, metrics_port=args.metrics_port,
         bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
+        watchdog_timeout_s=args.watchdog_timeout,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
         require_rdma=args.require_rdma,
     )

@@ -25,8 +25,9 @@ class WorkerConfig:
     metrics_port: int = 0               # 0: any free port, -1: off
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
-    max_queue: int = 1024               # bootstrap rooms (P) / prealloc queue (D)
+    max_queue: int = 1024               # bootstrap rooms (P); D's prealloc queue: EngineConfig.max_queued_requests
     drain_timeout_s: float = 10.0       # SIGTERM: the most a drain waits (keep it below the pod's grace period)
+    watchdog_timeout_s: float = 300.0   # a step still running after this dumps stacks and exits; 0: off
     heartbeat_s: float = 1.0
     pod_uid: str = ""                   # Kubernetes pod UID (downward API), reported in WorkerInfo
     require_rdma: bool = False          # nixl/ucx: refuse peers whose UCX transport is not RDMA
