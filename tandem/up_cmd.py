@@ -6,9 +6,12 @@ import argparse
 
 from engine.config import EngineConfig
 from tandem.engine_args import add_engine_arguments
+from tandem.worker_cmd import add_observability_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from services.worker.config import WorkerConfig
+
     add_engine_arguments(p)
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
                    help="disagg: separate prefill and decode workers; colocated: one worker doing both")
@@ -39,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the router's own)")
     p.add_argument("--quiet", action="store_true",
                    help="no banner and no service logs, only the services' readiness lines and errors")
+    p.add_argument("--cpu-cores", default="auto", metavar="SPEC",
+                   help="CPU placement. auto: give each worker its own share of the cores this process may use "
+                        "(prefill workers first; gateway/router/Redis get a core of their own when there are more "
+                        "cores than workers and at least 3); a core list (0-7): split those instead; one list per "
+                        "worker separated by '|' (0-3|4-7, like VLLM_CPU_OMP_THREADS_BIND); none or nobind: no "
+                        "pinning. A pinned worker runs one torch thread per core unless --num-threads is given")
+    add_observability_arguments(p, WorkerConfig(role=""))
     p.add_argument("--ready-json", action="store_true",
                    help="once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of "
                         "router, gateway, workers, metrics ports): for scripts and tests")
@@ -66,6 +76,9 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         out += ["--drain-timeout", str(args.drain_timeout)]
     if args.require_rdma:
         out.append("--require-rdma")
+    out += ["--log-stats-interval", str(args.log_stats_interval)]
+    if args.profile_dir is not None:
+        out += ["--profile-dir", args.profile_dir]
     return out
 
 
@@ -94,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
         stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
         router_args=tuple(_router_argv(args)),
+        cpu_cores=args.cpu_cores,
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
         print("error: --prefill and --decode must be >= 1", flush=True)

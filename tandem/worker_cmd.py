@@ -40,6 +40,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Kubernetes pod UID (downward API metadata.uid), reported to Kubernetes discovery")
     p.add_argument("--require-rdma", action="store_true",
                    help="nixl/ucx: exit at start without an RDMA device, refuse peers UCX reaches without RDMA")
+    add_observability_arguments(p, d)
+    p.add_argument("--cpu-cores", type=_cpu_cores, default=None, metavar="LIST",
+                   help="pin this worker to these cores (Linux cpulist: 0, 0-3, 0,2) and run one torch thread "
+                        "per core unless --num-threads is given; none/nobind: no pinning (the default; `tandem "
+                        "up` gives each worker its own cores)")
+
+
+def add_observability_arguments(p: argparse.ArgumentParser, d) -> None:
+    """Worker flags that `tandem up` also takes and forwards."""
+    p.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval_s, metavar="SECONDS",
+                   help="while busy, log one line this often: running/queued requests, prefill and decode "
+                        "tokens/s, KV usage (like SGLang's decode log); 0: off")
+    p.add_argument("--profile-dir", default=None,
+                   help="where `POST /profile?steps=N` on the metrics port writes torch.profiler Chrome traces "
+                        "(default: $TANDEM_CACHE_DIR/profiles, else ~/.cache/tandem/profiles)")
+
+
+def _cpu_cores(text: str) -> tuple[int, ...] | None:
+    from services.common.cpu_cores import CpuListError, parse_worker_cores
+
+    try:
+        return parse_worker_cores(text)
+    except CpuListError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(role: str, args: argparse.Namespace) -> int:
@@ -52,7 +76,8 @@ def run(role: str, args: argparse.Namespace) -> int:
         bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
         watchdog_timeout_s=args.watchdog_timeout,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
-        require_rdma=args.require_rdma,
+        require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,
+        log_stats_interval_s=args.log_stats_interval,
     )
     return run_worker(engine_config_from_args(args), wcfg)
 

@@ -12,6 +12,14 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.cpu_cores import (
+    CpuListError,
+    available_cores,
+    describe,
+    format_cpu_list,
+    pin,
+    plan_cores,
+)
 from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
 
@@ -41,6 +49,7 @@ class UpConfig:
     gateway_port: int = 8000             # OpenAI-compatible HTTP gateway (0: any free port, -1: none)
     gateway_args: tuple[str, ...] = ()
     api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
+    cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
 
 
 def _printer(quiet: bool):
@@ -130,22 +139,35 @@ def run_up(cfg: UpConfig) -> int:
     gateway: Child | None = None
     up = False
     try:
+        roles = [("colocated", 1)] if cfg.mode == "colocated" else [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
+        names = [f"{role}-{i}" for role, n in roles for i in range(n)]
+        try:
+            plan = plan_cores(cfg.cpu_cores, available_cores(), len(names))
+            if plan.services is not None:
+                pin(plan.services)  # Redis, router and gateway start from here and inherit it
+        except CpuListError as e:
+            print(f"error: --cpu-cores: {e}", file=sys.stderr, flush=True)
+            return 2
+        placement = describe(plan, names)
         url = cfg.redis_url
         if url is None:
             redis = EmbeddedRedis()
             redis.start()
             url = redis.url
-        roles = [("colocated", 1)] if cfg.mode == "colocated" else [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
         threads = ["--num-threads", str(worker_threads(cfg))] if "--num-threads" not in cfg.worker_args else []
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
-                argv = python_cmd(role, *cfg.worker_args, *threads, "--host", cfg.host, "--port", "0",
+                cores = plan.workers[len(workers)]
+                # A pinned worker runs one torch thread per core of its own (unless --num-threads).
+                placed = ["--cpu-cores", format_cpu_list(cores)] if cores is not None else threads
+                argv = python_cmd(role, *cfg.worker_args, *placed, "--host", cfg.host, "--port", "0",
                                   "--redis-url", url, "--worker-id", f"{name}-{os.getpid()}",
                                   "--transfer-backend", cfg.transfer_backend)
                 workers.append(Child(name, argv, on_line=on_line))
         say(f"Starting Tandem ({cfg.mode}): {len(workers)} worker(s), router"
             + (", gateway" if cfg.gateway_port >= 0 else "") + " ...")
+        say(f"CPU placement: {placement}")
         for w in workers:
             w.start()
         ready = [_wait_ready(w, cfg.ready_timeout_s, stop) for w in workers]
@@ -155,7 +177,9 @@ def run_up(cfg: UpConfig) -> int:
         router.start()
         router_ready = _wait_ready(router, 60.0, stop)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
-                   "router_metrics_port": router_ready.get("metrics_port")}
+                   "router_metrics_port": router_ready.get("metrics_port"), "cpu_placement": placement,
+                   "cpu_cores": {**{n: format_cpu_list(c) if c else None for n, c in zip(names, plan.workers, strict=True)},
+                                 "services": format_cpu_list(plan.services) if plan.services else None}}
         if cfg.gateway_port >= 0:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
             gateway = Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
@@ -238,6 +262,8 @@ def _banner(summary: dict, host: str, auth: str = "") -> str:
         metrics = f"http://{h}:{w['metrics_port']}/metrics" if w.get("metrics_port", -1) >= 0 else "off"
         lines.append(f"  {w['role']:<9s} worker {w['grpc_addr']}   (metrics {metrics})")
     lines.append(f"  registry          {summary['redis_url']}")
+    if summary.get("cpu_placement"):
+        lines.append(f"  CPU placement     {summary['cpu_placement']}")
     if "gateway" in summary:
         lines += [
             "Try it over HTTP:",

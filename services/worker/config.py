@@ -31,6 +31,9 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     pod_uid: str = ""                   # Kubernetes pod UID (downward API), reported in WorkerInfo
     require_rdma: bool = False          # nixl/ucx: refuse peers whose UCX transport is not RDMA
+    cpu_cores: tuple[int, ...] | None = None  # pin the process to these cores (None: not pinned)
+    profile_dir: str | None = None      # where POST /profile writes traces (None: <cache dir>/profiles)
+    log_stats_interval_s: float = 5.0   # busy log line period; 0: off
     # Identity of this process start, drawn once when the config is built (a restarted container gets
     # a new one): peers check it in the bootstrap handshake.
     boot_epoch: int = field(default_factory=new_boot_epoch)

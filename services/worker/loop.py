@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,23 @@ class StepWorker(Protocol):
         """True while `tick` has something to watch (transfers, timeouts): tick often then."""
 
 
+class StepObserver(Protocol):
+    """Sees every step from the engine thread (step metrics, the profiler); must be cheap."""
+
+    def before_step(self) -> None: ...
+
+    def after_step(self, elapsed_s: float) -> None:
+        """`elapsed_s`: the step's wall time (perf_counter around it; no device sync)."""
+
+
 class EngineLoop:
     """Lifecycle: create -> start() -> (serve) -> stop(); stop is safe to call twice."""
 
     def __init__(self, worker: StepWorker, aio_loop: asyncio.AbstractEventLoop,
                  on_fatal: Callable[[], None] = lambda: None, idle_wait_s: float = 0.002,
-                 quiet_wait_s: float = 0.05):
+                 quiet_wait_s: float = 0.05, observers: Sequence[StepObserver] = ()):
         self.worker = worker
+        self.observers = tuple(observers)
         self.on_fatal = on_fatal
         self.failed = False
         self.aio_loop = aio_loop
@@ -110,6 +120,8 @@ class EngineLoop:
             except Exception:
                 log.exception("worker housekeeping failed")
             if self.worker.has_work():
+                for o in self.observers:
+                    _observe(o.before_step)
                 t0 = time.perf_counter()
                 try:
                     self.worker.step()
@@ -120,8 +132,11 @@ class EngineLoop:
                     self.failed = True
                     self.deliver(self.on_fatal)
                     return
-                self.busy_s += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                self.busy_s += elapsed
                 self.steps += 1
+                for o in self.observers:
+                    _observe(o.after_step, elapsed)
                 was_busy = True
                 continue
             if was_busy:
@@ -129,6 +144,13 @@ class EngineLoop:
                 self.worker.on_idle()
             self._wake.wait(self._idle_wait_s if self.worker.polling() else self._quiet_wait_s)
             self._wake.clear()
+
+
+def _observe(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # an observer's bug must not stop serving
+        log.exception("step observer failed")
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -20,6 +20,21 @@ TRANSFER_LATENCY = Histogram(
 )
 IDLE_CHECK_FAILURES = Counter("tandem_idle_check_failures_total", "Idle self-checks that found leaked pages/slots")
 STEPS = Counter("tandem_engine_steps_total", "Forward passes run", ["kind"])
+# Per step, measured on the engine thread (services/worker/step_stats.py); kind: prefill, decode, or
+# mixed (prefill chunks and decode rows in one step).
+STEP_TIME = Histogram(
+    "tandem_step_duration_seconds", "Wall time of one engine step (forward pass, sampling, hand-off)", ["kind"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+             2.5, 5.0, 10.0))
+STEP_BATCH_SIZE = Histogram("tandem_step_batch_size", "Sequences in one engine step", ["kind"],
+                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+STEP_TOKENS = Histogram("tandem_step_tokens", "Tokens run in one engine step (prefill tokens + decode rows)",
+                        ["kind"], buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+STEP_TOKENS_TOTAL = Counter("tandem_engine_tokens_total",
+                            "Tokens run by engine steps: phase=prefill (prompt chunks), decode (new tokens)",
+                            ["phase"])
+REQUESTS_RUNNING = Gauge("tandem_requests_running", "Requests running on this worker (as in WorkerLoad)")
+REQUESTS_WAITING = Gauge("tandem_requests_waiting", "Requests queued on this worker, not yet running")
 KV_TRANSFERS_OUTSTANDING = Gauge(
     "tandem_kv_transfers_outstanding",
     "Prefill: rooms whose decode worker reserved pages and still waits for their KV (a drain waits for 0)")
@@ -40,6 +55,8 @@ def export_vllm_compatible(model: str, load) -> None:
     """Mirror a worker's `WorkerLoad` under vLLM's metric names (each role's metrics export calls it)."""
     VLLM_WAITING.labels(model).set(load.waiting)
     VLLM_RUNNING.labels(model).set(load.running)
+    REQUESTS_WAITING.set(load.waiting)
+    REQUESTS_RUNNING.set(load.running)
     usage = 1.0 - load.free_pages / load.total_pages if load.total_pages else 0.0
     KV_USAGE.set(usage)
     VLLM_KV_USAGE.labels(model).set(usage)

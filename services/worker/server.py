@@ -8,6 +8,7 @@ Role-specific parts (servicers, step worker) come from `ROLES`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 import logging
@@ -23,12 +24,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
+from engine.model_source import default_cache_dir
+from services.common.cpu_cores import CpuListError, format_cpu_list, pin
 from services.common.registry import create_registry
-from services.worker import metrics
+from services.worker import metrics, step_stats
 from services.worker.config import WorkerConfig
 from services.worker.identity import WorkerIdentityServicer
 from services.worker.loop import EngineLoop
+from services.worker.metrics_server import start_metrics_server
+from services.worker.profiler import StepProfiler
 from services.worker.rdma import preflight
+from services.worker.step_stats import StepStats
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -92,7 +98,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     # Model loading takes seconds: run it off the event loop so signals are still handled.
     parts: RoleParts = await asyncio.to_thread(_build_sync, engine_cfg, wcfg, loop)
     engine = parts.engine
-    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set)
+    stats = StepStats(engine.runner, parts.worker.load, wcfg.id, wcfg.log_stats_interval_s)
+    profiler = StepProfiler(wcfg.profile_dir or default_cache_dir() / "profiles", wcfg.id)
+    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(stats, profiler))
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     parts.add_servicers(server, engine_loop)
@@ -112,7 +120,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     for name in [LIVENESS, "", *parts.service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    metrics_port = _start_metrics(wcfg)
+    metrics_port = _start_metrics(wcfg, profiler)
     info = worker_pb2.WorkerInfo(
         worker_id=wcfg.id, role=parts.role_pb, grpc_addr=addr,
         bootstrap_addr=addr if wcfg.role == "prefill" else "",
@@ -130,7 +138,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         heartbeat = asyncio.create_task(_report_load(registry, engine_loop, parts.worker, wcfg.heartbeat_s))
     ready = {"role": wcfg.role, "worker_id": wcfg.id, "grpc_addr": addr, "metrics_port": metrics_port,
              "pid": os.getpid(), "boot_epoch": wcfg.boot_epoch,
-             "transfer_backend": parts.transfer_backend, "startup_s": round(time.monotonic() - t0, 2)}
+             "transfer_backend": parts.transfer_backend, "startup_s": round(time.monotonic() - t0, 2),
+             "cpu_cores": format_cpu_list(wcfg.cpu_cores) if wcfg.cpu_cores else None,
+             "num_threads": engine_cfg.num_threads}
     print("TANDEM_READY " + json.dumps(ready), flush=True)
     log.info("%s %s serving on %s (metrics :%s)", wcfg.role, wcfg.id, addr, metrics_port)
 
@@ -184,16 +194,32 @@ async def _report_load(registry, engine_loop: EngineLoop, worker, period: float)
             log.exception("load report failed")
 
 
-def _start_metrics(wcfg: WorkerConfig) -> int:
+def _start_metrics(wcfg: WorkerConfig, profiler: StepProfiler) -> int:
     if wcfg.metrics_port < 0:
         return -1
-    from prometheus_client import start_http_server
+    return start_metrics_server(wcfg.host, wcfg.metrics_port, profiler).server_port
 
-    server, _thread = start_http_server(wcfg.metrics_port, addr=wcfg.host)
-    return server.server_port
+
+def place(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> EngineConfig:
+    """Pin this process to `wcfg.cpu_cores` (before any thread pool starts: threads inherit the
+    mask) and give torch one thread per core unless --num-threads said otherwise. Raises CpuListError."""
+    if wcfg.cpu_cores is None:
+        return engine_cfg
+    pin(wcfg.cpu_cores)
+    log.info("pinned to core(s) %s", format_cpu_list(wcfg.cpu_cores))
+    if engine_cfg.num_threads is None:
+        return dataclasses.replace(engine_cfg, num_threads=len(wcfg.cpu_cores))
+    return engine_cfg
 
 
 def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
+    try:
+        engine_cfg = place(engine_cfg, wcfg)
+    except CpuListError as e:
+        print(f"error: --cpu-cores: {e}", file=sys.stderr)
+        return 2
+    if wcfg.log_stats_interval_s > 0 and not step_stats.log.isEnabledFor(logging.INFO):
+        step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
     try:
         return asyncio.run(serve_worker(engine_cfg, wcfg))
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from services.common.cpu_cores import available_cores, describe, plan_cores
 from tests.e2e.stack import ROOT, shm_segments_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,6 +56,8 @@ def test_up_banner_comes_once_serving_and_ctrl_c_says_goodbye(tiny_llama):
     try:
         q = lines_of(proc)
         read_until(q, r"^Starting Tandem \(disagg\)", seen)
+        placement = describe(plan_cores("auto", available_cores(), 2), ["prefill-0", "decode-0"])
+        read_until(q, "^CPU placement: " + re.escape(placement) + "$", seen)
         read_until(q, r"^\[gateway\] ready$", seen)
         read_until(q, r"^Tandem is up \(disagg, 2 workers\):", seen)
         # Up means served: the gateway already answers /health (router and both roles reachable).
@@ -65,6 +68,7 @@ def test_up_banner_comes_once_serving_and_ctrl_c_says_goodbye(tiny_llama):
         router_metrics = read_until(q, r"^  router metrics", seen)
         with urllib.request.urlopen(router_metrics.split()[-1], timeout=5) as r:
             assert b"tandem_router" in r.read()
+        read_until(q, r"^  CPU placement     " + re.escape(placement) + "$", seen)
         read_until(q, r"^Ctrl-C stops everything\.$", seen)
         assert not any("TANDEM_UP" in line or "TANDEM_READY" in line for line in seen)
 
