@@ -134,7 +134,7 @@ def plan_cores(spec: str, available: Sequence[int], num_workers: int) -> CorePla
     if WORKER_SEPARATOR in spec:
         lists = [parse_cpu_list(p) for p in spec.split(WORKER_SEPARATOR)]
         if len(lists) != num_workers:
-            raise CpuListError(f"--cpu-cores {spec!r} gives {len(lists)} core lists for {num_workers} "
+            raise CpuListError(f"{spec!r} gives {len(lists)} core lists for {num_workers} "
                                f"worker(s) (one per worker, prefill workers first, separated by '|')")
         for cores in lists:
             check_available(cores, available)
@@ -181,7 +181,8 @@ def pin(cores: Sequence[int]) -> None:
     except AttributeError as e:
         raise CpuListError("--cpu-cores needs Linux (os.sched_setaffinity)") from e
     except OSError as e:  # EINVAL: none of the cores exists or is allowed here
-        raise CpuListError(f"cannot pin to core(s) {format_cpu_list(cores)}: {e.strerror}") from e
+        raise CpuListError(f"cannot pin to core(s) {format_cpu_list(cores)}: {e.strerror} (none of them is "
+                           f"available here; this process runs on {format_cpu_list(available_cores())})") from e
     got = os.sched_getaffinity(0)
     if got != set(cores):  # the kernel silently drops cores that are not allowed
         missing = sorted(set(cores) - got)
