@@ -29,12 +29,14 @@ from services.common.cpu_cores import CpuListError, format_cpu_list, pin
 from services.common.registry import create_registry
 from services.worker import metrics, step_stats
 from services.worker.config import WorkerConfig
+from services.worker.faults import FaultConfig, FaultInjector
 from services.worker.identity import WorkerIdentityServicer
 from services.worker.loop import EngineLoop
 from services.worker.metrics_server import start_metrics_server
 from services.worker.profiler import StepProfiler
 from services.worker.rdma import preflight
 from services.worker.step_stats import StepStats
+from services.worker.watchdog import Watchdog
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,11 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     engine = parts.engine
     stats = StepStats(engine.runner, parts.worker.load, wcfg.id, wcfg.log_stats_interval_s)
     profiler = StepProfiler(wcfg.profile_dir or default_cache_dir() / "profiles", wcfg.id)
-    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(stats, profiler))
+    # The watchdog sees a step first, so that everything after it (an injected hang too) is timed.
+    watchdog = Watchdog(wcfg.watchdog_timeout_s) if wcfg.watchdog_timeout_s > 0 else None
+    faults = FaultConfig.from_env()
+    guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
+    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, profiler))
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     parts.add_servicers(server, engine_loop)
@@ -116,6 +122,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
     addr = f"{wcfg.public_host}:{port}"
     engine_loop.start()
+    if watchdog is not None:
+        watchdog.start()
     await server.start()
     for name in [LIVENESS, "", *parts.service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -148,6 +156,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     await _drain(wcfg, health_servicer, registry, heartbeat, parts)
     await server.stop(grace=1.0)
     engine_loop.stop()
+    if watchdog is not None:
+        watchdog.stop()
     parts.close()
     log.info("%s %s stopped", wcfg.role, wcfg.id)
     return 1 if engine_loop.failed else 0
