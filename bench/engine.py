@@ -1,6 +1,7 @@
 """Engine throughput: prefill and decode tokens/s at several batch sizes, beside HF transformers.
 
     python -m bench.engine --model smollm2-135m --out bench/results/engine.json
+    python -m bench.engine --batches 32 --input-lens 512 --mixed-requests 0   # the serving shape
 
 Both run the same model, dtype and thread count in this one process, one after the other. HF runs
 static-batch `generate` (equal-length prompts, so no padding). Decode throughput for HF is derived as
@@ -117,13 +118,15 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--input-lens", default="128,512",
+                    help="prompt lengths; each gets a row per batch size (512: the serving workload's context)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--mixed-requests", type=int, default=64, help="requests in the mixed workload (0: skip)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    input_lens = [int(n) for n in args.input_lens.split(",")]
 
     max_batch = max(batches)
     cfg = dataclasses.replace(EngineConfig(), model=args.model, dtype=args.dtype, enable_prefix_cache=False,
@@ -132,11 +135,13 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     engine.generate(prompts_of(2, 32, vocab, 7), SamplingParams(max_tokens=4, temperature=0))  # warm-up
     rows = []
-    for b in batches:
-        row = {"batch": b, "tandem_prefill_tok_s": bench_tandem_prefill(engine, b, args.input_len)}
-        row.update({f"tandem_{k}": v for k, v in bench_tandem_decode(engine, b, args.input_len, args.output_len).items()})
-        rows.append(row)
-        print(json.dumps(row))
+    for input_len in input_lens:
+        for b in batches:
+            row = {"input_len": input_len, "batch": b,
+                   "tandem_prefill_tok_s": bench_tandem_prefill(engine, b, input_len)}
+            row.update({f"tandem_{k}": v for k, v in bench_tandem_decode(engine, b, input_len, args.output_len).items()})
+            rows.append(row)
+            print(json.dumps(row))
     mixed = {}
     if args.mixed_requests:
         prompts, outs = mixed_workload(args.mixed_requests, vocab)
@@ -149,7 +154,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=getattr(torch, args.dtype)).eval()
         bench_hf(hf, 1, 16, 4, vocab)  # warm-up
         for row in rows:
-            hf_row = bench_hf(hf, row["batch"], args.input_len, args.output_len, vocab)
+            hf_row = bench_hf(hf, row["batch"], row["input_len"], args.output_len, vocab)
             row["hf_prefill_tok_s"] = hf_row["prefill_tok_s"]
             row["hf_decode_tok_s"] = hf_row["decode_tok_s"]
             row["decode_speedup_vs_hf"] = row["tandem_decode_tok_s"] / hf_row["decode_tok_s"]
@@ -163,7 +168,7 @@ def main() -> None:
         "bench": "engine",
         "model": args.model,
         "dtype": args.dtype,
-        "input_len": args.input_len,
+        "input_lens": input_lens,
         "output_len": args.output_len,
         "threads": torch.get_num_threads(),
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
