@@ -27,7 +27,12 @@ class EngineConfig:
     enable_priority_scheduling: bool = False   # order queues by Request.priority, then arrival
     low_priority_values_first: bool = False    # a lower `priority` value is more urgent
     priority_preemption_threshold: int = 10    # a waiting request preempts a running one this much less urgent
-    chunked_prefill_size: int = 2048      # max new prompt tokens per prefill step
+    chunked_prefill_size: int = 2048      # max tokens per step: prefill chunks + (mixed) decode rows
+    # A step may carry prefill chunks beside one token of every running request (SGLang's mixed
+    # chunk); the chunk is then also bounded so that the step takes at most `mixed_chunk_itl_factor`
+    # x a pure decode step (0: no bound beyond chunked_prefill_size).
+    enable_mixed_chunk: bool = True
+    mixed_chunk_itl_factor: float = 1.8
     enable_prefix_cache: bool = True
     # Admission control reserves `remaining_tokens * new_token_ratio` pages for running requests.
     # The ratio decays while decoding goes well and jumps back after a retraction.
@@ -52,6 +57,8 @@ class EngineConfig:
             raise InvalidRequest("priority_preemption_threshold must be >= 0", "priority_preemption_threshold")
         if self.max_running_requests < 1:
             raise InvalidRequest("max_running_requests must be >= 1", "max_running_requests")
+        if self.mixed_chunk_itl_factor and self.mixed_chunk_itl_factor <= 1:
+            raise InvalidRequest("mixed_chunk_itl_factor must be > 1 (or 0: unbounded)", "mixed_chunk_itl_factor")
         if self.chunked_prefill_size < self.page_size:
             raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
         if self.context_length is not None and self.context_length < 2:

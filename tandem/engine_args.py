@@ -25,7 +25,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="request slots: the largest decode batch")
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                   help="most new prompt tokens per prefill step (longer prompts are prefilled in chunks)")
+                   help="most tokens per step: prefill chunks plus, in a mixed step, one per running request "
+                        "(longer prompts are prefilled in chunks)")
+    mixed = p.add_mutually_exclusive_group()
+    mixed.add_argument("--enable-mixed-chunk", dest="enable_mixed_chunk", action="store_true",
+                       default=d.enable_mixed_chunk,
+                       help="run prefill chunks in the same step as the running requests' decode tokens "
+                            "(SGLang's flag; on by default here)")
+    mixed.add_argument("--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_false",
+                       help="prefill steps and decode steps alternate; a prefill stalls every running request")
+    p.add_argument("--mixed-chunk-itl-factor", type=float, default=d.mixed_chunk_itl_factor,
+                   help="bound a mixed step's prefill chunk so that the step takes at most this many times a "
+                        "decode step, from measured step times (0: only --chunked-prefill-size bounds it)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes seen before (radix cache)")
     add_queue_arguments(p, d.max_queued_requests)
@@ -63,6 +74,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        mixed_chunk_itl_factor=args.mixed_chunk_itl_factor,
         enable_prefix_cache=not args.disable_prefix_cache,
         max_queued_requests=args.max_queued_requests,
         enable_priority_scheduling=args.enable_priority_scheduling,

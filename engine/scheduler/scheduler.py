@@ -1,8 +1,12 @@
 """Co-located continuous-batching scheduler (torch-free).
 
-Each step is either a prefill batch (chunked: at most `chunked_prefill_size` new prompt tokens,
-continuing partially prefilled requests first, then admitting waiting ones) or a decode batch of
-every running request. Prefill goes first when anything can be admitted, as in SGLang.
+A step carries prefill chunks (continuing partially prefilled requests first, then admitting
+waiting ones) and/or one token of every running request. With mixed chunks (the default) both go
+in one step: the token budget `chunked_prefill_size` counts the decode rows, and the chunk is also
+kept small enough that the step stays within `mixed_chunk_itl_factor` x a decode step, by the
+measured costs in `StepCostModel` — so a new arrival's prefill slows running requests by a bounded
+factor instead of stalling them. Without mixed chunks a step is either prefill (first whenever
+anything can be admitted, as SGLang does) or decode.
 
 Admission is conservative about memory: a request is admitted only if its prompt pages plus an
 estimate of every running request's future pages (`remaining_tokens * new_token_ratio`) fit in the
@@ -14,6 +18,7 @@ back to the front of the queue and is recomputed later) and the ratio jumps back
 from __future__ import annotations
 
 from collections.abc import Iterable
+from time import perf_counter
 
 from engine.config import EngineConfig
 from engine.detokenizer import FinishReason
@@ -22,6 +27,7 @@ from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.kv_manager import KVManager, pages_for
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.step_cost import StepCostModel
 
 
 class Scheduler:
@@ -41,6 +47,8 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self._ratio_step = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / max(1, cfg.new_token_ratio_decay_steps)
         self.num_retractions = 0
+        self.cost = StepCostModel()
+        self._step_started: float | None = None
 
     # --- intake ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -86,17 +94,28 @@ class Scheduler:
 
     def schedule(self) -> StepBatch | None:
         self._preempt_for_priority()
-        batch = self._schedule_prefill()
-        if batch is None and self.running:
-            batch = self._schedule_decode()
-        return batch if batch is None or batch.seqs else None
+        if self.cfg.enable_mixed_chunk and self.running:
+            # Decode rows first: their pages are secured (retracting if memory is short) before a
+            # new prompt is admitted into what is left.
+            decode = self._schedule_decode()
+            budget = self.cost.prefill_budget(self.cfg.mixed_chunk_itl_factor, self.cfg.page_size,
+                                              self.cfg.chunked_prefill_size - len(decode.seqs))
+            prefill = self._schedule_prefill(budget)
+            batch = StepBatch((prefill.seqs if prefill else []) + decode.seqs)
+        else:
+            batch = self._schedule_prefill(self.cfg.chunked_prefill_size)
+            if batch is None and self.running:
+                batch = self._schedule_decode()
+        if batch is None or not batch.seqs:
+            return None
+        self._step_started = perf_counter()
+        return batch
 
     def _reserved_pages(self, reqs: Iterable[Request]) -> int:
         ps = self.cfg.page_size
         return sum(pages_for(int(r.remaining_tokens * self.new_token_ratio), ps) for r in reqs)
 
-    def _schedule_prefill(self) -> StepBatch | None:
-        budget = self.cfg.chunked_prefill_size
+    def _schedule_prefill(self, budget: int) -> StepBatch | None:
         seqs: list[SeqStep] = []
         for req in self.prefilling:
             if budget <= 0:
@@ -169,6 +188,10 @@ class Scheduler:
     # --- results -----------------------------------------------------------------------------
     def on_step_done(self, batch: StepBatch, sampled: list[SampledToken]) -> list[tuple[Request, SampledToken]]:
         """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order."""
+        if self._step_started is not None:
+            decode_rows = sum(1 for s in batch.seqs if s.req.status is RequestStatus.RUNNING)
+            self.cost.observe(batch.num_tokens - decode_rows, decode_rows, perf_counter() - self._step_started)
+            self._step_started = None
         out = []
         it = iter(sampled)
         for seq in batch.seqs:

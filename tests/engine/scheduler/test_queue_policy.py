@@ -139,7 +139,8 @@ def test_high_priority_preempts_a_running_low_one_which_is_recomputed():
     hi = req("hi", 20, max_tokens=2)
     s.add(hi)
     b = s.schedule()                          # no free slot: lo1 (least urgent) makes room
-    assert [q.req for q in b.seqs] == [hi]
+    # hi's prefill runs in this step (beside lo2's decode row: mixed chunks); lo1 is out.
+    assert [q.req for q in b.seqs] == [hi, lo2]
     assert lo1.status is RequestStatus.WAITING and lo1.slot is None and s.num_preemptions == 1
     assert lo2 in s.running
     s.on_step_done(b, [SampledToken(7) for _ in b.sampling])

@@ -1,0 +1,101 @@
+"""Mixed chunks: prefill chunks ride in the same step as the running requests' decode tokens (torch-free)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.config import EngineConfig
+from engine.detokenizer import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.scheduler.batch import SampledToken, StepBatch
+from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.step_cost import StepCostModel
+
+CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, mixed_chunk_itl_factor=0)
+
+
+def make(num_pages=64, **kw) -> Scheduler:
+    return Scheduler(dataclasses.replace(CFG, **kw), num_pages, 256)
+
+
+def req(rid: str, n: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def finish_step(s: Scheduler, b: StepBatch) -> None:
+    for r, _ in s.on_step_done(b, [SampledToken(7) for _ in b.sampling]):
+        if len(r.output_ids) >= r.params.max_tokens:
+            s.finish(r, FinishReason.LENGTH)
+
+
+def decode_rows(b: StepBatch) -> list[Request]:
+    return [q.req for q in b.seqs if q.req.status is RequestStatus.RUNNING]
+
+
+def test_a_new_prompt_joins_the_running_decodes_and_the_budget_counts_them():
+    s = make()
+    running = [req(f"r{i}", 3, max_tokens=10) for i in range(3)]
+    for r in running:
+        s.add(r)
+    finish_step(s, s.schedule())                     # one prefill step: all three now decode
+    s.add(req("long", 40))
+    b = s.schedule()
+    assert set(decode_rows(b)) == set(running)       # nobody stalls behind the new prompt
+    chunk = [q for q in b.seqs if q.req.rid == "long"]
+    assert len(chunk[0].input_ids) == 16 - 3         # chunked_prefill_size counts the decode rows
+    assert b.num_tokens == 16
+    finish_step(s, b)
+
+
+def test_disabled_alternates_prefill_and_decode_steps():
+    s = make(enable_mixed_chunk=False)
+    s.add(req("a", 3, max_tokens=10))
+    finish_step(s, s.schedule())
+    s.add(req("b", 40))
+    b = s.schedule()
+    assert [q.req.rid for q in b.seqs] == ["b"] and not decode_rows(b)
+
+
+def test_run_to_end_with_arrivals_returns_every_page_and_slot():
+    s = make(num_pages=24)   # tight: decode rows must secure their pages before a prompt is admitted
+    pending = [req(f"q{i}", 5 + 7 * i, max_tokens=6) for i in range(6)]
+    s.add(pending.pop(0))
+    mixed = 0
+    for _ in range(500):
+        if pending and len(s.running) < 3:
+            s.add(pending.pop(0))
+        if not s.has_work() and not pending:
+            break
+        b = s.schedule()
+        if b is None:
+            continue
+        mixed += bool(decode_rows(b)) and len(decode_rows(b)) < len(b.seqs)
+        assert b.num_tokens <= 16
+        finish_step(s, b)
+    assert not pending and not s.has_work() and mixed > 0
+    s.check_idle()
+
+
+def test_cost_model_bounds_the_chunk_by_measured_step_times():
+    cost = StepCostModel()
+    assert cost.prefill_budget(1.8, 16, 2000) == 2000          # nothing measured yet
+    cost.observe(0, 8, 0.030)                                   # decode step: 30 ms
+    cost.observe(100, 8, 0.130)                                 # + 1 ms per prefill token
+    assert cost.prefill_budget(1.8, 16, 2000) == 24             # 0.8 x 30 ms / 1 ms
+    assert cost.prefill_budget(1.1, 16, 2000) == 16             # never below the floor
+    assert cost.prefill_budget(0, 16, 2000) == 2000             # 0: unbounded
+    cost.observe(0, 8, 0.060)                                   # decode got slower: a bigger chunk fits
+    assert cost.prefill_budget(1.8, 16, 2000) > 24
+
+
+def test_scheduler_learns_costs_from_its_own_steps():
+    s = make(mixed_chunk_itl_factor=1.5)
+    s.add(req("a", 3, max_tokens=50))
+    finish_step(s, s.schedule())
+    finish_step(s, s.schedule())                                # a decode step is observed
+    assert s.cost.decode_step_s is not None and s.cost.decode_step_s > 0
+    s.cost.decode_step_s, s.cost.prefill_token_s = 0.010, 0.001  # pin the estimates
+    s.add(req("long", 60))
+    b = s.schedule()
+    assert [len(q.input_ids) for q in b.seqs if q.req.rid == "long"] == [5]   # 0.5 x 10 ms / 1 ms
