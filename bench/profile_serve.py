@@ -35,11 +35,11 @@ from bench.serve.sweep import SweepConfig, TandemUp
 # (category, path fragment of a frame's file): the first match from the leaf wins.
 CATEGORIES = (
     ("attention", "engine/attention/"),
-    ("attention", "torch/nn/functional.py"),      # F.scaled_dot_product_attention wrappers
     ("linear", "torch/nn/modules/linear.py"),
     ("linear", "engine/models/logits.py"),
     ("norm_rope_act", "engine/models/layers.py"),
     ("norm_rope_act", "engine/models/rope.py"),
+    ("norm_rope_act", "torch/nn/functional.py"),  # F.silu (SDPA is a C call: its leaf is the backend)
     ("sampling", "engine/sampler.py"),
     ("step_metadata", "engine/model_runner.py"),
     ("scheduling", "engine/scheduler/"),
