@@ -61,6 +61,24 @@ def add_queue_arguments(p: argparse.ArgumentParser, max_queued_default: int) -> 
                         "--schedule-low-priority-values-first")
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` as a command line for another process (`tandem up` -> workers):
+    every flag `add_engine_arguments` defines, so a new one is forwarded without a second list.
+    Valued flags are always passed; switches only when they change their default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if action.nargs == 0:                       # store_true / store_false switches
+            if value == action.const and value != parser.get_default(action.dest):
+                out.append(flag)
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return dataclasses.replace(
         EngineConfig(),

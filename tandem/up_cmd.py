@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
-from tandem.engine_args import add_engine_arguments
+from tandem.engine_args import add_engine_arguments, engine_argv
 from tandem.worker_cmd import add_observability_arguments
 
 
@@ -56,20 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     """Forward the engine flags that were set to every worker."""
-    out = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-           "--attention-backend", args.attention_backend, "--page-size", str(args.page_size),
-           "--kv-cache-gb", str(args.kv_cache_gb), "--max-running-requests", str(args.max_running_requests),
-           "--chunked-prefill-size", str(args.chunked_prefill_size),
+    out = [*engine_argv(args),
            "--bootstrap-timeout", str(args.bootstrap_timeout), "--transfer-timeout", str(args.transfer_timeout)]
-    for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
-                        ("--num-threads", args.num_threads)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.disable_prefix_cache:
-        out.append("--disable-prefix-cache")
-    out += ["--max-queued-requests", str(args.max_queued_requests),
-            "--priority-preemption-threshold", str(args.priority_preemption_threshold)]
-    out += _priority_flags(args)
     if args.watchdog_timeout is not None:
         out += ["--watchdog-timeout", str(args.watchdog_timeout)]
     if args.drain_timeout is not None:

@@ -33,3 +33,31 @@ def test_up_forwards_them_to_workers_and_router():
     default = build_parser().parse_args(["up"])
     assert "--max-queued-requests" not in _router_argv(default)
     assert "--watchdog-timeout" not in _engine_argv(default)
+
+
+def test_up_forwards_every_engine_flag_to_workers():
+    # Each engine flag set to a non-default value on `tandem up` arrives in the worker's EngineConfig
+    # (a flag added to add_engine_arguments is forwarded without touching up_cmd).
+    import argparse
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from tandem.engine_args import add_engine_arguments
+
+    values = {"--model": "/m", "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
+              "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
+              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
+              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1"}
+    switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
+                "--low-priority-values-first"]
+    probe = argparse.ArgumentParser()
+    add_engine_arguments(probe)
+    named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
+    assert named - {"--enable-mixed-chunk"} == set(values) | set(switches), "a new engine flag needs a value here"
+    argv = [x for kv in values.items() for x in kv] + switches
+    up = build_parser().parse_args(["up", *argv])
+    worker = engine_config_from_args(build_parser().parse_args(["colocated", *_engine_argv(up)]))
+    assert worker == engine_config_from_args(build_parser().parse_args(["colocated", *argv]))
+    default = dataclasses.asdict(EngineConfig())
+    no_flag = {"seed", "init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps"}
+    assert all(v != default[k] for k, v in dataclasses.asdict(worker).items() if k not in no_flag), worker
