@@ -98,7 +98,7 @@ class Scheduler:
             # Decode rows first: their pages are secured (retracting if memory is short) before a
             # new prompt is admitted into what is left.
             decode = self._schedule_decode()
-            budget = self.cost.prefill_budget(self.cfg.mixed_chunk_itl_factor, self.cfg.page_size,
+            budget = self.cost.prefill_budget(self.cfg.mixed_chunk_itl_factor, len(decode.seqs), self.cfg.page_size,
                                               self.cfg.chunked_prefill_size - len(decode.seqs))
             prefill = self._schedule_prefill(budget)
             batch = StepBatch((prefill.seqs if prefill else []) + decode.seqs)

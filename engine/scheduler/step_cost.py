@@ -1,46 +1,78 @@
 """How long steps take, learned from the steps themselves: the mixed-chunk budget's cost model.
 
 A mixed step runs one prefill chunk beside one token of every running request, so each chunk token
-delays every running request's next token. `StepCostModel` keeps two running estimates — a decode
-step's time and the marginal time of one prefill token — and turns a bound on that delay ("a mixed
-step takes at most `factor` x a decode step") into a token budget for the chunk. Time is measured
-by the scheduler between handing out a batch and hearing it finished (torch-free, no device sync).
+delays every running request's next token. `StepCostModel` fits `seconds ≈ a + b·decode_rows +
+c·prefill_tokens` to recent steps (exponentially weighted least squares over three numbers, so it
+follows a batch that grows or shrinks, and learns from mixed steps as well as pure ones) and turns a
+bound on that delay ("a mixed step takes at most `factor` × a decode step of the same rows") into a
+token budget for the chunk: `(factor - 1)(a + b·rows) / c`. Time is measured by the scheduler
+between handing out a batch and hearing it finished (torch-free, no device sync).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-_ALPHA = 0.2   # weight of the newest observation: adapts within ~10 steps, smooths out noise
+_DECAY = 0.97     # weight of older steps per new one: the fit follows the last ~30 steps
+_RIDGE = 1e-6     # keeps the normal equations solvable before every kind of step was seen
+_MIN_STEPS = 4
 
 
 @dataclass
 class StepCostModel:
-    decode_step_s: float | None = None       # a pure decode step of the current batch
-    prefill_token_s: float | None = None     # marginal cost of one prefill token
+    _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
+    steps: int = 0
+    _seen_mixed_or_prefill: bool = False
+    _seen_decode: bool = False
 
     def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        if prefill_tokens == 0 and decode_rows:
-            self.decode_step_s = _ema(self.decode_step_s, seconds)
-        elif prefill_tokens and not decode_rows:
-            # A whole prefill step also pays the weights' fixed cost: an over-estimate of the
-            # marginal cost, which only makes the first mixed chunks smaller than they could be.
-            self.prefill_token_s = _ema(self.prefill_token_s, seconds / prefill_tokens)
-        elif prefill_tokens and self.decode_step_s is not None:
-            extra = seconds - self.decode_step_s
-            if extra > 0:
-                self.prefill_token_s = _ema(self.prefill_token_s, extra / prefill_tokens)
+        x = (1.0, float(decode_rows), float(prefill_tokens))
+        for i in range(3):
+            self._xty[i] = _DECAY * self._xty[i] + x[i] * seconds
+            for j in range(3):
+                self._xtx[i][j] = _DECAY * self._xtx[i][j] + x[i] * x[j]
+        self.steps += 1
+        self._seen_mixed_or_prefill |= prefill_tokens > 0
+        self._seen_decode |= decode_rows > 0
 
-    def prefill_budget(self, factor: float, floor: int, cap: int) -> int:
-        """Most chunk tokens that keep a mixed step within `factor` x a decode step (`cap` while
-        nothing is known yet or `factor` is 0; never below `floor`, so prompts still progress)."""
-        if not factor or self.decode_step_s is None or not self.prefill_token_s:
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c) of the current fit, or None until steps of both kinds were seen."""
+        if self.steps < _MIN_STEPS or not (self._seen_decode and self._seen_mixed_or_prefill):
+            return None
+        a = [[self._xtx[i][j] + (_RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)]
+        return _solve3(a, list(self._xty))
+
+    def decode_step_s(self, rows: int) -> float | None:
+        coef = self.coefficients()
+        return None if coef is None else coef[0] + coef[1] * rows
+
+    def prefill_budget(self, factor: float, decode_rows: int, floor: int, cap: int) -> int:
+        """Most chunk tokens that keep a mixed step with `decode_rows` within `factor` × a decode
+        step (`cap` while nothing is known yet or `factor` is 0; never below `floor`, so prompts
+        still progress)."""
+        coef = self.coefficients() if factor else None
+        if coef is None:
             return cap
-        tokens = int((factor - 1.0) * self.decode_step_s / self.prefill_token_s)
-        return max(floor, min(cap, tokens))
+        a, b, c = coef
+        decode = a + b * decode_rows
+        if c <= 0 or decode <= 0:
+            return cap
+        return max(floor, min(cap, int(round((factor - 1.0) * decode / c, 3))))
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _ALPHA) * old + _ALPHA * new
+def _solve3(a: list[list[float]], y: list[float]) -> tuple[float, float, float] | None:
+    """Gaussian elimination with partial pivoting on a 3×3 system; None if singular."""
+    m = [row[:] + [y[i]] for i, row in enumerate(a)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-18:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(3):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [m[r][k] - f * m[col][k] for k in range(4)]
+    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
