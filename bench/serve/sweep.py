@@ -16,32 +16,27 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
-import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from bench.serve import plots
 from bench.serve.backends import BackendConfig, http_url
 from bench.serve.datasets import DatasetConfig, load_tokenizer
 from bench.serve.metrics import DEFAULT_PERCENTILES, SLO
-from bench.serve.serve import ServeConfig, cdf_values, config_dict, machine_info, run_rates, write_json
+from bench.serve.procs import ROOT, _Proc
+from bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
+from bench.serve.sweep_report import _DISAGG, _plots, comparison_table, target_checks  # noqa: F401 (sweep.* API)
 
 log = logging.getLogger(__name__)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class DeploymentUnavailable(RuntimeError):
@@ -107,81 +102,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _Proc:
-    """A child process in its own session whose output is kept (last lines) for error messages."""
-
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
-                 cwd: str | Path = ROOT):
-        self.argv = argv
-        self.log: deque[str] = deque(maxlen=200)
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                                     env=env, start_new_session=True)
-
-        def pump() -> None:
-            for line in self.proc.stdout:
-                self.log.append(line.rstrip())
-                if on_line is not None:
-                    on_line(line)
-        threading.Thread(target=pump, daemon=True).start()
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(list(self.log)[-n:])
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        # SIGTERM first (graceful), then the whole session: uvicorn waits for open streams forever.
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-    def stop_group(self, timeout_s: float = 20.0, grace_s: float = 5.0) -> None:
-        """SIGTERM to the whole session (a server and the workers it forked), then SIGKILL to whatever is left,
-        also after the leader has exited: no child may outlive the deployment."""
-        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
-        _killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + grace_s
-        while _group_alive(pgid) and time.monotonic() < deadline:  # the forked workers shut down too
-            time.sleep(0.1)
-        _killpg(pgid, signal.SIGKILL)
-        self.proc.wait(10)
-        deadline = time.monotonic() + 2.0  # SIGKILL is not instant on a busy machine
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs (zombies do not count: PID 1 may be slow to reap orphans)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return _killpg(pgid, 0)
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
-def _killpg(pgid: int, sig: int) -> bool:
-    """Signal a process group; False when no process of it is left."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # only zombies left (macOS reports them so)
-        return False
 
 
 class TandemUp:
@@ -428,7 +348,6 @@ def first_http_model(base_url: str, api_key: str | None = None) -> str | None:
         return None
 
 
-_DISAGG = re.compile(r"^(\d+)p(\d+)d$")
 
 
 def make_deployment(name: str, cfg: SweepConfig, echo: Callable[[str], None] = print) -> Deployment:
@@ -524,105 +443,3 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo) -> dict:
 
 def _load_avg() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-
-
-def _rows(results: dict):
-    for name, dep in results["deployments"].items():
-        for run in dep["runs"]:
-            yield name, run["request_rate"], run["metrics"]
-
-
-def comparison_table(results: dict) -> str:
-    def f(x, digits=0):
-        return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-    head = ("| deployment | offered req/s | achieved req/s | output tok/s | goodput req/s (% of requests) | "
-            "TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | ITL p99/p50 | failed |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def p(stats: dict, q: str):
-        return stats["percentiles"].get(q)
-
-    for name, rate, m in _rows(results):
-        total = m["completed"] + m["failed"]
-        good_pct = 100.0 * m["good_requests"] / total if total else float("nan")
-        lines.append(
-            f"| {name} | {rate} | {f(m['request_throughput'], 2)} | {f(m['output_throughput'], 1)} | "
-            f"{f(m['goodput'], 2)} ({f(good_pct)}%) | {f(p(m['ttft'], 'p50'))} / {f(p(m['ttft'], 'p99'))} | "
-            f"{f(p(m['tpot'], 'p50'))} / {f(p(m['tpot'], 'p99'))} | {f(p(m['itl'], 'p50'))} / {f(p(m['itl'], 'p99'))} | "
-            f"{f(m['itl_p99_over_p50'], 2)} | {m['failed']} |")
-    return "\n".join(lines)
-
-
-def target_checks(results: dict, cfg: SweepConfig) -> list[str]:
-    """The issue's targets, per offered rate: 1P1D goodput >= co-located and >= 3x transformers;
-    1P1D ITL p99/p50 <= 1.5 at the highest rate (the most prefill-heavy load); then the targets against vLLM."""
-    deps = results["deployments"]
-    by = {n: {r["request_rate"]: r["metrics"] for r in d["runs"]} for n, d in deps.items()}
-    disagg = next((n for n in by if _DISAGG.match(n)), None)
-    if disagg is None:
-        return ["targets: no disaggregated deployment in this sweep"] + vllm_checks(by)
-    return _disagg_checks(by, disagg) + vllm_checks(by)
-
-
-def vllm_checks(by: dict[str, dict[str, dict]]) -> list[str]:
-    """Issue [8]'s targets against vLLM's CPU backend, per offered rate: co-located goodput >= 1.2x vLLM's,
-    NpMd goodput >= vLLM's (2% slack for a tie, as above)."""
-    if "vllm" not in by:
-        return []
-    out = []
-    for rate, v in by["vllm"].items():
-        parts = [f"rate {rate}: vllm goodput {v['goodput']:.2f}"]
-        for name in by:
-            if name == "vllm" or rate not in by[name] or not (name == "colocated" or _DISAGG.match(name)):
-                continue
-            g, need = by[name][rate]["goodput"], 1.2 if name == "colocated" else 1.0
-            verdict = ("MISSED: both 0" if g == 0 == v["goodput"] else
-                       "met" if g >= 0.98 * need * v["goodput"] else "MISSED")
-            parts.append(f"{name} {g:.2f} ({verdict} >= {need:g}x vllm)")
-        out.append("; ".join(parts))
-    return out
-
-
-def _disagg_checks(by: dict[str, dict[str, dict]], disagg: str) -> list[str]:
-    out = []
-    for rate, m in by[disagg].items():
-        parts = [f"rate {rate}: {disagg} goodput {m['goodput']:.2f}"]
-        if "colocated" in by and rate in by["colocated"]:
-            # 2% slack: the same number of good requests over windows a few ms apart is a tie.
-            c = by["colocated"][rate]["goodput"]
-            parts.append(f"colocated {c:.2f} ({'met' if m['goodput'] >= 0.98 * c else 'MISSED'} >=)")
-        if "transformers" in by and rate in by["transformers"]:
-            t = by["transformers"][rate]["goodput"]
-            if t > 0:
-                ratio = m["goodput"] / t
-                parts.append(f"transformers {t:.2f} ({ratio:.1f}x, {'met' if ratio >= 3 else 'MISSED'} >= 3x)")
-            else:
-                parts.append(f"transformers 0.00 ({'met' if m['goodput'] > 0 else 'MISSED: both 0'} >= 3x)")
-        out.append("; ".join(parts))
-    last = list(by[disagg])[-1]
-    ratio = by[disagg][last]["itl_p99_over_p50"]
-    verdict = "met" if ratio is not None and ratio <= 1.5 else "MISSED"
-    out.append(f"{disagg} ITL p99/p50 at rate {last}: {ratio:.2f} ({verdict} <= 1.5)"
-               if ratio is not None else f"{disagg} ITL p99/p50 at rate {last}: n/a")
-    return out
-
-
-def _plots(results: dict, out: Path) -> list[Path]:
-    series = {name: [(_rate(r["request_rate"]), r["metrics"]) for r in d["runs"]]
-              for name, d in results["deployments"].items()}
-    made = []
-    if series:
-        p = plots.plot_vs_rate(series, out.with_suffix(".rates.png"), title="Tandem vs request rate")
-        made.append(p)
-        cdfs = {}
-        for name, d in results["deployments"].items():
-            if d["runs"] and "requests" in d["runs"][-1]:
-                cdfs[f"{name} @ {d['runs'][-1]['request_rate']}"] = cdf_values(d["runs"][-1]["requests"])
-        if cdfs:
-            made.append(plots.plot_cdfs(cdfs, out.with_suffix(".cdf.png"), title="latency CDFs at the highest rate"))
-    return [p for p in made if p is not None]
-
-
-def _rate(label: str) -> float:
-    return math.inf if label == "inf" else float(label)

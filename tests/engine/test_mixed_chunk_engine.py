@@ -33,8 +33,8 @@ def run_staggered(engine, prompts, n, abort_at=None):
 
 @pytest.mark.parametrize("pool_tokens", [2048, 64], ids=["roomy", "tight-retracts"])
 def test_mixed_equals_plain_and_hf(tiny_llama, pool_tokens):
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     base = random_prompts([9, 30, 4, 21], 512, seed=11)
