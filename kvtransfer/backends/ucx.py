@@ -1,5 +1,8 @@
 """ucx backend: page runs travel as UCX tagged messages over one UCX endpoint per peer.
 
+Files: this one holds the sender and receiver; `ucx_plan.py` the message plan both sides derive,
+`ucx_node.py` the ucxx worker, listener and endpoints, `ucx_env.py` the UCX settings.
+
 Built on ucxx (`ucxx-cu12`), the maintained successor of ucx-py (ucx-py itself cannot be installed
 here). Its Python API offers tagged, stream and active-message send/receive only, no RMA, so D takes
 part in every transfer: this is a two-sided data path, like tcp, beside the control connection of
@@ -34,10 +37,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import secrets
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ import torch
 
 from kvtransfer.backends.liveness import connection_up
 from kvtransfer.backends.ucx_env import UcxSettings
+from kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
+from kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
 from kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
 from kvtransfer.base import PoolLayout, RoomState, TransferError
 from kvtransfer.receiver import Receiver
@@ -55,142 +58,9 @@ from kvtransfer.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Time
 
 log = logging.getLogger(__name__)
 
-DIRECT_MIN = 256 << 10        # a run's piece this large goes straight from pool to pool
-STAGE_BYTES = 8 << 20         # staging message size for smaller runs
 WINDOW = 8                    # messages in flight per write, each side
 SLOTS = 2                     # staging buffers per connection, each side
-CANCEL_WAIT_S = 5.0
-_POLL_MAX_S = 0.001
 WRITE_HEAD = struct.Struct("<16sI4x")    # token, number of the write's first message
-
-
-# ---- the message plan (shared by both sides; depends only on the run lengths) -------------------------
-
-@dataclass(frozen=True)
-class Msg:
-    nbytes: int
-    run: int                  # direct: the run; staged: the first run
-    end: int = -1             # staged: one past the last run; -1 for a direct piece
-    region: int = -1          # direct: the (layer, K|V) region
-
-    @property
-    def staged(self) -> bool:
-        return self.end >= 0
-
-
-def plan_messages(lengths: np.ndarray, page_bytes: int, regions: int, direct_min: int = DIRECT_MIN,
-                  stage_bytes: int = STAGE_BYTES) -> list[Msg]:
-    """The messages of one write with runs of `lengths` pages, in sending order."""
-    msgs: list[Msg] = []
-    lo, size = 0, 0
-    for j, n in enumerate(lengths.tolist()):
-        piece = int(n) * page_bytes
-        if piece >= direct_min:
-            if size:
-                msgs.append(Msg(size, lo, j))
-            msgs.extend(Msg(piece, j, region=r) for r in range(regions))
-            lo, size = j + 1, 0
-            continue
-        if size and size + piece * regions > stage_bytes:
-            msgs.append(Msg(size, lo, j))
-            lo, size = j, 0
-        size += piece * regions
-    if size:
-        msgs.append(Msg(size, lo, len(lengths)))
-    return msgs
-
-
-def _tag(token: bytes, number: int) -> int:
-    return (int.from_bytes(token[:4], "little") << 32) | (number & 0xFFFFFFFF)
-
-
-# ---- ucxx ------------------------------------------------------------------------------------------------
-
-_ucxx_modules: tuple | None = None      # (ucxx._lib.libucxx, ucxx._lib.arr.Array)
-_UCXX_DEFAULTS: dict[str, str] = {}
-_import_lock = threading.Lock()
-
-
-def _ucxx() -> tuple:
-    """Import ucxx once. Its import writes UCX_* defaults into os.environ; they are moved into the
-    config of the contexts created here instead, so they do not leak into other UCX users (NIXL)."""
-    global _ucxx_modules
-    with _import_lock:
-        if _ucxx_modules is None:
-            before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-            try:
-                import ucxx._lib.libucxx as api
-                from ucxx._lib.arr import Array
-            except ImportError as e:
-                raise TransferError(f"the ucx backend needs ucxx (ucxx-cu12): {e}") from e
-            finally:
-                for k in [k for k in os.environ if k.startswith("UCX_")]:
-                    if k not in before:
-                        _UCXX_DEFAULTS[k[4:]] = os.environ.pop(k)
-                    elif os.environ[k] != before[k]:
-                        os.environ[k] = before[k]
-            _ucxx_modules = (api, Array)
-    return _ucxx_modules
-
-
-class _Node:
-    """A ucxx context and worker with its progress thread."""
-
-    def __init__(self, settings: UcxSettings, host: str | None):
-        self.api, self._array = _ucxx()
-        api = self.api
-        config = {**_UCXX_DEFAULTS, **settings.ucx_config(host)}
-        try:
-            self.context = api.UCXContext(config_dict=config,
-                                          feature_flags=(api.Feature.TAG, api.Feature.STREAM, api.Feature.WAKEUP))
-            self.worker = api.UCXWorker(self.context)
-            # Event-driven, but awake at least every millisecond: with shared-memory transports (cma,
-            # error_handling="none") a completion can come without an event and would wait forever.
-            self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
-        except Exception as e:
-            raise TransferError(f"cannot start a UCX worker ({config}): {e}") from e
-        self._closed = False
-
-    def array(self, a: np.ndarray):
-        return self._array(a)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                self.worker.stop_progress_thread()
-            except Exception as e:
-                log.warning("ucx: stopping the progress thread failed: %s", e)
-
-
-def _wait(req, up: Callable[[], bool]) -> None:
-    """Wait for a request; TransferError if it failed or the control connection went down."""
-    delay = 20e-6
-    while not req.completed:
-        if not up():
-            raise TransferError("control connection lost while waiting for UCX")
-        time.sleep(delay)
-        delay = min(2 * delay, _POLL_MAX_S)
-    try:
-        req.check_error()
-    except Exception as e:
-        raise TransferError(f"UCX transfer failed: {e!r}") from e
-
-
-def _cancel(ep, requests) -> None:
-    """Close the endpoint (cancelling what is posted on it) and wait until no request can still touch
-    its buffer."""
-    try:
-        ep.close_blocking()
-    except Exception as e:
-        log.warning("ucx: closing an endpoint failed: %s", e)
-    deadline = time.monotonic() + CANCEL_WAIT_S
-    for req in requests:
-        while not req.completed and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if not req.completed:
-            log.error("ucx: a request on a closed endpoint did not finish within %.0fs", CANCEL_WAIT_S)
-            return
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -232,7 +102,7 @@ class UcxPath:
 
     kind = "ucx"
 
-    def __init__(self, channel: Channel, node: _Node, ep, token: bytes, src: torch.Tensor, layout: PoolLayout):
+    def __init__(self, channel: Channel, node: Node, ep, token: bytes, src: torch.Tensor, layout: PoolLayout):
         self._ch = channel
         self._node = node
         self._ep = ep
@@ -265,12 +135,12 @@ class UcxPath:
         try:
             for i, m in enumerate(msgs):
                 while len(inflight) >= WINDOW:
-                    _wait(inflight.popleft()[0], up)
+                    wait(inflight.popleft()[0], up)
                 if m.staged:
                     k = staged % SLOTS
                     staged += 1
                     if slot_req[k] is not None:
-                        _wait(slot_req[k], up)            # the slot's previous message has left
+                        wait(slot_req[k], up)            # the slot's previous message has left
                     buf = self._slots.get(k, m.nbytes)
                     off = 0
                     for s, _, n in runs[m.run:m.end].tolist():
@@ -282,15 +152,15 @@ class UcxPath:
                     s, _, n = runs[m.run].tolist()
                     start = (m.region * lay.num_pages + s) * pb
                     data = self._src_bytes[start:start + n * pb]
-                req = self._ep.tag_send(self._node.array(data), self._node.api.UCXXTag(_tag(self._token, first + i)))
+                req = self._ep.tag_send(self._node.array(data), self._node.api.UCXXTag(tag(self._token, first + i)))
                 if m.staged:
                     slot_req[k] = req
                 inflight.append((req, data))
             while inflight:
-                _wait(inflight[0][0], up)
+                wait(inflight[0][0], up)
                 inflight.popleft()
         except BaseException:
-            _cancel(self._ep, [req for req, _ in inflight] + [r for r in slot_req if r is not None])
+            cancel(self._ep, [req for req, _ in inflight] + [r for r in slot_req if r is not None])
             self._closed = True
             raise
         return payload
@@ -327,7 +197,7 @@ class UcxSender(Sender):
                  ucx: UcxSettings | None = None, require_rdma: bool = False):
         """`require_rdma`: refuse a peer unless every lane of its endpoint is an RDMA transport."""
         super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts)
-        self._node = _Node(ucx or UcxSettings.from_env(), host=None)
+        self._node = Node(ucx or UcxSettings.from_env(), host=None)
         self.require_rdma = require_rdma
         self._transports: dict[str, list[Transport]] = {}
 
@@ -359,7 +229,7 @@ class UcxSender(Sender):
             self._transports[peer_id] = transports
         except Exception as e:
             if ep is not None:
-                _cancel(ep, [req] if req is not None else [])
+                cancel(ep, [req] if req is not None else [])
             peer.ch.close()
             if isinstance(e, TransferError):
                 raise
@@ -374,80 +244,6 @@ class UcxSender(Sender):
 
 # ---- D side ----------------------------------------------------------------------------------------------
 
-class _Endpoints:
-    """D side: endpoints accepted by the listener, named by the token each sender sends first."""
-
-    def __init__(self, node: _Node, error_handling: str):
-        self._node = node
-        self._peer_mode = error_handling == "peer"
-        self._lock = threading.Lock()
-        self._new: list = []                                  # accepted, hello not yet posted
-        self._hello: list[tuple[object, np.ndarray, object]] = []   # (ep, buffer, request)
-        self._by_token: dict[bytes, object] = {}
-        self.listener = node.api.UCXListener.create(node.worker, 0, self._accept)
-
-    def _accept(self, conn_request) -> None:                  # in the progress thread: no waiting here
-        try:
-            ep = self.listener.create_endpoint_from_conn_request(conn_request, self._peer_mode)
-        except Exception as e:
-            log.warning("ucx: cannot accept an endpoint: %s", e)
-            return
-        with self._lock:
-            self._new.append(ep)
-
-    def find(self, token: bytes, timeout: float, up: Callable[[], bool]):
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                for ep in self._new:
-                    buf = np.zeros(16, dtype=np.uint8)
-                    self._hello.append((ep, buf, ep.stream_recv(self._node.array(buf))))
-                self._new.clear()
-                pending, failed = [], []
-                for ep, buf, req in self._hello:
-                    if not req.completed:
-                        pending.append((ep, buf, req))
-                    elif _ok(req):
-                        self._by_token[buf.tobytes()] = ep
-                    else:
-                        failed.append(ep)                   # that sender went away before its hello
-                self._hello = pending
-                ep = self._by_token.get(token)
-            for dead in failed:
-                _cancel(dead, [])
-            if ep is not None:
-                return ep
-            if time.monotonic() > deadline or not up():
-                raise TransferError("no UCX endpoint announced this sender's token")
-            time.sleep(0.001)
-
-    def drop(self, ep) -> None:
-        with self._lock:
-            for t in [t for t, e in self._by_token.items() if e is ep]:
-                del self._by_token[t]
-
-    def close(self) -> None:
-        with self._lock:
-            eps = list(self._by_token.values()) + [ep for ep, _, _ in self._hello] + self._new
-            self._by_token.clear()
-            self._hello.clear()
-            self._new.clear()
-        for ep in eps:
-            try:
-                ep.close_blocking()
-            except Exception:
-                pass
-        self.listener = None
-
-
-def _ok(req) -> bool:
-    try:
-        req.check_error()
-        return True
-    except Exception:
-        return False
-
-
 class UcxReceiver(Receiver):
     """D side: the pool in plain memory; WRITE frames announce tagged messages on the sender's endpoint."""
 
@@ -457,8 +253,8 @@ class UcxReceiver(Receiver):
         super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts)
         settings = ucx or UcxSettings.from_env()
         try:
-            self._node = _Node(settings, host=host)
-            self._eps = _Endpoints(self._node, settings.error_handling)
+            self._node = Node(settings, host=host)
+            self._eps = Endpoints(self._node, settings.error_handling)
         except Exception:
             super().close()
             raise
@@ -541,11 +337,11 @@ class UcxReceiver(Receiver):
                         start = (m.region * lay.num_pages + d) * pb
                         target = self._pool_bytes[start:start + n * pb]
                         into_pool = True
-                    req = ep.tag_recv(node.array(target), node.api.UCXXTag(_tag(token, first + i)))
+                    req = ep.tag_recv(node.array(target), node.api.UCXXTag(tag(token, first + i)))
                     posted.append((m, req, k, into_pool))
                     i += 1
                 m, req, k, into_pool = posted[0]
-                _wait(req, up)
+                wait(req, up)
                 posted.popleft()
                 if m.staged:
                     if not stop():
@@ -559,7 +355,7 @@ class UcxReceiver(Receiver):
                 elif into_pool:
                     landed += m.nbytes
         except BaseException:
-            _cancel(ep, [req for _, req, _, _ in posted])
+            cancel(ep, [req for _, req, _, _ in posted])
             self._eps.drop(ep)
             raise
         return landed
@@ -569,7 +365,7 @@ class UcxReceiver(Receiver):
         state = self._conn_state.pop(conn, None)
         if state is not None:
             self._eps.drop(state[0])
-            _cancel(state[0], [])
+            cancel(state[0], [])
 
     def close(self) -> None:
         super().close()
