@@ -59,6 +59,13 @@ class TorchAttnMetadata:
 
 @register_backend("torch")
 class TorchAttention(AttentionBackend):
+    def __init__(self, pool, num_heads: int, head_dim: int, scale: float | None = None):
+        super().__init__(pool, num_heads, head_dim, scale)
+        # [KVH * D, H] 0/1: row block j (KV head j's dims) is 1 for the query heads that read it.
+        kvh = pool.spec.kv_heads
+        group = torch.ones(head_dim, num_heads // kvh, dtype=pool.spec.dtype, device=pool.buffer.device)
+        self._block_mask = torch.block_diag(*[group] * kvh)
+
     def prepare(self, ctx: ForwardContext) -> None:
         device = ctx.input_ids.device
         ps = self.pool.spec.page_size
@@ -140,20 +147,11 @@ class TorchAttention(AttentionBackend):
         length = bucket.num_pages * spec.page_size
         keys = self.pool.k(layer).index_select(0, bucket.pages).view(b, length, kvh * d)
         values = self.pool.v(layer).index_select(0, bucket.pages).view(b, length, kvh, d)
-        q_blk = q.transpose(1, 2).repeat(1, kvh, 1).mul_(self._block_mask(q))  # [b, KVH * D, H]
+        q_blk = q.transpose(1, 2).repeat(1, kvh, 1).mul_(self._block_mask)  # [b, KVH * D, H]
         scores = torch.bmm(keys, q_blk).float()                                 # [b, L, H]
         probs = torch.softmax(scores.transpose(1, 2) * self.scale + bucket.bias.view(b, 1, length), dim=-1)
         probs = probs.to(values.dtype).view(b, kvh, self.num_heads // kvh, length)
         return torch.matmul(probs, values.transpose(1, 2)).view(b, self.num_heads, d)
-
-    def _block_mask(self, q: torch.Tensor) -> torch.Tensor:
-        """[KVH * D, H] 0/1: row block j (KV head j's dims) is 1 for the query heads that read it."""
-        mask = getattr(self, "_blk", None)
-        if mask is None or mask.dtype != q.dtype or mask.device != q.device:
-            kvh = self.pool.spec.kv_heads
-            group = torch.ones(self.head_dim, self.num_heads // kvh, dtype=q.dtype, device=q.device)
-            mask = self._blk = torch.block_diag(*[group] * kvh)
-        return mask
 
     def _extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 seq: ExtendSeq) -> torch.Tensor:
