@@ -34,6 +34,9 @@ class EngineConfig:
     enable_mixed_chunk: bool = True
     mixed_chunk_itl_factor: float = 1.8
     enable_prefix_cache: bool = True
+    # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
+    # device's default (on for CUDA, off for CPU; see engine.engine.overlap_enabled).
+    enable_overlap_schedule: bool | None = None
     # Admission control reserves `remaining_tokens * new_token_ratio` pages for running requests.
     # The ratio decays while decoding goes well and jumps back after a retraction.
     init_new_token_ratio: float = 0.7

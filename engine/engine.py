@@ -5,13 +5,20 @@
 
 `add_request` / `step` / `abort` are the primitives (a service drives them from its own loop);
 `generate` and `stream` are conveniences built on them. Not thread-safe: one thread drives it.
+
+With overlap scheduling (`EngineConfig.enable_overlap_schedule`) `step` plans and launches step N+1
+on a forward thread before it finishes step N (sampling results, stop checks, detokenization), so that
+CPU work runs while the model computes; the deltas a call returns are then those of the previous
+forward pass. See engine/scheduler/future.py for how step N+1 refers to tokens step N is sampling.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.model_source import resolve_model
 from engine.outputs import GenerationResult, RequestOutput, TokenLogprob, Usage
 from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
+from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -54,6 +61,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.overlap = overlap_enabled(cfg, self.runner.device)
+        self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
+        self._inflight: tuple[StepBatch, Future] | None = None
+        self.num_overlapped_steps = 0   # steps launched before the previous one's tokens were known
 
     # --- primitives --------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
@@ -122,16 +133,49 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
+    def has_work(self) -> bool:
+        """Something to schedule, or a launched forward pass whose results are not processed yet."""
+        return self.scheduler.has_work() or self._inflight is not None
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns a delta for every request that produced a token."""
+        if self._forward is not None:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        sampled = self.runner.run(batch)
-        outputs = []
-        for req, tok in self.scheduler.on_step_done(batch, sampled):
-            outputs.append(self._emit(self._tracked[req.rid], tok))
+        return self._process(batch, self.runner.run(batch))
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        if batch is not None:
+            if prev is not None and _needs_history(batch):
+                outputs += self._finish(prev)  # penalties read every previous token: no overlap
+                prev = None
+            step = self.runner.prepare(batch)
+            self.num_overlapped_steps += step.has_future_inputs
+            self._inflight = (batch, self._forward.submit(_timed, self.runner.execute, step))
+        if prev is not None:
+            outputs += self._finish(prev)
         return outputs
+
+    def _finish(self, inflight: tuple[StepBatch, Future]) -> list[RequestOutput]:
+        batch, fut = inflight
+        sampled, elapsed = fut.result()
+        return self._process(batch, sampled, elapsed)
+
+    def _process(self, batch: StepBatch, sampled: list[SampledToken],
+                 elapsed_s: float | None = None) -> list[RequestOutput]:
+        return [self._emit(self._tracked[req.rid], tok)
+                for req, tok in self.scheduler.on_step_done(batch, sampled, elapsed_s)]
+
+    def close(self) -> None:
+        """Wait for a launched forward pass and stop the forward thread (overlap only)."""
+        if self._forward is not None:
+            self._drain()
+            self._forward.shutdown(wait=True)
 
     def abort(self, rid: str) -> bool:
         """Stop a request and free its resources. Returns False if it was not in flight."""
@@ -145,6 +189,7 @@ class LLMEngine:
     def check_idle(self) -> None:
         """Idle self-check: with nothing in flight, every KV page and request slot is free."""
         assert not self._tracked, f"requests still tracked: {list(self._tracked)[:5]}"
+        assert self._inflight is None, "a forward pass is still in flight"
         self.scheduler.check_idle()
 
     def _emit(self, t: _Tracked, tok: SampledToken) -> RequestOutput:
@@ -192,6 +237,7 @@ class LLMEngine:
                 acc[out.rid].append(out)
                 if out.finished:
                     pending.discard(out.rid)
+        self._drain()
         return [_collect(rid, acc[rid]) for rid in rids]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
@@ -207,11 +253,38 @@ class LLMEngine:
                             return
         finally:
             self.abort(rid)  # no-op when it finished; frees everything if the caller stopped early
+            self._drain()
+
+    def _drain(self) -> None:
+        # The step launched after a request's last token belongs to nobody any more.
+        if self._inflight is not None:
+            self._finish(self._inflight)
+            self._inflight = None
 
     def _require_exclusive(self, what: str) -> None:
         # The conveniences drive `step` themselves and would swallow other requests' deltas.
         if self._tracked:
             raise RuntimeError(f"{what}() needs an idle engine; drive add_request/step yourself instead")
+
+
+def overlap_enabled(cfg: EngineConfig, device) -> bool:
+    """`enable_overlap_schedule` None means the device's default: on for CUDA, off for CPU, where
+    the forward pass and the scheduler share the same cores (measured: docs/benchmarks.md)."""
+    if cfg.enable_overlap_schedule is not None:
+        return cfg.enable_overlap_schedule
+    return device.type == "cuda"
+
+
+def _needs_history(batch: StepBatch) -> bool:
+    # A row that decodes from a future token and whose sampling reads all previous tokens
+    # (penalties) needs the previous step's results before its sampling inputs can be built.
+    return any(s.sample and s.req.params.needs_penalties and any(t < 0 for t in s.input_ids) for s in batch.seqs)
+
+
+def _timed(fn: Callable, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 def _collect(rid: str, deltas: list[RequestOutput]) -> GenerationResult:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from engine.kv_pool import KVPool, KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.models.registry import model_class
 from engine.sampler import Sampler, SamplingBatch
-from engine.scheduler.batch import SampledToken, StepBatch
+from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
+from engine.scheduler.future import FutureSlots
 from engine.weights import iter_weights
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,19 @@ class StepTimings:
     sample_s: float = 0.0
 
 
+@dataclass
+class PreparedStep:
+    """A step's device inputs, built on the scheduling thread; `execute` may run it on another."""
+
+    batch: StepBatch
+    ctx: ForwardContext
+    sampling: list[SeqStep]
+    sampling_batch: SamplingBatch | None
+    futures: torch.Tensor | None       # future-map slot of each sampled token
+    has_future_inputs: bool
+    prepare_s: float
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, context_len: int,
                  kv_allocator: Callable[[KVPoolSpec], torch.Tensor] | None = None):
@@ -67,8 +82,15 @@ class ModelRunner:
         self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        # Sampled tokens by future slot (engine/scheduler/future.py): written after each step's
+        # sampling, read by the next step's inputs when overlap scheduling planned it early.
+        self.future_map = torch.zeros(FutureSlots(cfg.max_running_requests).size, dtype=torch.int64,
+                                      device=self.device)
         self.last_timings = StepTimings()
         self.last_batch: StepBatch | None = None   # the batch of the latest run() (step metrics read it)
+        # (start, end) perf_counter of recent forward passes: the gaps between them are the time
+        # the model waited for the CPU (bench/overlap.py reads them).
+        self.forward_spans: deque[tuple[float, float]] = deque(maxlen=8192)
 
     @property
     def num_pages(self) -> int:
@@ -139,42 +161,59 @@ class ModelRunner:
         self.attn.prepare(ctx)
         return ctx
 
-    @torch.inference_mode()
     def run(self, batch: StepBatch) -> list[SampledToken]:
         """Run one forward pass; returns a token for each sampling sequence, in batch order."""
+        return self.execute(self.prepare(batch))
+
+    def prepare(self, batch: StepBatch) -> PreparedStep:
+        """Build the step's tensors from scheduler bookkeeping (on the thread that owns it)."""
         t0 = time.perf_counter()
-        self.last_batch = batch
         ctx = self.build_context(batch)
         sampling = batch.sampling
+        sb = futures = None
+        if sampling:
+            sb = SamplingBatch.build(
+                params=[s.req.params for s in sampling],
+                prompt_ids=[s.req.prompt_ids for s in sampling],
+                output_ids=[s.req.output_ids for s in sampling],
+                generators=[self._generator(s.req.rid, s.req.params.seed) for s in sampling],
+                vocab_size=self.model_cfg.vocab_size,
+                device=self.device,
+            )
+            futures = torch.tensor([s.future for s in sampling], dtype=torch.int64, device=self.device)
+        return PreparedStep(batch, ctx, sampling, sb, futures, batch.has_future_inputs, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> list[SampledToken]:
+        """Resolve future inputs, run the forward pass and sample; thread-agnostic, but steps must
+        execute one at a time in the order they were prepared."""
         t1 = time.perf_counter()
-        if not sampling:
-            # A chunk that samples nothing still writes every layer's KV; the model returns
-            # logits only for `logits_indices`, which is empty here.
-            self.model(ctx)
-            self.last_timings = StepTimings(t1 - t0, time.perf_counter() - t1, 0.0)
-            return []
-        logits = self.model(ctx)
+        self.last_batch = step.batch
+        ctx = step.ctx
+        if step.has_future_inputs:
+            ids = ctx.input_ids
+            ctx.input_ids = torch.where(ids < 0, self.future_map[(-ids - 1).clamp_(min=0)], ids)
+        logits = self.model(ctx)   # with nothing to sample, still writes every layer's KV
         t2 = time.perf_counter()
-        sb = SamplingBatch.build(
-            params=[s.req.params for s in sampling],
-            prompt_ids=[s.req.prompt_ids for s in sampling],
-            output_ids=[s.req.output_ids for s in sampling],
-            generators=[self._generator(s.req.rid, s.req.params.seed) for s in sampling],
-            vocab_size=self.model_cfg.vocab_size,
-            device=self.device,
-        )
-        out = self.sampler(logits, sb)
+        if not step.sampling:
+            self.forward_spans.append((t1, t2))
+            self.last_timings = StepTimings(step.prepare_s, t2 - t1, 0.0)
+            return []
+        out = self.sampler(logits, step.sampling_batch)
+        self.future_map[step.futures] = out.token_ids
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
-        for i, s in enumerate(sampling):
+        for i, s in enumerate(step.sampling):
             k = s.req.params.top_logprobs
             top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if top_ids is not None and k else None
             lp = logprobs[i] if logprobs is not None and s.req.params.logprobs else None
             result.append(SampledToken(tokens[i], lp, top))
-        self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        t3 = time.perf_counter()
+        self.forward_spans.append((t1, t3))
+        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
         return result
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:

@@ -27,16 +27,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="most tokens per step: prefill chunks plus, in a mixed step, one per running request "
                         "(longer prompts are prefilled in chunks)")
-    mixed = p.add_mutually_exclusive_group()
-    mixed.add_argument("--enable-mixed-chunk", dest="enable_mixed_chunk", action="store_true",
-                       default=d.enable_mixed_chunk,
-                       help="run prefill chunks in the same step as the running requests' decode tokens "
-                            "(SGLang's flag; on by default here)")
-    mixed.add_argument("--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_false",
-                       help="prefill steps and decode steps alternate; a prefill stalls every running request")
+    _on_off(p, "mixed-chunk", d.enable_mixed_chunk,
+            "run prefill chunks in the same step as the running requests' decode tokens "
+            "(SGLang's flag; on by default here)",
+            "prefill steps and decode steps alternate; a prefill stalls every running request")
     p.add_argument("--mixed-chunk-itl-factor", type=float, default=d.mixed_chunk_itl_factor,
                    help="bound a mixed step's prefill chunk so that the step takes at most this many times a "
                         "decode step, from measured step times (0: only --chunked-prefill-size bounds it)")
+    _on_off(p, "overlap-schedule", d.enable_overlap_schedule,
+            "plan and prepare step N+1 while step N's forward pass runs (default: on for CUDA, off for CPU, "
+            "where both would share the same cores)",
+            "run scheduling, input building and result processing between forward passes (SGLang's flag)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes seen before (radix cache)")
     add_queue_arguments(p, d.max_queued_requests)
@@ -45,6 +46,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed later) a running one whose priority is lower by more than this")
     p.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: torch's own choice; `tandem up` splits the cores between workers)")
+
+
+def _on_off(p: argparse.ArgumentParser, name: str, default: bool | None, on_help: str, off_help: str) -> None:
+    """`--enable-NAME` / `--disable-NAME`, one destination (`enable_NAME`); both carry the default so
+    that `engine_argv` sees it (argparse would report store_false's implicit True)."""
+    dest = "enable_" + name.replace("-", "_")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=default, help=on_help)
+    group.add_argument(f"--disable-{name}", dest=dest, action="store_false", default=default, help=off_help)
 
 
 def add_queue_arguments(p: argparse.ArgumentParser, max_queued_default: int) -> None:
@@ -95,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_mixed_chunk=args.enable_mixed_chunk,
         mixed_chunk_itl_factor=args.mixed_chunk_itl_factor,
         enable_prefix_cache=not args.disable_prefix_cache,
+        enable_overlap_schedule=args.enable_overlap_schedule,
         max_queued_requests=args.max_queued_requests,
         enable_priority_scheduling=args.enable_priority_scheduling,
         low_priority_values_first=args.low_priority_values_first,

@@ -15,11 +15,20 @@ class SeqStep:
     input_ids: list[int]
     prefix_len: int
     sample: bool                   # False for a prefill chunk that is not the prompt's last
+    # Future-map slot that receives this sequence's sampled token (set when the step is committed);
+    # an input id < 0 refers to such a slot of the previous step (see engine/scheduler/future.py).
+    future: int = -1
+    decode: bool = False           # one token of a running request (not a prefill chunk)
 
 
 @dataclass
 class StepBatch:
     seqs: list[SeqStep]
+    scheduled_at: float = 0.0      # perf_counter when the scheduler committed it
+
+    @property
+    def has_future_inputs(self) -> bool:
+        return any(t < 0 for s in self.seqs for t in s.input_ids)
 
     @property
     def is_decode(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.detokenizer import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.scheduler.future import future_ref
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +44,10 @@ class Request:
     finish_reason: FinishReason | None = None
     num_retractions: int = 0
     first_token_time: float | None = None
+    # Overlap scheduling: a token sampled by a batch still running (at most one when the next batch
+    # is scheduled), not yet in `output_ids`; `future` is its index in the runner's future-token map.
+    num_inflight: int = 0
+    future: int = -1
 
     @property
     def all_ids(self) -> list[int]:
@@ -54,7 +59,13 @@ class Request:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.params.max_tokens - len(self.output_ids) - self.num_inflight
+
+    @property
+    def next_input(self) -> int:
+        """The token a decode step feeds for this request: its newest one, or a reference to the
+        future-token map when that token is still being sampled (see engine/scheduler/batch.py)."""
+        return future_ref(self.future) if self.num_inflight else self.all_ids[-1]
 
     @property
     def cached_tokens(self) -> int:

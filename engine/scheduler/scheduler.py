@@ -13,6 +13,13 @@ estimate of every running request's future pages (`remaining_tokens * new_token_
 available pages. The ratio decays while decoding goes smoothly; if decode still runs out of pages,
 the request with the least progress is retracted (its computed pages go to the prefix cache, it goes
 back to the front of the queue and is recomputed later) and the ratio jumps back up.
+
+A step is *committed* when it is scheduled: its requests' `num_computed` advance and a prompt whose
+last chunk it carries joins the running batch, as if the step had already run. The sampled tokens
+arrive later through `on_step_done`. That is what lets overlap scheduling plan step N+1 while step N
+runs: a running request whose newest token is still being sampled decodes from a future reference
+(engine/scheduler/future.py). Without overlap nothing is in flight when the next step is planned, and
+the two orders are the same.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import FinishReason
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
+from engine.scheduler.future import FutureSlots
 from engine.scheduler.kv_manager import KVManager, pages_for
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
@@ -48,7 +56,7 @@ class Scheduler:
         self._ratio_step = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / max(1, cfg.new_token_ratio_decay_steps)
         self.num_retractions = 0
         self.cost = StepCostModel()
-        self._step_started: float | None = None
+        self.futures = FutureSlots(cfg.max_running_requests)
 
     # --- intake ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -108,8 +116,23 @@ class Scheduler:
                 batch = self._schedule_decode()
         if batch is None or not batch.seqs:
             return None
-        self._step_started = perf_counter()
+        self._commit(batch)
         return batch
+
+    def _commit(self, batch: StepBatch) -> None:
+        """Book the step as run (see the module docstring); its tokens come with `on_step_done`."""
+        batch.scheduled_at = perf_counter()
+        for seq in batch.seqs:
+            req = seq.req
+            req.num_computed = seq.prefix_len + len(seq.input_ids)
+            if not seq.sample:
+                continue
+            seq.future = req.future = self.futures.take()
+            req.num_inflight += 1
+            if req.status is RequestStatus.PREFILLING:
+                self.prefilling.remove(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
 
     def _reserved_pages(self, reqs: Iterable[Request]) -> int:
         ps = self.cfg.page_size
@@ -124,6 +147,8 @@ class Scheduler:
             budget -= len(seqs[-1].input_ids)
         while self.waiting and budget > 0 and self.kv.slots.num_free_slots > 0:
             req = self.waiting[0]
+            if req.num_inflight:
+                break  # retracted while its newest token is being sampled: admit it once that lands
             fill = req.all_ids
             need = pages_for(len(fill), self.cfg.page_size)
             reserve = self._reserved_pages([*self.running, *self.prefilling, req])
@@ -146,13 +171,15 @@ class Scheduler:
         return SeqStep(req, ids[start:end], start, sample=end == req.fill_len)
 
     def _schedule_decode(self) -> StepBatch:
-        # Each request needs room for the KV of its newest token (position len(all_ids) - 1).
-        # Older requests get pages first; the victims are the ones with the least progress.
+        # Each request needs room for the KV of its newest token (position num_computed). Older
+        # requests get pages first; the victims are the ones with the least progress. A request
+        # whose in-flight token is its last (max_tokens) sits this step out: it is about to finish.
         for req in sorted(self.running, key=lambda r: r.arrival):
-            while req in self.running and not self.kv.ensure_capacity(req, len(req.all_ids)):
+            while req in self.running and not self.kv.ensure_capacity(req, req.num_computed + 1):
                 self._retract(self._pick_victim())
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
-        return StepBatch([SeqStep(r, [r.all_ids[-1]], r.num_computed, True) for r in self.running])
+        return StepBatch([SeqStep(r, [r.next_input], r.num_computed, True, decode=True)
+                          for r in self.running if r.remaining_tokens > 0])
 
     def _pick_victim(self) -> Request:
         # Least decoded progress, then newest: loses the least work, as SGLang's retract does.
@@ -186,27 +213,26 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # --- results -----------------------------------------------------------------------------
-    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken]) -> list[tuple[Request, SampledToken]]:
-        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order."""
-        if self._step_started is not None:
-            decode_rows = sum(1 for s in batch.seqs if s.req.status is RequestStatus.RUNNING)
-            self.cost.observe(batch.num_tokens - decode_rows, decode_rows, perf_counter() - self._step_started)
-            self._step_started = None
+    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken],
+                     elapsed_s: float | None = None) -> list[tuple[Request, SampledToken]]:
+        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order.
+        `elapsed_s`: the pass's own time when it ran beside other work (overlap); by default the
+        time since the step was scheduled."""
+        decode_rows = sum(1 for s in batch.seqs if s.decode)
+        if elapsed_s is None:
+            elapsed_s = perf_counter() - batch.scheduled_at
+        self.cost.observe(batch.num_tokens - decode_rows, decode_rows, elapsed_s)
         out = []
         it = iter(sampled)
         for seq in batch.seqs:
-            req = seq.req
-            if req.finished:
-                continue  # aborted while the step ran; already released
-            req.num_computed = seq.prefix_len + len(seq.input_ids)
             if not seq.sample:
                 continue
             tok = next(it)
+            req = seq.req
+            if req.finished:
+                continue  # ended while the step ran (abort, or a stop in the step before): dropped
+            req.num_inflight -= 1
             req.output_ids.append(tok.token_id)
-            if req.status is RequestStatus.PREFILLING:
-                self.prefilling.remove(req)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
             out.append((req, tok))
         return out
 

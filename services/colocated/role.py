@@ -45,7 +45,7 @@ class ColocatedWorker:
             metrics.REQUESTS.labels("cancelled").inc()
 
     def has_work(self) -> bool:
-        return self.engine.scheduler.has_work()
+        return self.engine.has_work()
 
     def step(self) -> None:
         for out in self.engine.step():

@@ -123,7 +123,7 @@ class DecodeWorker:
 
     # --- engine loop -------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.sched.has_work()
+        return self.engine.has_work()
 
     def step(self) -> None:
         for out in self.engine.step():

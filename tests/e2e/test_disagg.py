@@ -92,6 +92,23 @@ def test_disagg_matches_colocated_and_transformers(tiny_llama, reference, coloca
         stack.close()
 
 
+OVERLAP = [("--mode", "colocated"), ("--transfer-backend", "shm")]
+
+
+@pytest.mark.parametrize("mode", OVERLAP, ids=["colocated", "1p1d-shm"])
+def test_overlap_schedule_matches_transformers(tiny_llama, reference, mode):
+    # Overlap scheduling on the worker that decodes (co-located, or D; P ignores it): same tokens.
+    items, hf_outs = reference
+    stack = Stack("--model", str(tiny_llama), *ENGINE, *mode, "--enable-overlap-schedule")
+    try:
+        assert run_concurrently(stack, items) == hf_outs
+        for w in stack.info["workers"]:
+            free, total = stack.wait_pages_free(w)
+            assert free == total, f"{w['worker_id']} leaked KV pages: {free}/{total}"
+    finally:
+        stack.close()
+
+
 def test_bad_request_gets_clear_error(tiny_llama):
     stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
     try:

@@ -49,11 +49,11 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
               "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
-                "--low-priority-values-first"]
+                "--low-priority-values-first", "--enable-overlap-schedule"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
-    assert named - {"--enable-mixed-chunk"} == set(values) | set(switches), "a new engine flag needs a value here"
+    assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule"} == set(values) | set(switches), "a new engine flag needs a value here"
     argv = [x for kv in values.items() for x in kv] + switches
     up = build_parser().parse_args(["up", *argv])
     worker = engine_config_from_args(build_parser().parse_args(["colocated", *_engine_argv(up)]))

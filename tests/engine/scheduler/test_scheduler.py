@@ -107,6 +107,7 @@ def test_prefix_cache_serves_shared_pages():
     s.add(b)
     batch = s.schedule()
     assert b.cache_len == 12 and batch.seqs[0].prefix_len == 12 and batch.seqs[0].input_ids == [13]
+    s.on_step_done(batch, [SampledToken(7)])
     run_to_end(s)
     s.check_idle()
 
@@ -131,6 +132,7 @@ def test_admission_reserves_pages_for_running_requests():
     s.add(req("b", 4, max_tokens=20))
     b = s.schedule()
     assert [x.req.rid for x in b.seqs] == ["a"]
+    s.on_step_done(b, [SampledToken(7)])
     run_to_end(s)
     assert s.num_retractions == 0
     s.check_idle()
