@@ -139,37 +139,33 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns a delta for every request that produced a token."""
-        if self._forward is not None:
-            return self._step_overlapped()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        return self._process(batch, self.runner.run(batch))
+        return [self._emit(self._tracked[req.rid], tok) for _, done in self.advance() for req, tok in done]
 
-    def _step_overlapped(self) -> list[RequestOutput]:
+    def advance(self) -> list[tuple[StepBatch, list[tuple[Request, SampledToken]]]]:
+        """The step primitive under `step`: schedule and run a step — with overlap, launch it and
+        finish the one launched before — and return each finished step with the tokens its
+        requests sampled (not yet checked for stop conditions; a prefill worker sends KV instead)."""
+        if self._forward is None:
+            batch = self.scheduler.schedule()
+            return [] if batch is None else [(batch, self.scheduler.on_step_done(batch, self.runner.run(batch)))]
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
-        outputs: list[RequestOutput] = []
+        done = []
         if batch is not None:
             if prev is not None and _needs_history(batch):
-                outputs += self._finish(prev)  # penalties read every previous token: no overlap
+                done.append(self._finish(prev))  # penalties read every previous token: no overlap
                 prev = None
             step = self.runner.prepare(batch)
             self.num_overlapped_steps += step.has_future_inputs
             self._inflight = (batch, self._forward.submit(_timed, self.runner.execute, step))
         if prev is not None:
-            outputs += self._finish(prev)
-        return outputs
+            done.append(self._finish(prev))
+        return done
 
-    def _finish(self, inflight: tuple[StepBatch, Future]) -> list[RequestOutput]:
+    def _finish(self, inflight: tuple[StepBatch, Future]) -> tuple[StepBatch, list[tuple[Request, SampledToken]]]:
         batch, fut = inflight
         sampled, elapsed = fut.result()
-        return self._process(batch, sampled, elapsed)
-
-    def _process(self, batch: StepBatch, sampled: list[SampledToken],
-                 elapsed_s: float | None = None) -> list[RequestOutput]:
-        return [self._emit(self._tracked[req.rid], tok)
-                for req, tok in self.scheduler.on_step_done(batch, sampled, elapsed_s)]
+        return batch, self.scheduler.on_step_done(batch, sampled, elapsed)
 
     def close(self) -> None:
         """Wait for a launched forward pass and stop the forward thread (overlap only)."""
@@ -258,7 +254,7 @@ class LLMEngine:
     def _drain(self) -> None:
         # The step launched after a request's last token belongs to nobody any more.
         if self._inflight is not None:
-            self._finish(self._inflight)
+            self._finish(self._inflight)   # (at close, tokens of requests still in flight are dropped)
             self._inflight = None
 
     def _require_exclusive(self, what: str) -> None:

@@ -175,6 +175,8 @@ class Scheduler:
         # requests get pages first; the victims are the ones with the least progress. A request
         # whose in-flight token is its last (max_tokens) sits this step out: it is about to finish.
         for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.remaining_tokens <= 0:
+                continue
             while req in self.running and not self.kv.ensure_capacity(req, req.num_computed + 1):
                 self._retract(self._pick_victim())
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)

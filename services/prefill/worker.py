@@ -92,23 +92,22 @@ class PrefillWorker:
 
     # --- engine loop -------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.sched.has_work()
+        return self.engine.has_work()
 
     def step(self) -> None:
-        batch = self.sched.schedule()
-        if batch is None:
-            return
-        sampled = self.engine.runner.run(batch)
-        metrics.STEPS.labels("prefill").inc()
-        done = {req.rid: tok for req, tok in self.sched.on_step_done(batch, sampled)}
-        for seq in batch.seqs:
-            room = self._by_rid.get(seq.req.rid)
-            if room is None or room.state.done:
-                continue
-            tok = done.get(seq.req.rid)
-            self._send(room, final=tok is not None)
-            if tok is not None:
-                self._finish_prefill(room, tok)
+        # With overlap, `advance` launches the next chunk before this one's pages are sent, so
+        # each send uses the step's own extent, not the request's (already advanced) count.
+        for batch, sampled in self.engine.advance():
+            metrics.STEPS.labels("prefill").inc()
+            done = {req.rid: tok for req, tok in sampled}
+            for seq in batch.seqs:
+                room = self._by_rid.get(seq.req.rid)
+                if room is None or room.state.done:
+                    continue
+                tok = done.get(seq.req.rid)
+                self._send(room, seq.prefix_len + len(seq.input_ids), final=tok is not None)
+                if tok is not None:
+                    self._finish_prefill(room, tok)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -150,8 +149,8 @@ class PrefillWorker:
         for req, err in self.sched.take_evicted():  # lower-priority rooms this one pushed out
             self._fail(self._by_rid[req.rid], str(err), rejection=err)
 
-    def _send(self, room: PrefillRoom, final: bool) -> None:
-        src, dst = room.pages_to_send(self.page_size, room.req.num_computed, final)
+    def _send(self, room: PrefillRoom, computed: int, final: bool) -> None:
+        src, dst = room.pages_to_send(self.page_size, computed, final)
         if src:
             room.state = RoomState.TRANSFERRING
             self.sender.write(room.info.peer_id, room.room, src, dst)

@@ -97,7 +97,7 @@ OVERLAP = [("--mode", "colocated"), ("--transfer-backend", "shm")]
 
 @pytest.mark.parametrize("mode", OVERLAP, ids=["colocated", "1p1d-shm"])
 def test_overlap_schedule_matches_transformers(tiny_llama, reference, mode):
-    # Overlap scheduling on the worker that decodes (co-located, or D; P ignores it): same tokens.
+    # Overlap scheduling on every worker (co-located; P, whose sends follow each launched chunk; D).
     items, hf_outs = reference
     stack = Stack("--model", str(tiny_llama), *ENGINE, *mode, "--enable-overlap-schedule")
     try:
