@@ -33,6 +33,9 @@ class EngineConfig:
     # x a pure decode step (0: no bound beyond chunked_prefill_size).
     enable_mixed_chunk: bool = True
     mixed_chunk_itl_factor: float = 1.8
+    # ... unless the queued prompts could then not all start before the oldest has waited this long
+    # (seconds): the chunk grows to keep up (0: the ITL bound always holds).
+    mixed_chunk_ttft_target_s: float = 1.0
     enable_prefix_cache: bool = True
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
     # device's default (on for CUDA, off for CPU; see engine.engine.overlap_enabled).
@@ -62,6 +65,8 @@ class EngineConfig:
             raise InvalidRequest("max_running_requests must be >= 1", "max_running_requests")
         if self.mixed_chunk_itl_factor and self.mixed_chunk_itl_factor <= 1:
             raise InvalidRequest("mixed_chunk_itl_factor must be > 1 (or 0: unbounded)", "mixed_chunk_itl_factor")
+        if self.mixed_chunk_ttft_target_s < 0:
+            raise InvalidRequest("mixed_chunk_ttft_target_s must be >= 0 (0: off)", "mixed_chunk_ttft_target_s")
         if self.chunked_prefill_size < self.page_size:
             raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
         if self.context_length is not None and self.context_length < 2:

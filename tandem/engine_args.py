@@ -34,6 +34,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-chunk-itl-factor", type=float, default=d.mixed_chunk_itl_factor,
                    help="bound a mixed step's prefill chunk so that the step takes at most this many times a "
                         "decode step, from measured step times (0: only --chunked-prefill-size bounds it)")
+    p.add_argument("--mixed-chunk-ttft-target", type=float, default=d.mixed_chunk_ttft_target_s,
+                   help="seconds: when the queued prompts could not all start before the oldest has waited this "
+                        "long, a mixed step's chunk grows beyond the ITL bound to keep up (0: never)")
     _on_off(p, "overlap-schedule", d.enable_overlap_schedule,
             "plan and prepare step N+1 while step N's forward pass runs (default: on for CUDA, off for CPU, "
             "where both would share the same cores)",
@@ -104,6 +107,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
         mixed_chunk_itl_factor=args.mixed_chunk_itl_factor,
+        mixed_chunk_ttft_target_s=args.mixed_chunk_ttft_target,
         enable_prefix_cache=not args.disable_prefix_cache,
         enable_overlap_schedule=args.enable_overlap_schedule,
         max_queued_requests=args.max_queued_requests,

@@ -24,8 +24,9 @@ the two orders are the same.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from time import perf_counter
+from time import monotonic, perf_counter
 
 from engine.config import EngineConfig
 from engine.detokenizer import FinishReason
@@ -106,8 +107,9 @@ class Scheduler:
             # Decode rows first: their pages are secured (retracting if memory is short) before a
             # new prompt is admitted into what is left.
             decode = self._schedule_decode()
-            budget = self.cost.prefill_budget(self.cfg.mixed_chunk_itl_factor, len(decode.seqs), self.cfg.page_size,
-                                              self.cfg.chunked_prefill_size - len(decode.seqs))
+            cap = self.cfg.chunked_prefill_size - len(decode.seqs)
+            budget = self.cost.prefill_budget(self.cfg.mixed_chunk_itl_factor, len(decode.seqs), self.cfg.page_size, cap)
+            budget = max(budget, self._ttft_budget(len(decode.seqs), cap))
             prefill = self._schedule_prefill(budget)
             batch = StepBatch((prefill.seqs if prefill else []) + decode.seqs)
         else:
@@ -133,6 +135,28 @@ class Scheduler:
                 self.prefilling.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+
+    def _ttft_budget(self, decode_rows: int, cap: int) -> int:
+        """Chunk tokens per mixed step that would prefill every queued prompt before the oldest one
+        still waiting for its first token has waited `mixed_chunk_ttft_target_s`, by the fitted step
+        costs (n steps of k tokens: n·k = queued tokens, n·(decode + c·k) = time left). Under a burst
+        the ITL bound gives way rather than let the queue grow without end. 0 when nothing waits for
+        a first token or the target is off; `cap` once the time left cannot cover the work."""
+        target = self.cfg.mixed_chunk_ttft_target_s
+        queued = [*self.prefilling, *self.waiting]
+        first = [r.arrival for r in queued if not r.output_ids]
+        coef = self.cost.coefficients() if target and first else None
+        if coef is None:
+            return 0
+        a, b, c = coef
+        decode = a + b * decode_rows
+        if decode <= 0 or c <= 0:
+            return 0
+        tokens = sum(r.fill_len - r.num_computed if r.slot is not None else len(r.all_ids) for r in queued)
+        spare = target - (monotonic() - min(first)) - c * tokens
+        if spare <= decode:
+            return cap
+        return min(cap, math.ceil(tokens * decode / spare))
 
     def _reserved_pages(self, reqs: Iterable[Request]) -> int:
         ps = self.cfg.page_size

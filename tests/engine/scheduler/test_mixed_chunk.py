@@ -116,3 +116,54 @@ def test_scheduler_learns_costs_from_its_own_steps():
     s.add(req("long", 60))
     b = s.schedule()
     assert [len(q.input_ids) for q in b.seqs if q.req.rid == "long"] == [5]   # 0.5 x 10 ms / 1 ms
+
+
+def pinned(s: Scheduler) -> None:
+    """Pin the cost fit: a decode step is 10 ms, a prefill token costs 1 ms."""
+    s.cost = StepCostModel()
+    s.cost.observe(10, 1, 0.020)
+    for _ in range(20):
+        s.cost.observe(0, 1, 0.010)
+        s.cost.observe(10, 1, 0.020)
+
+
+def test_ttft_target_grows_the_chunk_when_the_queue_would_miss_it(monkeypatch):
+    import engine.scheduler.scheduler as sched_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(sched_mod, "monotonic", lambda: now[0])
+    s = make(mixed_chunk_itl_factor=1.5, mixed_chunk_ttft_target_s=0.2, chunked_prefill_size=64)
+    s.add(req("a", 3, max_tokens=50))
+    finish_step(s, s.schedule())
+    pinned(s)
+    young = req("young", 60)
+    young.arrival = now[0]
+    s.add(young)
+    b = s.schedule()        # 200 ms left - 60 ms of work = 140 ms spare: 14 steps of 10 ms, 5 tokens each
+    assert [len(q.input_ids) for q in b.seqs if q.req.rid == "young"] == [5]   # the ITL bound (5) holds
+    finish_step(s, b)
+    now[0] += 0.12          # 80 ms left, 55 tokens (55 ms) to go: 25 ms spare, 2.5 steps -> 22 tokens
+    pinned(s)               # (the step just timed itself into the fit)
+    b = s.schedule()
+    (k,) = [len(q.input_ids) for q in b.seqs if q.req.rid == "young"]
+    assert 20 <= k <= 24    # (the ridge-regularised fit is within a few % of the pinned costs)
+    finish_step(s, b)
+    now[0] += 0.1           # past the target: the whole remaining prompt (within the budget cap)
+    pinned(s)
+    b = s.schedule()
+    assert [len(q.input_ids) for q in b.seqs if q.req.rid == "young"] == [60 - 5 - k]
+
+
+def test_ttft_target_off_keeps_the_itl_bound(monkeypatch):
+    import engine.scheduler.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "monotonic", lambda: 5000.0)
+    s = make(mixed_chunk_itl_factor=1.5, mixed_chunk_ttft_target_s=0)
+    s.add(req("a", 3, max_tokens=50))
+    finish_step(s, s.schedule())
+    pinned(s)
+    old = req("old", 60)
+    old.arrival = 0.0       # waited ages
+    s.add(old)
+    b = s.schedule()
+    assert [len(q.input_ids) for q in b.seqs if q.req.rid == "old"] == [5]
