@@ -6,7 +6,7 @@ import argparse
 
 from engine.config import EngineConfig
 from tandem.engine_args import add_engine_arguments, engine_argv
-from tandem.worker_cmd import add_observability_arguments
+from tandem.worker_cmd import add_fault_arguments, add_observability_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "worker separated by '|' (0-3|4-7, like VLLM_CPU_OMP_THREADS_BIND); none or nobind: no "
                         "pinning. A pinned worker runs one torch thread per core unless --num-threads is given")
     add_observability_arguments(p, WorkerConfig(role=""))
+    add_fault_arguments(p, WorkerConfig(role=""))
     p.add_argument("--ready-json", action="store_true",
                    help="once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of "
                         "router, gateway, workers, metrics ports): for scripts and tests")
@@ -67,6 +68,11 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     out += ["--log-stats-interval", str(args.log_stats_interval)]
     if args.profile_dir is not None:
         out += ["--profile-dir", args.profile_dir]
+    out += ["--peer-probe-interval", str(args.peer_probe_interval)]
+    if args.fault_inject:
+        out += ["--fault-inject", args.fault_inject]
+    if args.enable_fault_injection:
+        out.append("--enable-fault-injection")
     return out
 
 
@@ -86,6 +92,14 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from services.launcher.up import UpConfig, run_up
     from services.worker.config import WorkerConfig
+    from services.worker.faults import FaultSpecError
+    from tandem.worker_cmd import fault_config
+
+    try:
+        fault_config(args)  # refuse a bad or unauthorized --fault-inject before starting anything
+    except FaultSpecError as e:
+        print(f"error: {e}", flush=True)
+        return 2
 
     # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
     drain_s = args.drain_timeout if args.drain_timeout is not None else WorkerConfig(role="").drain_timeout_s

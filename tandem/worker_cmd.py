@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-rdma", action="store_true",
                    help="nixl/ucx: exit at start without an RDMA device, refuse peers UCX reaches without RDMA")
     add_observability_arguments(p, d)
+    add_fault_arguments(p, d)
     p.add_argument("--cpu-cores", type=_cpu_cores, default=None, metavar="LIST",
                    help="pin this worker to these cores (Linux cpulist: 0, 0-3, 0,2) and run one torch thread "
                         "per core unless --num-threads is given; none/nobind: no pinning (the default; `tandem "
@@ -57,6 +58,26 @@ def add_observability_arguments(p: argparse.ArgumentParser, d) -> None:
                         "(default: $TANDEM_CACHE_DIR/profiles, else ~/.cache/tandem/profiles)")
 
 
+def add_fault_arguments(p: argparse.ArgumentParser, d) -> None:
+    """Worker flags for chaos drills and peer liveness that `tandem up` also takes and forwards."""
+    p.add_argument("--peer-probe-interval", type=float, default=d.peer_probe_s, metavar="SECONDS",
+                   help="probe the liveness of every peer worker this one has requests with this often; a peer "
+                        "that misses 3 probes in a row fails only its own requests, at once; 0: off")
+    p.add_argument("--fault-inject", default="", metavar="SPEC",
+                   help="inject faults for tests and chaos drills, e.g. transfer_fail=0.1,transfer_delay_ms=50,"
+                        "forward_delay_ms=20 (also seed=N); refused without --enable-fault-injection or "
+                        "TANDEM_ALLOW_FAULTS=1 (default: none)")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="allow --fault-inject (off by default: it makes requests fail on purpose)")
+
+
+def fault_config(args: argparse.Namespace):
+    """The worker's FaultConfig from its flags and environment; raises FaultSpecError."""
+    from services.worker.faults import FaultConfig
+
+    return FaultConfig.load(args.fault_inject, args.enable_fault_injection)
+
+
 def _cpu_cores(text: str) -> tuple[int, ...] | None:
     from services.common.cpu_cores import CpuListError, parse_worker_cores
 
@@ -67,8 +88,17 @@ def _cpu_cores(text: str) -> tuple[int, ...] | None:
 
 
 def run(role: str, args: argparse.Namespace) -> int:
+    import sys
+
     from services.worker.config import WorkerConfig
+    from services.worker.faults import FaultSpecError
     from services.worker.server import run as run_worker
+
+    try:
+        faults = fault_config(args)
+    except FaultSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     wcfg = WorkerConfig(
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id,
@@ -77,7 +107,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         watchdog_timeout_s=args.watchdog_timeout,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
         require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,
-        log_stats_interval_s=args.log_stats_interval,
+        log_stats_interval_s=args.log_stats_interval, faults=faults, peer_probe_s=args.peer_probe_interval,
     )
     return run_worker(engine_config_from_args(args), wcfg)
 

@@ -10,6 +10,7 @@ from kvtransfer import create_sender
 from services.prefill.servicer import BootstrapServicer, PrefillServicer
 from services.prefill.worker import PrefillTimeouts, PrefillWorker
 from services.worker.config import WorkerConfig
+from services.worker.fault_sender import wrap_sender
 from services.worker.layout import layout_of
 from services.worker.rdma import transfer_options
 from services.worker.server import RoleParts, register_role
@@ -23,6 +24,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     engine = LLMEngine(cfg)
     sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
                            wcfg.id, **transfer_options(wcfg, "sender"))
+    sender = wrap_sender(sender, wcfg.faults)
     worker = PrefillWorker(engine, sender, PrefillTimeouts(wcfg.bootstrap_timeout_s, wcfg.transfer_timeout_s),
                            max_rooms=wcfg.max_queue)
 

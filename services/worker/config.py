@@ -7,6 +7,8 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
+from services.worker.faults import FaultConfig
+
 
 def new_boot_epoch() -> int:
     """A random non-zero 63-bit id of one process start (0 means "not checked" on the wire)."""
@@ -34,6 +36,8 @@ class WorkerConfig:
     cpu_cores: tuple[int, ...] | None = None  # pin the process to these cores (None: not pinned)
     profile_dir: str | None = None      # where POST /profile writes traces (None: <cache dir>/profiles)
     log_stats_interval_s: float = 5.0   # busy log line period; 0: off
+    faults: FaultConfig = FaultConfig()  # --fault-inject (tests and chaos drills); default: none
+    peer_probe_s: float = 1.0           # liveness probe period of the peers a worker has rooms with; 0: off
     # Identity of this process start, drawn once when the config is built (a restarted container gets
     # a new one): peers check it in the bootstrap handshake.
     boot_epoch: int = field(default_factory=new_boot_epoch)

@@ -29,7 +29,7 @@ from services.common.cpu_cores import CpuListError, format_cpu_list, pin
 from services.common.registry import create_registry
 from services.worker import metrics, step_stats
 from services.worker.config import WorkerConfig
-from services.worker.faults import FaultConfig, FaultInjector
+from services.worker.faults import FaultInjector
 from services.worker.identity import WorkerIdentityServicer
 from services.worker.loop import EngineLoop
 from services.worker.metrics_server import start_metrics_server
@@ -104,7 +104,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     profiler = StepProfiler(wcfg.profile_dir or default_cache_dir() / "profiles", wcfg.id)
     # The watchdog sees a step first, so that everything after it (an injected hang too) is timed.
     watchdog = Watchdog(wcfg.watchdog_timeout_s) if wcfg.watchdog_timeout_s > 0 else None
-    faults = FaultConfig.from_env()
+    faults = wcfg.faults
     guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
     engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, profiler))
 

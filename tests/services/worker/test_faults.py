@@ -1,0 +1,104 @@
+"""`--fault-inject`: parsed and refused in one place; transfer faults take the real abort path."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtransfer import create_receiver, create_sender
+from kvtransfer.base import RoomState
+from services.worker.fault_sender import FaultySender, wrap_sender
+from services.worker.faults import ALLOW_ENV, HANG_AT_ENV, FaultConfig, FaultInjector, FaultSpecError
+from tandem.cli import build_parser
+from tandem.up_cmd import _engine_argv
+from tandem.worker_cmd import fault_config
+from tests.kvtransfer.helpers import SMALL, random_pool, uid, wait_done
+
+SPEC = "transfer_fail=0.25,transfer_delay_ms=50,forward_delay_ms=20,seed=7"
+
+
+def test_spec_is_refused_unless_enabled():
+    with pytest.raises(FaultSpecError, match="--enable-fault-injection"):
+        FaultConfig.load(SPEC, enabled=False, environ={})
+    cfg = FaultConfig.load(SPEC, enabled=True, environ={})
+    assert (cfg.transfer_fail, cfg.transfer_delay_ms, cfg.forward_delay_ms, cfg.seed) == (0.25, 50.0, 20.0, 7)
+    assert FaultConfig.load(SPEC, enabled=False, environ={ALLOW_ENV: "1"}) == cfg
+    assert FaultConfig.load("", enabled=False, environ={HANG_AT_ENV: "3"}).step_hang_at == 3
+    assert not FaultConfig.load("", enabled=False, environ={}).any
+
+
+@pytest.mark.parametrize("bad", ["transfer_fail=1.5", "transfer_fail", "nope=1", "forward_delay_ms=-1",
+                                 "transfer_delay_ms=fast"])
+def test_bad_specs_say_what_is_wrong(bad):
+    with pytest.raises(FaultSpecError, match="--fault-inject"):
+        FaultConfig.load(bad, enabled=True, environ={})
+
+
+def test_up_forwards_the_fault_flags_and_workers_parse_them():
+    up = build_parser().parse_args(["up", "--fault-inject", SPEC, "--enable-fault-injection",
+                                    "--peer-probe-interval", "0.5"])
+    worker = build_parser().parse_args(["prefill", *_engine_argv(up)])
+    assert fault_config(worker).transfer_fail == 0.25 and worker.peer_probe_interval == 0.5
+    assert "--fault-inject" not in _engine_argv(build_parser().parse_args(["up"]))
+
+
+def test_forward_delay_slows_every_step():
+    inj = FaultInjector(FaultConfig(forward_delay_ms=30))
+    t0 = time.monotonic()
+    for _ in range(3):
+        inj.before_step()
+    assert time.monotonic() - t0 >= 0.09
+
+
+@pytest.fixture
+def pair():
+    rx = create_receiver("tcp", SMALL, "127.0.0.1", uid("d"))
+    tx = create_sender("tcp", random_pool(SMALL, 1), SMALL, uid("p"))
+    tx.connect(rx.worker_id, rx.metadata())
+    yield tx, rx
+    tx.close()
+    rx.close()
+
+
+def test_no_faults_no_wrapper(pair):
+    tx, _ = pair
+    assert wrap_sender(tx, FaultConfig(forward_delay_ms=5)) is tx
+
+
+def test_drawn_rooms_fail_on_both_sides_and_the_rest_succeed(pair):
+    tx, rx = pair
+    faulty = FaultySender(tx, FaultConfig(transfer_fail=0.5, seed=3))
+    outcomes = {}
+    for room in range(1, 41):
+        pages = [room % 60, room % 60 + 1]
+        rx.expect(room, pages, tx.worker_id)
+        faulty.write(rx.worker_id, room, [0, 1], pages)
+        faulty.finish(rx.worker_id, room, b"aux")
+        st = wait_done(lambda room=room: faulty.status(room))
+        d = wait_done(lambda room=room: rx.poll(room))
+        assert st.state.done and d.state.done and (st.state is RoomState.SUCCESS) == (d.state is RoomState.SUCCESS)
+        if st.state is RoomState.FAILED:
+            assert "injected transfer failure" in st.error
+        outcomes[room] = st.state
+        faulty.release(room)
+        rx.release(room)
+    failed = sum(s is RoomState.FAILED for s in outcomes.values())
+    assert 8 <= failed <= 32, failed  # about half, from a fixed seed
+
+
+def test_delayed_finish_and_abort_cancels_it(pair):
+    tx, rx = pair
+    faulty = FaultySender(tx, FaultConfig(transfer_delay_ms=300))
+    rx.expect(1, [3], tx.worker_id)
+    rx.expect(2, [4], tx.worker_id)
+    t0 = time.monotonic()
+    for room, page in ((1, 3), (2, 4)):
+        faulty.write(rx.worker_id, room, [0], [page])
+        faulty.finish(rx.worker_id, room, b"aux")
+    faulty.abort(2)                                   # the held-back finish of room 2 never goes out
+    assert wait_done(lambda: faulty.status(1)).state is RoomState.SUCCESS
+    assert time.monotonic() - t0 >= 0.29
+    assert wait_done(lambda: rx.poll(2)).state is RoomState.FAILED
+    time.sleep(0.4)
+    assert faulty.status(2).state is RoomState.FAILED
