@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=None,
                    help="router: requests in flight beyond which new ones are refused (HTTP 429; "
                         "default: the router's own)")
+    p.add_argument("--max-restarts", type=int, default=20, metavar="N",
+                   help="restart a worker, the router, the gateway or the embedded Redis that dies, at most N times "
+                        "each (exponential backoff from 0.5s; each restart is logged with the exit status); 0: "
+                        "never (a dead router or gateway then stops everything)")
     p.add_argument("--quiet", action="store_true",
                    help="no banner and no service logs, only the services' readiness lines and errors")
     p.add_argument("--cpu-cores", default="auto", metavar="SPEC",
@@ -109,10 +113,13 @@ def run(args: argparse.Namespace) -> int:
         worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
         stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
         router_args=tuple(_router_argv(args)),
-        cpu_cores=args.cpu_cores,
+        cpu_cores=args.cpu_cores, max_restarts=args.max_restarts,
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
         print("error: --prefill and --decode must be >= 1", flush=True)
+        return 2
+    if cfg.max_restarts < 0:
+        print("error: --max-restarts must be >= 0", flush=True)
         return 2
     if not -1 <= cfg.gateway_port < 65536:
         print("error: --gateway-port must be in [-1, 65535]", flush=True)

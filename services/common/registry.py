@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
@@ -194,6 +195,8 @@ class RedisRegistry(WorkerRegistry):
         self._closed = False
         self._write_log = _OutageLog(f"registry heartbeat to {url}")
         self._read_log = _OutageLog(f"registry scan of {url}")
+        self._run_id = ""               # the Redis instance last read (INFO run_id): a new one restarted
+        self._rejoin_until = 0.0
 
     def key(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
@@ -254,6 +257,7 @@ class RedisRegistry(WorkerRegistry):
         try:
             keys = [k async for k in self._client.scan_iter(match=self.key("*"), count=1000)]
             values = await self._client.mget(keys) if keys else []
+            server = await self._client.info("server")
         except Exception as e:
             self._read_log.failed(e)
             return
@@ -269,6 +273,17 @@ class RedisRegistry(WorkerRegistry):
                 log.warning("ignoring unparsable registry entry %r", key)
                 continue
             infos.append(info)
+        run_id = str(server.get("run_id", ""))
+        if self._run_id and run_id != self._run_id:
+            log.warning("registry %s restarted (empty until workers re-announce): keeping the last known "
+                        "workers for %.1fs", self.url, self.ttl_s)
+            self._rejoin_until = time.monotonic() + self.ttl_s
+        self._run_id = run_id
+        if time.monotonic() < self._rejoin_until:
+            # Redis restarted and is empty until every live worker's next heartbeat: keep the workers
+            # we knew until they had the time to re-announce.
+            seen = {i.worker_id for i in infos}
+            infos += [w for w in self.all_workers() if w.worker_id not in seen]
         infos.sort(key=lambda w: w.worker_id)
         await self._publish(infos)
 

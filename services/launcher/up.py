@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.cpu_cores import (
@@ -22,10 +23,14 @@ from services.common.cpu_cores import (
 )
 from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
+from services.launcher.supervisor import Supervisor
 
 API_KEY_ENV = "TANDEM_API_KEY"  # what the gateway reads (services/gateway/config.py)
 # With `ready_json`, the one stdout line scripts and tests wait for: this prefix, then the summary JSON.
 READY_JSON_PREFIX = "TANDEM_UP "
+# With `ready_json`, one line per restarted process once it is ready again: this prefix, then
+# {"name", "restarts", "pid", "ready"} (the process's own READY JSON; {} for Redis).
+RESTARTED_JSON_PREFIX = "TANDEM_RESTARTED "
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,7 @@ class UpConfig:
     gateway_args: tuple[str, ...] = ()
     api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
     cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
+    max_restarts: int = 20               # per process; 0: nothing is restarted (a dead router/gateway stops all)
 
 
 def _printer(quiet: bool):
@@ -137,6 +143,7 @@ def run_up(cfg: UpConfig) -> int:
     workers: list[Child] = []
     router: Child | None = None
     gateway: Child | None = None
+    sup: Supervisor | None = None
     up = False
     try:
         roles = [("colocated", 1)] if cfg.mode == "colocated" else [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
@@ -171,9 +178,12 @@ def run_up(cfg: UpConfig) -> int:
         for w in workers:
             w.start()
         ready = [_wait_ready(w, cfg.ready_timeout_s, stop) for w in workers]
-        router = Child("router", python_cmd(
-            "router", "--host", cfg.host, "--port", str(cfg.port), "--redis-url", url, "--mode", cfg.mode,
-            "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), on_line=on_line)
+        def router_child(port: int) -> Child:
+            return Child("router", python_cmd(
+                "router", "--host", cfg.host, "--port", str(port), "--redis-url", url, "--mode", cfg.mode,
+                "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), on_line=on_line)
+
+        router = router_child(cfg.port)
         router.start()
         router_ready = _wait_ready(router, 60.0, stop)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
@@ -182,9 +192,12 @@ def run_up(cfg: UpConfig) -> int:
                                  "services": format_cpu_list(plan.services) if plan.services else None}}
         if cfg.gateway_port >= 0:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
-            gateway = Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
-                                        "--port", str(cfg.gateway_port), "--router", router_ready["grpc_addr"],
-                                        *cfg.gateway_args], env=_gateway_env(cfg), on_line=on_line)
+            def gateway_child(port: int) -> Child:
+                return Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
+                                         "--port", str(port), "--router", router_ready["grpc_addr"],
+                                         *cfg.gateway_args], env=_gateway_env(cfg), on_line=on_line)
+
+            gateway = gateway_child(cfg.gateway_port)
             gateway.start()
             summary["gateway"] = _wait_ready(gateway, 60.0, stop)["url"]
             # Up means a request would be served: the gateway's /health checks that the router
@@ -193,21 +206,19 @@ def run_up(cfg: UpConfig) -> int:
         else:
             _wait_healthy("the router", lambda: _router_healthy(summary["router"]), router, 60.0, stop)
         up = True
+        summary["pids"] = {c.name: c.proc.pid for c in [*workers, router, gateway, redis and redis.child] if c}
         if cfg.ready_json:
             sys.stdout.write(READY_JSON_PREFIX + json.dumps(summary) + "\n")
             sys.stdout.flush()
         say(_banner(summary, cfg.host, _auth_header(cfg)))
+        sup = _supervise(cfg, workers, router, router_child, _port_of(summary["router"]), gateway,
+                         gateway_child if gateway is not None else None,
+                         _port_of(summary.get("gateway", "")), redis)
         while not stop.wait(0.5):
-            if not router.alive:
-                log.error("router exited (code %s): shutting down", router.proc.returncode)
+            sup.poll()
+            if {"router", "gateway"} & set(sup.gave_up):
+                log.error("%s stays down: shutting down", " and ".join(sorted({"router", "gateway"} & set(sup.gave_up))))
                 return 1
-            if gateway is not None and not gateway.alive:
-                log.error("gateway exited (code %s): shutting down", gateway.proc.returncode)
-                return 1
-            for w in workers:
-                if not w.alive and w.ready is not None and not getattr(w, "_reported", False):
-                    w._reported = True
-                    log.warning("%s exited (code %s); the rest keep serving", w.name, w.proc.returncode)
         return 0
     except _Interrupted:
         print(f"Interrupted ({signals[0]}) while starting.", file=sys.stderr, flush=True)
@@ -216,6 +227,9 @@ def run_up(cfg: UpConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        if sup is not None:   # the current instances, restarted ones included (Redis is closed below)
+            gateway, router = (sup.entries[n].child if n in sup.entries else None for n in ("gateway", "router"))
+            workers = [sup.entries[w.name].child for w in workers]
         children = [c for c in [gateway, router, *workers] if c is not None]
         if signals:
             say(f"\nStopping Tandem ({signals[0]}): letting in-flight requests finish "
@@ -225,6 +239,41 @@ def run_up(cfg: UpConfig) -> int:
             redis.close()
         if up and signals:
             say("Tandem stopped.")
+
+
+def _port_of(addr: str) -> int:
+    """The port of `host:port` or `http://host:port` (0 when there is none)."""
+    tail = addr.rsplit(":", 1)[-1] if addr else ""
+    return int(tail) if tail.isdigit() else 0
+
+
+def _supervise(cfg: UpConfig, workers: list[Child], router: Child, router_child, router_port: int,
+               gateway: Child | None, gateway_child, gateway_port: int, redis: EmbeddedRedis | None) -> Supervisor:
+    """Everything `run_up` started, under a Supervisor: a restarted router or gateway gets the port its
+    predecessor had (clients and the gateway keep their addresses); a worker keeps its flags and id."""
+    def on_ready(name: str, restarts: int, ready: dict) -> None:
+        pid = sup.entries[name].child.proc.pid
+        if cfg.ready_json:
+            line = json.dumps({"name": name, "restarts": restarts, "pid": pid, "ready": ready})
+            sys.stdout.write(RESTARTED_JSON_PREFIX + line + "\n")
+            sys.stdout.flush()
+
+    def restart(make) -> Callable[[], Child]:
+        def start() -> Child:
+            child = make()
+            child.start()
+            return child
+        return start
+
+    sup = Supervisor(max_restarts=cfg.max_restarts, on_ready=on_ready)
+    for w in workers:
+        sup.add(w.name, w, restart(lambda w=w: Child(w.name, w.argv, env=w.env, on_line=w.on_line)))
+    sup.add("router", router, restart(lambda: router_child(router_port)))
+    if gateway is not None:
+        sup.add("gateway", gateway, restart(lambda: gateway_child(gateway_port)))
+    if redis is not None:
+        sup.add("redis", redis.child, redis.start, ready_probe=lambda child: child.alive)
+    return sup
 
 
 def _gateway_env(cfg: UpConfig) -> dict[str, str]:

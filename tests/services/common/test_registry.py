@@ -185,3 +185,41 @@ def test_registry_factory():
     assert isinstance(create_registry("static", prefill=["a:1"]), StaticRegistry)
     with pytest.raises(ValueError, match="unknown registry"):
         create_registry("zookeeper")
+
+
+def test_redis_restart_workers_reannounce_and_the_router_keeps_them_meanwhile(tmp_path):
+    from services.launcher.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(str(tmp_path))
+    redis.start()
+
+    async def body():
+        router = RedisRegistry(redis.url, poll_s=0.05)
+        worker = RedisRegistry(redis.url, ttl_s=1.0, heartbeat_s=0.1, watch=False)
+        await router.start()
+        await worker.start()
+        await worker.announce(_info("p0"))
+        await wait_until(lambda: router.workers(PREFILL))
+        redis.child.kill()
+        redis.child.wait(5)
+        await asyncio.sleep(0.3)                       # Redis down: the last known snapshot serves
+        assert [w.worker_id for w in router.workers(PREFILL)] == ["p0"]
+        await asyncio.to_thread(redis.start)           # empty, on the same socket
+        await router.refresh()
+        assert [w.worker_id for w in router.workers(PREFILL)] == ["p0"]   # not dropped while re-announcing
+        import redis.asyncio as aioredis
+
+        client = aioredis.from_url(redis.url)
+        for _ in range(100):                           # the worker's heartbeat wrote its key again
+            if await client.exists(worker.key("p0")):
+                break
+            await asyncio.sleep(0.05)
+        assert await client.exists(worker.key("p0"))
+        await client.aclose()
+        await worker.close()
+        await router.close()
+
+    try:
+        arun(body())
+    finally:
+        redis.close()
