@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from services.router.config import RouterConfig, add_resilience_arguments
 from tandem.engine_args import add_engine_arguments, engine_argv
 from tandem.worker_cmd import add_fault_arguments, add_observability_arguments
 
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pinning. A pinned worker runs one torch thread per core unless --num-threads is given")
     add_observability_arguments(p, WorkerConfig(role=""))
     add_fault_arguments(p, WorkerConfig(role=""))
+    add_resilience_arguments(p, RouterConfig())
     p.add_argument("--ready-json", action="store_true",
                    help="once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of "
                         "router, gateway, workers, metrics ports): for scripts and tests")
@@ -90,6 +92,10 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
     # The router queues only when asked: its default (0) refuses at --max-inflight, as before.
     if args.max_queued_requests != EngineConfig().max_queued_requests:
         out += ["--max-queued-requests", str(args.max_queued_requests)]
+    out += ["--retry-max-retries", str(args.retry_max_retries), "--cb-failure-threshold",
+            str(args.cb_failure_threshold), "--cb-timeout-duration-secs", str(args.cb_timeout_duration_secs)]
+    if args.disable_circuit_breaker:
+        out.append("--disable-circuit-breaker")
     return out + _priority_flags(args)
 
 

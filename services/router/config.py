@@ -33,6 +33,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # 0 = no router-side deadline
     drain_timeout_s: float = 5.0
     max_retries: int = 1  # extra attempts on another pair, only on UNAVAILABLE before the first token
+    circuit_breaker: bool = True  # skip a worker after cb_failure_threshold UNAVAILABLEs in a row (breaker.py)
+    cb_failure_threshold: int = 3
+    cb_timeout_s: float = 5.0  # how long an opened circuit skips its worker (doubles while it keeps failing)
     discovery: str = ""  # redis | static | k8s; "" = redis with --redis-url, else static
     k8s_namespace: str = ""  # "" = this pod's namespace
     k8s_selector: str = "app.kubernetes.io/part-of=tandem"  # EndpointSlices of the worker Services
@@ -73,6 +76,8 @@ class RouterConfig:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0:
             raise ValueError("timeouts and retries must be >= 0")
+        if self.cb_failure_threshold < 1 or self.cb_timeout_s <= 0:
+            raise ValueError("--cb-failure-threshold must be >= 1 and --cb-timeout-duration-secs > 0")
 
     @property
     def roles(self) -> tuple[int, ...]:
@@ -107,6 +112,10 @@ class RouterConfig:
             low_priority_values_first=args.low_priority_values_first,
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
+            max_retries=args.retry_max_retries,
+            circuit_breaker=not args.disable_circuit_breaker,
+            cb_failure_threshold=args.cb_failure_threshold,
+            cb_timeout_s=args.cb_timeout_duration_secs,
             discovery=args.discovery or "",
             k8s_namespace=args.k8s_namespace,
             k8s_selector=args.k8s_selector,
@@ -157,3 +166,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    add_resilience_arguments(p, d)
+
+
+def add_resilience_arguments(p: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Retry and circuit-breaker flags (SGLang router names); `tandem up` takes and forwards them too."""
+    p.add_argument("--retry-max-retries", type=int, default=d.max_retries,
+                   help="a request that fails with UNAVAILABLE before anything reached the client is tried again "
+                        "on another (prefill, decode) pair, up to this many times")
+    p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
+                   help="consecutive UNAVAILABLE failures after which a worker's circuit opens (it gets no new "
+                        "requests until the timeout passes, unless every worker of its role is open)")
+    p.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_s,
+                   help="seconds an opened circuit keeps its worker out; doubles while it keeps failing")
+    p.add_argument("--disable-circuit-breaker", action="store_true",
+                   help="never skip a failing worker (requests are still retried on another pair)")

@@ -25,6 +25,9 @@ class RouterMetrics:
         self.retries = Counter(
             "tandem_router_retries", "Requests retried on another pair after UNAVAILABLE", registry=self.registry
         )
+        self.open_circuits = Gauge(
+            "tandem_router_open_circuits", "Workers skipped by their open circuit breaker", registry=self.registry
+        )
         self.workers = Gauge("tandem_router_workers", "Registered workers by role", ["role"], registry=self.registry)
         self._httpd = None
 

@@ -23,6 +23,7 @@ from engine.scheduler.queue_policy import QueuePolicy
 from services.common.grpc_errors import PARAM_METADATA_KEY, abort, abort_with, status_for
 from services.common.registry import ROLE_NAMES, WorkerRegistry
 from services.router.admission import Admission
+from services.router.breaker import Breakers
 from services.router.channels import ChannelPool
 from services.router.config import RouterConfig
 from services.router.metrics import RouterMetrics
@@ -101,6 +102,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
             config.enable_priority_scheduling, config.low_priority_values_first))
         self._worker_inflight: Counter[str] = Counter()
+        self.breakers = Breakers(config.cb_failure_threshold, config.cb_timeout_s) if config.circuit_breaker else None
 
     # ---- public RPCs -------------------------------------------------------------------------
 
@@ -189,6 +191,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             candidates = self._candidates(role, model, failed | avoid) or self._candidates(role, model, failed)
             if not candidates:
                 raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no other {ROLE_NAMES[role]} worker to retry on")
+            if self.breakers is not None:
+                candidates = self.breakers.healthy(candidates)
             picked.append(self._policies[role].pick(candidates, self._worker_inflight))
         return picked
 
@@ -206,8 +210,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     await self._colocated(request, rid, current[0], relay, deadline)
                 else:
                     await self._disagg(request, rid, current[0], current[1], relay, deadline)
+                self._outcome(current, None)
                 return relay.sent
             except RouteError as e:
+                self._outcome(current, e)
+                if e.code == grpc.StatusCode.UNAVAILABLE and relay.sent:
+                    e.message += (f" (the stream broke after {relay.sent} chunk{'s' if relay.sent != 1 else ''}; "
+                                  "it is not resumed on another worker)")
                 retry = (
                     e.code == grpc.StatusCode.UNAVAILABLE and e.worker_id and relay.sent == 0
                     and attempt < self.config.max_retries and (deadline is None or time.monotonic() < deadline)
@@ -227,6 +236,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self._worker_inflight[w.worker_id] -= 1
                     if not self._worker_inflight[w.worker_id]:
                         del self._worker_inflight[w.worker_id]
+
+    def _outcome(self, pair: list[worker_pb2.WorkerInfo], err: RouteError | None) -> None:
+        """Feed the circuit breakers: a worker that answered UNAVAILABLE failed; a finished pair worked."""
+        if self.breakers is None:
+            return
+        for w in pair:
+            if err is None:
+                self.breakers.on_success(w)
+            elif err.code == grpc.StatusCode.UNAVAILABLE and err.worker_id == w.worker_id:
+                self.breakers.on_failure(w, err.message)
+        self.metrics.open_circuits.set(self.breakers.open_count())
 
     @staticmethod
     def _timeout(deadline: float | None) -> float | None:

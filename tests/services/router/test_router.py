@@ -212,6 +212,8 @@ def test_no_retry_after_the_first_token():
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
             assert info.value.code() == S.UNAVAILABLE
+            assert "worker shutting down" in info.value.details()
+            assert "broke after 1 chunk; it is not resumed on another worker" in info.value.details()
             assert d1.requests == []
 
     arun(body())
