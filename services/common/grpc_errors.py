@@ -16,6 +16,9 @@ import grpc
 from engine.errors import InvalidRequest, ModelNotFound, RequestAborted, ResourceExhausted, TandemError
 
 PARAM_METADATA_KEY = "tandem-error-param"
+# The worker a failure is due to when it is not the one that answered (a decode worker whose prefill
+# peer died): the router counts the failure against that worker and retries without it.
+FAILED_WORKER_METADATA_KEY = "tandem-failed-worker"
 
 # Most specific first: the first matching class wins.
 _CODE_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -28,12 +31,14 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {code: cls for cls, c
 
 
 class RpcFailed(TandemError):
-    """A remote call failed with a status that has no typed Tandem error (UNAVAILABLE, INTERNAL, ...)."""
+    """A remote call failed with a status that has no typed Tandem error (UNAVAILABLE, INTERNAL, ...).
+    `failed_worker`: the worker at fault when it is another one than the server answering."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, failed_worker: str = ""):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.failed_worker = failed_worker
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -48,7 +53,15 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 def trailing_metadata_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
     param = getattr(exc, "param", None)
-    return ((PARAM_METADATA_KEY, param),) if param else ()
+    culprit = getattr(exc, "failed_worker", "")
+    return ((PARAM_METADATA_KEY, param),) * bool(param) + ((FAILED_WORKER_METADATA_KEY, culprit),) * bool(culprit)
+
+
+def failed_worker_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    for key, value in metadata or ():
+        if key == FAILED_WORKER_METADATA_KEY:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
 
 
 async def abort(

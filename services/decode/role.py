@@ -41,4 +41,5 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
         worker=worker, role_pb=worker_pb2.WORKER_ROLE_DECODE, service_names=["tandem.v1.DecodeWorker"],
         add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,
         close=receiver.close, inflight=lambda: len(worker.streams),
+        on_listening=lambda addr: setattr(peers, "grpc_addr", addr),
     )

@@ -73,6 +73,7 @@ class BootstrapClient:
                  boot_epoch: int = 0):
         self.loop: EngineLoop | None = None
         self.worker_id = worker_id
+        self.grpc_addr = ""               # set once the server listens (RoleParts.on_listening)
         self.boot_epoch = boot_epoch
         self.receiver = receiver
         self.backend = backend
@@ -109,6 +110,7 @@ class BootstrapClient:
         req.transfer_backend = self.backend
         req.prefill_boot_epoch = room.prefill_epoch
         req.decode_boot_epoch = self.boot_epoch
+        req.decode_grpc_addr = self.grpc_addr
         error = None
         try:
             stub = self._stub(room.prefill_addr)

@@ -40,10 +40,11 @@ class PrefillPeers(Protocol):
 
 
 class TransferFailed(RpcFailed):
-    """The prompt's KV never arrived (prefill worker failed, aborted or timed out): UNAVAILABLE."""
+    """The prompt's KV never arrived (prefill worker failed, aborted or timed out): UNAVAILABLE.
+    `prefill_id` names the prefill worker it is due to (the router retries without it)."""
 
-    def __init__(self, message: str):
-        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+    def __init__(self, message: str, prefill_id: str = ""):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message, failed_worker=prefill_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,8 @@ class DecodeWorker:
         if room is None:
             return
         if error:
-            self._drop(room, TransferFailed(f"bootstrap with prefill worker {room.prefill_id} failed: {error}"))
+            self._drop(room, TransferFailed(f"bootstrap with prefill worker {room.prefill_id} failed: {error}",
+                                            room.prefill_id))
         elif room.state is RoomState.BOOTSTRAPPING:
             room.state = RoomState.WAITING_FOR_INPUT
 
@@ -149,6 +151,17 @@ class DecodeWorker:
             return
         metrics.idle_check(self.engine)
 
+    # --- peer liveness (services/worker/peers.py) ---------------------------------------------
+    def watched_peers(self) -> dict[str, str]:
+        """The prefill workers this worker waits on: queued and bootstrapped rooms."""
+        return {r.prefill_id: r.prefill_addr for r in (*self.prealloc, *self.transfer.values()) if r.prefill_addr}
+
+    def peer_lost(self, peer_id: str, reason: str) -> None:
+        """A prefill worker stopped answering: fail only the rooms that wait on it."""
+        for room in [r for r in (*self.prealloc, *self.transfer.values()) if r.prefill_id == peer_id]:
+            self._drop(room, TransferFailed(f"prefill worker {peer_id} is unreachable: {reason}", peer_id),
+                       reason="prefill worker unreachable")
+
     # --- internals ---------------------------------------------------------------------------
     def _admit(self) -> None:
         kv = self.sched.kv
@@ -177,11 +190,11 @@ class DecodeWorker:
                 self._start_decoding(room, status)
             elif status.state is RoomState.FAILED:
                 self._drop(room, TransferFailed(
-                    f"KV transfer from prefill worker {room.prefill_id} failed: {status.error}"))
+                    f"KV transfer from prefill worker {room.prefill_id} failed: {status.error}", room.prefill_id))
             elif now - room.bootstrapped_at > self.timeouts.transfer_s:
                 self._drop(room, TransferFailed(
                     f"KV transfer from prefill worker {room.prefill_id} timed out after "
-                    f"{self.timeouts.transfer_s:g}s"), reason="transfer timeout")
+                    f"{self.timeouts.transfer_s:g}s", room.prefill_id), reason="transfer timeout")
 
     def _start_decoding(self, room: DecodeRoom, status) -> None:
         aux = worker_pb2.AuxRecord.FromString(status.aux)

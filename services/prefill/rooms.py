@@ -17,6 +17,7 @@ class BootstrapInfo:
     peer_id: str
     dst_pages: list[int]
     decode_prefix_len: int          # tokens D already holds (page-aligned): P does not send them
+    peer_addr: str = ""             # D's gRPC address, for its liveness probe ("" : not watched)
 
 
 @dataclass(eq=False)

@@ -83,7 +83,7 @@ class BootstrapServicer(worker_pb2_grpc.BootstrapServicer):
         if request.page_size and request.page_size != self.worker.page_size:
             return worker_pb2.BootstrapResponse(
                 accepted=False, error=f"page size mismatch: decode {request.page_size}, prefill {self.worker.page_size}")
-        info = BootstrapInfo(peer, list(request.dst_page_ids), request.decode_prefix_len)
+        info = BootstrapInfo(peer, list(request.dst_page_ids), request.decode_prefix_len, request.decode_grpc_addr)
         try:
             await self.loop.call(lambda: self.worker.bootstrap(request.bootstrap_room, info))
         except TandemError as e:

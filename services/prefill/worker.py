@@ -133,6 +133,17 @@ class PrefillWorker:
             return  # rooms still waiting for their counterpart hold nothing, but are not idle
         metrics.idle_check(self.engine)
 
+    # --- peer liveness (services/worker/peers.py) ---------------------------------------------
+    def watched_peers(self) -> dict[str, str]:
+        """The decode workers this worker owes KV: rooms they bootstrapped that are not done."""
+        return {r.info.peer_id: r.info.peer_addr for r in self.rooms.values()
+                if r.info is not None and r.info.peer_addr and not r.state.done}
+
+    def peer_lost(self, peer_id: str, reason: str) -> None:
+        """A decode worker stopped answering: fail only the rooms bound for it."""
+        for room in [r for r in self.rooms.values() if r.info is not None and r.info.peer_id == peer_id]:
+            self._fail(room, f"decode worker {peer_id} is unreachable: {reason}")
+
     # --- internals ---------------------------------------------------------------------------
     def _check_capacity(self) -> None:
         if len(self.rooms) >= self.max_rooms:

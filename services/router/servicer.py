@@ -20,7 +20,13 @@ import grpc
 
 from engine.errors import ModelNotFound, TandemError
 from engine.scheduler.queue_policy import QueuePolicy
-from services.common.grpc_errors import PARAM_METADATA_KEY, abort, abort_with, status_for
+from services.common.grpc_errors import (
+    PARAM_METADATA_KEY,
+    abort,
+    abort_with,
+    failed_worker_from_metadata,
+    status_for,
+)
 from services.common.registry import ROLE_NAMES, WorkerRegistry
 from services.router.admission import Admission
 from services.router.breaker import Breakers
@@ -65,7 +71,9 @@ class RouteError(Exception):
         code, details = err.code(), err.details() or err.code().name
         message = details if code in _CALLER_CODES else f"{stage} worker {worker.worker_id} ({worker.grpc_addr}): {details}"
         trailing = [(k, v) for k, v in err.trailing_metadata() or () if k == PARAM_METADATA_KEY]
-        return cls(code, message, worker.worker_id, trailing)
+        # A decode worker may name the prefill worker its failure is due to: that one is blamed.
+        culprit = failed_worker_from_metadata(err.trailing_metadata()) or worker.worker_id
+        return cls(code, message, culprit, trailing)
 
 
 class _Relay:

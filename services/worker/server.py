@@ -33,6 +33,7 @@ from services.worker.faults import FaultInjector
 from services.worker.identity import WorkerIdentityServicer
 from services.worker.loop import EngineLoop
 from services.worker.metrics_server import start_metrics_server
+from services.worker.peers import PeerMonitor
 from services.worker.profiler import StepProfiler
 from services.worker.rdma import preflight
 from services.worker.step_stats import StepStats
@@ -59,6 +60,7 @@ class RoleParts:
     close: Callable[[], None] = lambda: None        # transfer backend teardown
     inflight: Callable[[], int] = lambda: 0          # requests (P: rooms, incl. transfers owed) in flight
     outstanding: Callable[[], int] = lambda: 0       # P: KV transfers owed to decode workers
+    on_listening: Callable[[str], None] = lambda addr: None  # told the gRPC address peers reach us at
     extra: dict = field(default_factory=dict)
 
 
@@ -121,6 +123,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     if port == 0:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
     addr = f"{wcfg.public_host}:{port}"
+    parts.on_listening(addr)
     engine_loop.start()
     if watchdog is not None:
         watchdog.start()
@@ -128,6 +131,10 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     for name in [LIVENESS, "", *parts.service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    monitor = None
+    if wcfg.peer_probe_s > 0 and hasattr(parts.worker, "peer_lost"):
+        monitor = PeerMonitor(engine_loop, parts.worker, wcfg.peer_probe_s)
+        monitor.start()
     metrics_port = _start_metrics(wcfg, profiler)
     info = worker_pb2.WorkerInfo(
         worker_id=wcfg.id, role=parts.role_pb, grpc_addr=addr,
@@ -154,6 +161,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
 
     await stop.wait()
     await _drain(wcfg, health_servicer, registry, heartbeat, parts)
+    if monitor is not None:
+        await monitor.close()
     await server.stop(grace=1.0)
     engine_loop.stop()
     if watchdog is not None:

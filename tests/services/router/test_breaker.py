@@ -76,3 +76,25 @@ def test_router_skips_a_worker_whose_circuit_opened():
             assert _metric(router, "tandem_router_open_circuits") == 1
 
     arun(body())
+
+
+def test_a_decode_failure_due_to_its_prefill_peer_is_retried_without_that_prefill():
+    class BlamesPrefill(FakeDecode):
+        """Fails the first attempt the way a decode worker whose prefill peer died does."""
+
+        async def _decode(self, request, context):
+            if len(self.requests) == 1:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is unreachable",
+                                    (("tandem-failed-worker", request.prefill_worker_id),))
+            await super()._decode(request, context)
+
+    async def body():
+        p0, p1, d = FakePrefill("hang"), FakePrefill(), BlamesPrefill(tokens=(4,))
+        async with cluster([p0, p1], [d]) as (router, stub):
+            out = await _collect(stub, _req())
+            assert [t for m in out for t in m.token_ids] == [4]
+            # The only decode worker is used again; the blamed prefill worker is not.
+            assert len(d.requests) == 2 and d.requests[1].prefill_worker_id == p1.addr
+            assert _metric(router, "tandem_router_retries_total") == 1
+
+    arun(body())
