@@ -24,7 +24,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     engine = LLMEngine(cfg)
     sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
                            wcfg.id, **transfer_options(wcfg, "sender"))
-    sender = wrap_sender(sender, wcfg.faults)
+    sender = wrap_sender(sender, wcfg.faults, wcfg.id)
     worker = PrefillWorker(engine, sender, PrefillTimeouts(wcfg.bootstrap_timeout_s, wcfg.transfer_timeout_s),
                            max_rooms=wcfg.max_queue)
 

@@ -22,11 +22,13 @@ class FaultySender(KVSender):
     A room drawn to fail is aborted (the real abort: D is told, and no write of the room lands after it
     returns) right after its first write, so the failure travels the same path as a real one."""
 
-    def __init__(self, inner: KVSender, cfg: FaultConfig):
+    def __init__(self, inner: KVSender, cfg: FaultConfig, worker_id: str = ""):
         self.inner = inner
         self.name = inner.name
         self.cfg = cfg
-        self._rng = random.Random(cfg.seed)
+        # With a seed, each worker draws its own reproducible sequence (the same seed on every worker
+        # must not make their failures coincide, or a retry on another worker would fail in step).
+        self._rng = random.Random(None if cfg.seed is None else f"{cfg.seed}/{worker_id}")
         self._lock = threading.Lock()
         self._fated: dict[int, bool] = {}                 # room -> drawn to fail
         self._timers: dict[int, threading.Timer] = {}     # delayed finish() per room
@@ -106,6 +108,6 @@ class FaultySender(KVSender):
         self.inner.close()
 
 
-def wrap_sender(sender: KVSender, cfg: FaultConfig) -> KVSender:
+def wrap_sender(sender: KVSender, cfg: FaultConfig, worker_id: str = "") -> KVSender:
     """The sender itself unless transfer faults are configured."""
-    return FaultySender(sender, cfg) if cfg.transfers else sender
+    return FaultySender(sender, cfg, worker_id) if cfg.transfers else sender

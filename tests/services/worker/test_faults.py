@@ -102,3 +102,11 @@ def test_delayed_finish_and_abort_cancels_it(pair):
     assert wait_done(lambda: rx.poll(2)).state is RoomState.FAILED
     time.sleep(0.4)
     assert faulty.status(2).state is RoomState.FAILED
+
+
+def test_same_seed_different_workers_draw_differently(pair):
+    tx, _ = pair
+    cfg = FaultConfig(transfer_fail=0.5, seed=1)
+    a, b, a2 = FaultySender(tx, cfg, "p0"), FaultySender(tx, cfg, "p1"), FaultySender(tx, cfg, "p0")
+    draws = [[s._fails(room) for room in range(64)] for s in (a, b, a2)]
+    assert draws[0] == draws[2] and draws[0] != draws[1]

@@ -1,0 +1,116 @@
+"""The deployment a chaos run works on: `tandem up` as a child, its processes' pids as they restart,
+and each worker's KV pages and idle self-check from /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+
+UP_PREFIX = "TANDEM_UP "
+RESTARTED_PREFIX = "TANDEM_RESTARTED "
+
+
+class ChaosStack:
+    """`tandem up --ready-json` (2P2D by default); `pids[name]` and `workers[name]` follow restarts."""
+
+    def __init__(self, args: list[str], timeout_s: float = 600.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--quiet",
+             "--ready-json", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.log: deque[str] = deque(maxlen=2000)
+        self.info: dict = {}
+        self.pids: dict[str, int] = {}
+        self.workers: dict[str, dict] = {}            # name (prefill-0) -> its latest READY JSON
+        self.restarted: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        ready = threading.Event()
+        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        if not ready.wait(timeout_s) or not self.info:
+            self.close()
+            raise RuntimeError("tandem up did not come up:\n" + "\n".join(self.log))
+
+    def _pump(self, ready: threading.Event) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.log.append(line)
+            if line.startswith(UP_PREFIX) and not self.info:
+                self.info = json.loads(line[len(UP_PREFIX):])
+                with self._lock:
+                    self.pids = dict(self.info["pids"])
+                    self.workers = {_name(w): w for w in self.info["workers"]}
+                ready.set()
+            elif line.startswith(RESTARTED_PREFIX):
+                event = json.loads(line[len(RESTARTED_PREFIX):])
+                with self._lock:
+                    self.pids[event["name"]] = event["pid"]
+                    if event["ready"].get("role") in ("prefill", "decode", "colocated"):
+                        self.workers[event["name"]] = event["ready"]
+                    self.restarted.setdefault(event["name"], threading.Event()).set()
+        ready.set()
+
+    @property
+    def gateway(self) -> str:
+        return self.info["gateway"]
+
+    def kill(self, name: str) -> None:
+        with self._lock:
+            self.restarted[name] = threading.Event()
+            pid = self.pids[name]
+        os.kill(pid, signal.SIGKILL)
+
+    def wait_restarted(self, name: str, timeout_s: float) -> bool:
+        return self.restarted.get(name, threading.Event()).wait(timeout_s)
+
+    def kv(self) -> dict[str, dict]:
+        """Per worker: free and total KV pages, idle self-check failures (None if /metrics is down)."""
+        with self._lock:
+            workers = dict(self.workers)
+        out = {}
+        for name, w in workers.items():
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=5).read().decode()
+            except OSError:
+                out[name] = None
+                continue
+            out[name] = {"free": _sample(text, 'tandem_kv_pages{state="free"}'),
+                         "total": _sample(text, 'tandem_kv_pages{state="total"}'),
+                         "idle_check_failures": _sample(text, "tandem_idle_check_failures_total")}
+        return out
+
+    def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict]:
+        """Poll until every worker shows free == total pages (or the timeout), then report."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            kv = self.kv()
+            if all(v is not None and v["free"] == v["total"] for v in kv.values()) or time.monotonic() > deadline:
+                return kv
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def _name(worker: dict) -> str:
+    # worker ids are NAME-<launcher pid> (services/launcher/up.py)
+    return worker["worker_id"].rsplit("-", 1)[0]
+
+
+def _sample(text: str, name: str) -> float:
+    m = re.search("^" + re.escape(name) + r" (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
