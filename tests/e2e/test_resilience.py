@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import time
 
+import grpc
 import pytest
 
+from tandem.v1 import generation_pb2
 from tests.e2e.stack import Stack
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ENGINE = ("--dtype", "float32", "--page-size", "4", "--max-total-tokens", "4096", "--transfer-backend", "tcp")
 
@@ -37,4 +40,50 @@ def test_a_stopped_prefill_worker_fails_only_its_rooms_and_they_are_retried(tiny
         assert free == total, f"decode worker leaked pages: {free}/{total}"
     finally:
         os.kill(victim["pid"], signal.SIGCONT)
+        stack.close()
+
+
+def _restarted(stack: Stack, name: str, timeout_s: float = 90.0) -> dict:
+    """The TANDEM_RESTARTED event of `name` (waits for it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(stack.log):
+            if line.startswith("TANDEM_RESTARTED ") and json.loads(line[17:])["name"] == name:
+                return json.loads(line[17:])
+        time.sleep(0.2)
+    raise AssertionError(f"{name} was not restarted:\n" + "\n".join(stack.log))
+
+
+def test_decode_killed_mid_stream_ends_it_clearly_and_is_restarted(tiny_llama):
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--prefill", "1", "--decode", "1")
+    try:
+        decode = stack.workers("decode")[0]
+        req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+        req.token_ids.ids.extend(range(3, 30))
+        call = stack.stub.Generate(req, timeout=60)
+        got = 0
+        with pytest.raises(grpc.RpcError) as err:
+            for chunk in call:
+                got += len(chunk.token_ids)
+                if got >= 3 and decode["pid"]:
+                    os.kill(decode["pid"], signal.SIGKILL)
+                    decode["pid"] = 0
+        assert 3 <= got < 400
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode worker" in err.value.details() and "not resumed" in err.value.details()
+        event = _restarted(stack, "decode-0")
+        assert event["restarts"] == 1 and event["pid"] != stack.workers("decode")[0]["pid"]
+        # The new instance serves (under the same worker id, a new boot epoch); the prefill side is clean.
+        t0 = time.monotonic()
+        while True:
+            try:
+                assert len(stack.generate([5, 6, 7], timeout=10, max_tokens=3, ignore_eos=True).token_ids) == 3
+                break
+            except grpc.RpcError:
+                assert time.monotonic() - t0 < 30, "the restarted decode worker never served"
+                time.sleep(0.3)
+        free, total = stack.wait_pages_free(stack.workers("prefill")[0])
+        assert free == total
+        assert "decode-0 exited (killed by SIGKILL); restarting it" in "\n".join(stack.log)
+    finally:
         stack.close()
