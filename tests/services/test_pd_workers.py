@@ -146,3 +146,32 @@ def test_client_cancel_during_transfer_frees_both_sides(pair):
     drive(prefill, decode, lambda: not prefill.rooms and not decode.streams)
     prefill.engine.check_idle()
     decode.engine.check_idle()
+
+
+def test_a_lost_peer_fails_only_its_own_rooms_on_both_sides(pair):
+    prefill, decode, peers = pair
+    # D waits on two prefill workers; only "gone" is lost.
+    results = {}
+    for room, pid in ((21, "gone"), (22, "p")):
+        req = decode.engine.make_request(list(range(3, 12)), SamplingParams(max_tokens=3), f"r{room}")
+        decode.add(DecodeRoom(room, req, f"{pid}:1", pid, results.setdefault(f"r{room}", []).append))
+    assert decode.watched_peers() == {"gone": "gone:1", "p": "p:1"}
+    decode.peer_lost("gone", "its liveness probe failed 3 times")
+    [err] = results["r21"]
+    assert isinstance(err, TransferFailed) and "prefill worker gone is unreachable" in str(err)
+    assert err.failed_worker == "gone"                 # the router blames (and avoids) the prefill worker
+    assert results["r22"] == [] and "r22" in decode.streams
+    decode.cancel("r22")
+    decode.engine.check_idle()
+
+    # P owes KV to decode worker "d" (bootstrapped, with its address) and is lost.
+    responses = []
+    prefill.sender.connect("d", peers.receiver.metadata())
+    prefill.add_prefill(31, "q31", [5, 6, 7], SamplingParams(max_tokens=2), responses.append)
+    prefill.bootstrap(31, BootstrapInfo("d", [0], 0, "d:9"))
+    assert prefill.watched_peers() == {"d": "d:9"}
+    prefill.peer_lost("d", "its liveness probe failed 3 times")
+    assert responses[0].state == worker_pb2.TRANSFER_STATE_FAILED
+    assert "decode worker d is unreachable" in responses[0].error
+    assert not prefill.rooms and prefill.watched_peers() == {}
+    prefill.engine.check_idle()
