@@ -100,7 +100,8 @@ def recovery_s(outcomes: list[Outcome], since: float | None) -> float | None:
     return round(rest[0].start - since, 2) if rest else None
 
 
-def summarize(phase: str, outcomes: list[Outcome], killed_at: float | None, kv: dict) -> dict:
+def summarize(phase: str, outcomes: list[Outcome], killed_at: float | None, kv: dict, retries: float | None,
+              back_at: float | None = None) -> dict:
     errors = [o for o in outcomes if o.kind == "error"]
     leaked = {n: (v["total"] - v["free"]) if v else None for n, v in kv.items()}
     return {
@@ -111,6 +112,8 @@ def summarize(phase: str, outcomes: list[Outcome], killed_at: float | None, kv: 
         "idle_check_failures": sum(v["idle_check_failures"] for v in kv.values() if v),
         "workers_unreadable": sorted(n for n, v in kv.items() if v is None),
         "recovery_s": recovery_s(outcomes, killed_at),
+        "router_retries": retries,
+        "restarted_in_s": round(back_at - killed_at, 2) if back_at and killed_at else None,
         "error_samples": sorted({f"{o.status} {o.message}"[:160] for o in errors})[:5],
     }
 
@@ -130,12 +133,14 @@ def drill(stack_args: list[str], phases: list[str], args: argparse.Namespace, lo
         for phase in phases:
             victim = None if phase in ("baseline", "transfer_fail") else phase
             kill = (args.kill_at_s, lambda v=victim: stack.kill(v)) if victim else None
+            retries_before = stack.router_retries() or 0.0
             outcomes, killed_at = run_load(stack.gateway, model, args.rate, args.phase_s, args.hang_s,
                                            args.max_tokens, kill)
             if victim and not stack.wait_restarted(victim, 120):
                 log(f"{victim} did not come back within 120s")
             row = summarize(phase if phase != "transfer_fail" else f"transfer_fail={args.transfer_fail:g}",
-                            outcomes, killed_at, stack.wait_idle())
+                            outcomes, killed_at, stack.wait_idle(), _delta(retries_before, stack.router_retries()),
+                            stack.back_at.get(victim) if victim else None)
             rows.append(row)
             log(json.dumps({k: v for k, v in row.items() if k != "leaked_by_worker"}))
     finally:
@@ -180,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         log(f"FAILED phases (hung, leaked pages or unclear errors): {bad}")
     return 1 if bad else 0
+
+
+def _delta(before: float, after: float | None) -> float | None:
+    """A counter's growth; a restarted router counts from 0 again (then only its own part is seen)."""
+    if after is None:
+        return None
+    return after - before if after >= before else after
 
 
 def _uptime() -> str:

@@ -32,6 +32,8 @@ class ChaosStack:
         self.pids: dict[str, int] = {}
         self.workers: dict[str, dict] = {}            # name (prefill-0) -> its latest READY JSON
         self.restarted: dict[str, threading.Event] = {}
+        self.router_metrics_port: int | None = None
+        self.back_at: dict[str, float] = {}                # name -> when its restarted instance was ready
         self._lock = threading.Lock()
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
@@ -46,6 +48,7 @@ class ChaosStack:
             if line.startswith(UP_PREFIX) and not self.info:
                 self.info = json.loads(line[len(UP_PREFIX):])
                 with self._lock:
+                    self.router_metrics_port = self.info.get("router_metrics_port")
                     self.pids = dict(self.info["pids"])
                     self.workers = {_name(w): w for w in self.info["workers"]}
                 ready.set()
@@ -55,6 +58,9 @@ class ChaosStack:
                     self.pids[event["name"]] = event["pid"]
                     if event["ready"].get("role") in ("prefill", "decode", "colocated"):
                         self.workers[event["name"]] = event["ready"]
+                    elif event["name"] == "router":
+                        self.router_metrics_port = event["ready"].get("metrics_port")
+                    self.back_at[event["name"]] = time.monotonic()
                     self.restarted.setdefault(event["name"], threading.Event()).set()
         ready.set()
 
@@ -86,6 +92,15 @@ class ChaosStack:
                          "total": _sample(text, 'tandem_kv_pages{state="total"}'),
                          "idle_check_failures": _sample(text, "tandem_idle_check_failures_total")}
         return out
+
+    def router_retries(self) -> float | None:
+        """The router's retries counter (it restarts from 0 with the router); None if unreadable."""
+        try:
+            url = f"http://127.0.0.1:{self.router_metrics_port}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except (OSError, TypeError):
+            return None
+        return _sample(text, "tandem_router_retries_total")
 
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict]:
         """Poll until every worker shows free == total pages (or the timeout), then report."""
