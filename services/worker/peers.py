@@ -24,6 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 log = logging.getLogger(__name__)
 
 LIVENESS = "liveness"
+# A refused probe must not leave the channel in gRPC's default minutes-long reconnect backoff: the
+# next probe would fail fast without asking a peer that may be back.
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500))
 
 
 class PeerMonitor:
@@ -80,7 +83,7 @@ class PeerMonitor:
         """None when the peer answers SERVING, else why not."""
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         try:
             resp = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=LIVENESS), timeout=self.timeout_s)
