@@ -1,8 +1,9 @@
 """`tandem up` keeps its processes running: a child that dies is started again, the rest keep serving.
 
 Each supervised process has a `start()` that launches a fresh instance (a worker with its old flags
-and id, the router and the gateway on the ports they had, Redis on the same socket). A death is
-logged with the exit status; the restart waits an exponential backoff (`backoff_s`, doubling up to
+and id, the router and the gateway on the ports they had, Redis on the same socket). A process that
+exits with code 0 was stopped on purpose (SIGTERM, then a clean drain): it is left down and listed
+in `stopped`. Any other end is a death, logged with the exit status; the restart waits an exponential backoff (`backoff_s`, doubling up to
 `max_backoff_s`, back to `backoff_s` once an instance has run `stable_s`), and each process may be
 restarted at most `max_restarts` times (then it stays down and `gave_up` names it). Once a restarted
 instance is ready, `on_ready(name, restarts, ready)` is called (the launcher prints a line for scripts).
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def describe_exit(code: int | None) -> str:
-    """`exit code 3` / `killed by SIGKILL`."""
+    """`code 3` / `killed by SIGKILL`."""
     if code is None:
         return "still running"
     if code < 0:
@@ -32,7 +33,7 @@ def describe_exit(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"code {code}"
 
 
 @dataclass(eq=False)
@@ -62,6 +63,7 @@ class Supervisor:
         self.clock = clock
         self.entries: dict[str, Supervised] = {}
         self.gave_up: list[str] = []
+        self.stopped: list[str] = []               # exited 0: stopped on purpose, not restarted
 
     def add(self, name: str, child: Child, start: Callable[[], Child],
             ready_probe: Callable[[Child], bool] | None = None) -> Supervised:
@@ -88,7 +90,11 @@ class Supervisor:
 
     def _died(self, e: Supervised, now: float) -> None:
         e.last_exit = e.child.proc.returncode if e.child.proc is not None else None
-        if e.name in self.gave_up:
+        if e.name in self.gave_up or e.name in self.stopped:
+            return
+        if e.last_exit == 0:
+            self.stopped.append(e.name)
+            log.warning("%s exited (code 0): stopped on purpose, not restarted; the rest keep serving", e.name)
             return
         if now - e.started_at >= self.stable_s:
             e.backoff_s = self.backoff_s             # it had been running fine: a fresh failure

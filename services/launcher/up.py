@@ -216,8 +216,9 @@ def run_up(cfg: UpConfig) -> int:
                          _port_of(summary.get("gateway", "")), redis)
         while not stop.wait(0.5):
             sup.poll()
-            if {"router", "gateway"} & set(sup.gave_up):
-                log.error("%s stays down: shutting down", " and ".join(sorted({"router", "gateway"} & set(sup.gave_up))))
+            down = {"router", "gateway"} & {*sup.gave_up, *sup.stopped}
+            if down:
+                log.error("%s stays down: shutting down", " and ".join(sorted(down)))
                 return 1
         return 0
     except _Interrupted:

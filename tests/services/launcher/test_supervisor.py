@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+
 from services.launcher.procs import Child
 from services.launcher.supervisor import Supervisor, describe_exit
 
@@ -29,7 +31,7 @@ def poll_until(sup: Supervisor, pred, timeout: float = 20.0) -> bool:
 
 def test_exit_status_in_words():
     assert describe_exit(-9) == "killed by SIGKILL"
-    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(3) == "code 3"
 
 
 def test_a_killed_child_comes_back_counted_and_announced(caplog):
@@ -51,6 +53,17 @@ def test_a_killed_child_comes_back_counted_and_announced(caplog):
     finally:
         for e in sup.entries.values():
             e.child.kill()
+
+
+def test_a_clean_exit_was_on_purpose_and_is_not_restarted():
+    sup = Supervisor(backoff_s=0.01)
+    child = Child("q", [sys.executable, "-c", "pass"])
+    child.start()
+    sup.add("q", child, lambda: pytest.fail("restarted a process that exited 0"))
+    assert poll_until(sup, lambda: sup.stopped == ["q"])
+    for _ in range(5):
+        sup.poll()
+    assert sup.restarts() == {"q": 0} and sup.gave_up == []
 
 
 def test_gives_up_after_max_restarts():
