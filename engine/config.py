@@ -46,6 +46,12 @@ class EngineConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay_steps: int = 600
     num_threads: int | None = None        # torch intra-op threads; None: torch's default
+    # Decode steps from graphs captured for fixed (padded) batch sizes: CUDA graphs on CUDA,
+    # torch.compile/inductor on CPU (engine/graph_runner.py). None: on where that measured faster
+    # than eager (CUDA; not this project's 2-core CPU, see docs/benchmarks.md).
+    enable_graph: bool | None = None
+    graph_max_bs: int | None = None       # largest captured batch (<= max_running_requests); None: 256 CUDA, 32 CPU
+    graph_bs: tuple[int, ...] | None = None   # the sizes to capture (<= graph_max_bs); None: the device's list
     seed: int = 0
 
     def validate(self) -> None:
@@ -69,5 +75,13 @@ class EngineConfig:
             raise InvalidRequest("mixed_chunk_ttft_target_s must be >= 0 (0: off)", "mixed_chunk_ttft_target_s")
         if self.chunked_prefill_size < self.page_size:
             raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
+        if self.graph_max_bs is not None and self.graph_max_bs < 1:
+            raise InvalidRequest(f"graph_max_bs must be >= 1, got {self.graph_max_bs}", "graph_max_bs")
+        if self.graph_bs is not None:
+            if not self.graph_bs or any(not isinstance(b, int) or b < 1 for b in self.graph_bs):
+                raise InvalidRequest(f"graph_bs must be batch sizes >= 1, got {self.graph_bs}", "graph_bs")
+            if self.graph_max_bs is not None and min(self.graph_bs) > self.graph_max_bs:
+                raise InvalidRequest(f"graph_bs {self.graph_bs} has no size <= graph_max_bs {self.graph_max_bs}",
+                                     "graph_bs")
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("context_length must be >= 2", "context_length")

@@ -16,6 +16,7 @@ import torch
 from engine.attention.base import create_backend
 from engine.config import EngineConfig
 from engine.forward_context import ForwardContext
+from engine.graph_runner import create_graph_runner
 from engine.kv_pool import KVPool, KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.models.registry import model_class
@@ -81,6 +82,8 @@ class ModelRunner:
         self.pool = KVPool(spec, self.device, kv_allocator(spec) if kv_allocator else None)
         self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
         self.sampler = Sampler()
+        # Decode steps from captured graphs (None: always eager); captures them now.
+        self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)
         self._generators: dict[str, torch.Generator] = {}
         # Sampled tokens by future slot (engine/scheduler/future.py): written after each step's
         # sampling, read by the next step's inputs when overlap scheduling planned it early.
@@ -193,7 +196,7 @@ class ModelRunner:
         if step.has_future_inputs:
             ids = ctx.input_ids
             ctx.input_ids = torch.where(ids < 0, self.future_map[(-ids - 1).clamp_(min=0)], ids)
-        logits = self.model(ctx)   # with nothing to sample, still writes every layer's KV
+        logits = self.forward(ctx)   # with nothing to sample, still writes every layer's KV
         t2 = time.perf_counter()
         if not step.sampling:
             self.forward_spans.append((t1, t2))
@@ -215,6 +218,12 @@ class ModelRunner:
         self.forward_spans.append((t1, t3))
         self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
         return result
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """The model's logits for `ctx`: from a captured graph when one fits (a decode step of at most
+        the largest captured size), else eager."""
+        logits = self.graphs.forward(ctx) if self.graphs is not None else None
+        return self.model(ctx) if logits is None else logits
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -49,15 +49,51 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed later) a running one whose priority is lower by more than this")
     p.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: torch's own choice; `tandem up` splits the cores between workers)")
+    _on_off(p, "graph", d.enable_graph,
+            "run decode steps from graphs captured at start-up for fixed batch sizes (CUDA graphs on GPU, "
+            "torch.compile/inductor on CPU; compiled graphs are cached under ~/.cache/tandem/inductor). Default: "
+            "on for CUDA, off on CPU (within 7%% of eager on the project's 2-core CPU, not worth the compile; "
+            "docs/benchmarks.md)",
+            "always run the model eagerly (SGLang's --disable-cuda-graph)", off_aliases=("--disable-cuda-graph",))
+    p.add_argument("--graph-max-bs", type=_positive_int, default=d.graph_max_bs, metavar="N",
+                   help="largest decode batch run from a graph (bigger ones run eagerly); default: "
+                        "--max-running-requests, at most 256 on CUDA / 32 on CPU")
+    p.add_argument("--graph-bs", type=_batch_sizes, default=None, metavar="LIST",
+                   help="the batch sizes to capture, comma-separated (a batch runs the smallest one that holds it, "
+                        "padded); default: 1,2,4,8,12,16,24,32,40,... on CUDA, 1,2,4,8,16,24,32 on CPU, up to "
+                        "--graph-max-bs")
 
 
-def _on_off(p: argparse.ArgumentParser, name: str, default: bool | None, on_help: str, off_help: str) -> None:
-    """`--enable-NAME` / `--disable-NAME`, one destination (`enable_NAME`); both carry the default so
-    that `engine_argv` sees it (argparse would report store_false's implicit True)."""
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _batch_sizes(text: str) -> str:
+    """`1,2,4`: kept as text (forwarded as is to workers); `engine_config_from_args` makes the tuple."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes >= 1, got {text!r}")
+    return ",".join(map(str, sorted(set(sizes))))
+
+
+def _on_off(p: argparse.ArgumentParser, name: str, default: bool | None, on_help: str, off_help: str,
+            off_aliases: tuple[str, ...] = ()) -> None:
+    """`--enable-NAME` / `--disable-NAME` (and `off_aliases`), one destination (`enable_NAME`); both
+    carry the default so that `engine_argv` sees it (argparse would report store_false's implicit True)."""
     dest = "enable_" + name.replace("-", "_")
     group = p.add_mutually_exclusive_group()
     group.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=default, help=on_help)
-    group.add_argument(f"--disable-{name}", dest=dest, action="store_false", default=default, help=off_help)
+    group.add_argument(f"--disable-{name}", *off_aliases, dest=dest, action="store_false", default=default,
+                       help=off_help)
 
 
 def add_queue_arguments(p: argparse.ArgumentParser, max_queued_default: int) -> None:
@@ -115,4 +151,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         low_priority_values_first=args.low_priority_values_first,
         priority_preemption_threshold=args.priority_preemption_threshold,
         num_threads=args.num_threads,
+        enable_graph=args.enable_graph,
+        graph_max_bs=args.graph_max_bs,
+        graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None,
     )

@@ -230,6 +230,9 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         return 2
     if wcfg.log_stats_interval_s > 0 and not step_stats.log.isEnabledFor(logging.INFO):
         step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
+    graph_log = logging.getLogger("engine.graph_runner")
+    if not graph_log.isEnabledFor(logging.INFO):
+        graph_log.setLevel(logging.INFO)  # the progress line while decode graphs are captured
     try:
         return asyncio.run(serve_worker(engine_cfg, wcfg))
     except KeyboardInterrupt:

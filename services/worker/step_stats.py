@@ -71,6 +71,7 @@ class StepStats:
         self.log_interval_s = log_interval_s
         self.clock = clock
         self._seen = None        # the last batch accounted for (a step may run no forward pass)
+        self._graph_steps = 0    # the runner's graph replays accounted for
         self._w = _Window()
 
     def before_step(self) -> None:
@@ -89,6 +90,10 @@ class StepStats:
             metrics.STEP_TOKENS_TOTAL.labels("prefill").inc(shape.prefill_tokens)
         if shape.decode_tokens:
             metrics.STEP_TOKENS_TOTAL.labels("decode").inc(shape.decode_tokens)
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None and graphs.replays > self._graph_steps:
+            metrics.GRAPH_STEPS.inc(graphs.replays - self._graph_steps)
+            self._graph_steps = graphs.replays
         if self.log_interval_s <= 0:
             return
         now = self.clock()

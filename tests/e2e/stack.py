@@ -91,6 +91,12 @@ class Stack:
         return {m.group(1): float(m.group(2))
                 for m in re.finditer(r'tandem_worker_requests_total\{outcome="(\w+)"\} (\S+)', text)}
 
+    def metric(self, worker: dict, name: str) -> float:
+        """One unlabelled sample of a worker's /metrics (0 when absent)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{worker['metrics_port']}/metrics", timeout=5).read().decode()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
     def wait_pages_free(self, worker: dict, timeout_s: float = 15.0) -> tuple[float, float]:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -109,6 +109,23 @@ def test_overlap_schedule_matches_transformers(tiny_llama, reference, mode):
         stack.close()
 
 
+def test_decode_graphs_match_colocated_and_transformers(tiny_llama, reference, colocated_outputs):
+    # The decode worker runs decode steps from graphs (inductor on CPU) of sizes 1, 2 and 4: the
+    # burst's larger batches run eagerly, its tail from graphs, 3 rows padded to 4. The prefill worker
+    # is given the flag too and ignores it (it never decodes).
+    items, hf_outs = reference
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "shm",
+                  "--enable-graph", "--graph-bs", "1,2,4")
+    try:
+        outs = run_concurrently(stack, items)
+        assert outs == colocated_outputs
+        assert outs == hf_outs
+        assert stack.metric(stack.workers("decode")[0], "tandem_graph_steps_total") > 0
+        assert stack.metric(stack.workers("prefill")[0], "tandem_graph_steps_total") == 0
+    finally:
+        stack.close()
+
+
 def test_bad_request_gets_clear_error(tiny_llama):
     stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
     try:

@@ -46,14 +46,17 @@ def test_up_forwards_every_engine_flag_to_workers():
 
     values = {"--model": "/m", "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
               "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
-              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5", "--mixed-chunk-ttft-target": "0.5",
-              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1"}
+              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
+              "--mixed-chunk-ttft-target": "0.5", "--max-queued-requests": "9", "--priority-preemption-threshold": "4",
+              "--num-threads": "1", "--graph-max-bs": "3", "--graph-bs": "1,3"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
-                "--low-priority-values-first", "--enable-overlap-schedule"]
+                "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
-    assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule"} == set(values) | set(switches), "a new engine flag needs a value here"
+    # Each mutually exclusive pair is covered by one of its two flags.
+    assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule", "--disable-graph"} == \
+        set(values) | set(switches), "a new engine flag needs a value here"
     argv = [x for kv in values.items() for x in kv] + switches
     up = build_parser().parse_args(["up", *argv])
     worker = engine_config_from_args(build_parser().parse_args(["colocated", *_engine_argv(up)]))

@@ -110,3 +110,18 @@ def test_interval_zero_logs_nothing(caplog):
         runner.last_batch = StepBatch([decode_row()])
         stats.after_step(1.0)
     assert not caplog.records
+
+
+def test_graph_steps_counter_follows_the_runners_replays():
+    class Graphs:
+        replays = 0
+
+    runner = Runner()
+    runner.graphs = Graphs()
+    stats = StepStats(runner, Load, "w", log_interval_s=0)
+    before = _sample("tandem_graph_steps_total")
+    for replays in (1, 2, 2):   # two decode steps from a graph, then one that ran eagerly
+        runner.graphs.replays = replays
+        runner.last_batch = StepBatch([decode_row()])
+        stats.after_step(0.01)
+    assert _sample("tandem_graph_steps_total") - before == 2
