@@ -46,8 +46,10 @@ def test_up_forwards_every_engine_flag_to_workers():
 
     values = {"--model": "/m", "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
               "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
-              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5", "--mixed-chunk-ttft-target": "0.5",
-              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1"}
+              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
+              "--mixed-chunk-ttft-target": "0.5",
+              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1",
+              "--prefill-schedule-policy": "fcfs", "--prefill-max-wait": "0.5"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule"]
     probe = argparse.ArgumentParser()
