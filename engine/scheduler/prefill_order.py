@@ -43,3 +43,9 @@ class PrefillOrder:
             return (-queue.urgency(r), not overdue, r.arrival if overdue else rest, r.arrival)
 
         return sorted(prefilling + waiting, key=key)
+
+
+def tokens_to_prefill(prefilling: Iterable[Request], waiting: Iterable[Request]) -> int:
+    """Prompt tokens a worker still has to compute (what the router balances prefill work by);
+    waiting requests count in full, as their prefix-cache hit is not known before admission."""
+    return sum(r.fill_len - r.num_computed for r in prefilling) + sum(len(r.all_ids) for r in waiting)

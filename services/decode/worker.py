@@ -21,6 +21,7 @@ from engine.engine import LLMEngine
 from engine.errors import ResourceExhausted
 from engine.outputs import RequestOutput
 from engine.scheduler.batch import SampledToken
+from engine.scheduler.prefill_order import tokens_to_prefill
 from engine.scheduler.queue_policy import PolicyQueue
 from engine.scheduler.request import Request
 from kvtransfer.base import KVReceiver, RoomState
@@ -240,4 +241,5 @@ class DecodeWorker:
             running=len(self.sched.running) + len(self.transfer),
             waiting=len(self.prealloc) + len(self.sched.waiting),
             free_pages=kv.available_pages, total_pages=kv.num_pages,
+            prefill_tokens=tokens_to_prefill(self.sched.prefilling, self.sched.waiting),
         )
