@@ -63,3 +63,16 @@ def test_up_forwards_every_engine_flag_to_workers():
     default = dataclasses.asdict(EngineConfig())
     no_flag = {"seed", "init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps"}
     assert all(v != default[k] for k, v in dataclasses.asdict(worker).items() if k not in no_flag), worker
+
+
+def test_up_forwards_the_routing_flags_to_the_router():
+    from services.router.route_config import RouteConfig
+
+    flags = ["--local-prefill-max-tokens", "-1", "--max-prefill-queue-tokens", "100", "--balance-abs-threshold",
+             "3", "--balance-rel-threshold", "2.5", "--prefix-cache-ttl", "7"]
+    args = build_parser().parse_args(["up", "--policy", "cache_aware", *flags])
+    router = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
+                                                                "--policy", args.policy, *_router_argv(args)]))
+    assert router.policy == "cache_aware"
+    assert router.route == RouteConfig(-1, 100, 3, 2.5, 7.0)
+    assert not set(_router_argv(build_parser().parse_args(["up"]))) & set(flags[::2])  # defaults: the router's own
