@@ -104,15 +104,19 @@ def _long_prompts(stub, seed: int, stop: threading.Event, itl: list[float]) -> N
         itl.extend(_stream(stub, [r.randrange(100, 40000) for _ in range(1500)], 32)[1])
 
 
+SETUPS = {
+    "on": ["--prefill", "2", "--decode", "2"],  # + --local-prefill-max-tokens --local-max
+    "off": ["--prefill", "2", "--decode", "2", "--local-prefill-max-tokens", "-1"],
+    "off-fcfs": ["--prefill", "2", "--decode", "2", "--local-prefill-max-tokens", "-1",
+                 "--prefill-schedule-policy", "fcfs"],
+    "colocated": ["--mode", "colocated"],
+}
+
+
 def short_prompts(args) -> dict:
-    setups = {
-        "disagg, local prefill on": ["--prefill", "2", "--decode", "2",
-                                     "--local-prefill-max-tokens", str(args.local_max)],
-        "disagg, local prefill off": ["--prefill", "2", "--decode", "2", "--local-prefill-max-tokens", "-1"],
-        "co-located": ["--mode", "colocated"],
-    }
     out = {}
-    for name, flags in setups.items():
+    for name in args.setups.split(","):
+        flags = SETUPS[name] + (["--local-prefill-max-tokens", str(args.local_max)] if name == "on" else [])
         up = Up(*flags, *args.up_args)
         rng = random.Random(0)
         stop = threading.Event()
@@ -124,17 +128,21 @@ def short_prompts(args) -> dict:
             for t in threads:
                 t.start()
             time.sleep(args.warmup_s)
-            ttfts = []
-            for _ in range(args.num_short):
-                n = rng.randrange(16, 65)
-                ttfts.append(_stream(stub, [rng.randrange(100, 40000) for _ in range(n)], 8)[0])
+            res = out[name] = {}
+            for lens in args.short_lens.split(","):
+                lo, hi = (int(x) for x in (lens.split("-") if "-" in lens else (lens, lens)))
+                ttfts = []
+                for _ in range(args.num_short):
+                    n = rng.randrange(lo, hi + 1)
+                    ttfts.append(_stream(stub, [rng.randrange(100, 40000) for _ in range(n)], 8)[0])
+                res[lens] = {"ttft_p50_ms": statistics.median(ttfts) * 1e3,
+                             "ttft_ms": [round(x * 1e3, 1) for x in ttfts]}
+                print(name, lens, round(res[lens]["ttft_p50_ms"], 1), flush=True)
             stop.set()
             for t in threads:
                 t.join()
-            out[name] = {"short_ttft_p50_ms": statistics.median(ttfts) * 1e3,
-                         "short_ttft_ms": [round(x * 1e3, 1) for x in ttfts],
-                         "long_itl_p50_ms": statistics.median(itl) * 1e3 if itl else None}
-            print(name, {k: v for k, v in out[name].items() if k != "short_ttft_ms"}, flush=True)
+            res["long_itl_p50_ms"] = statistics.median(itl) * 1e3 if itl else None
+            print(name, "long ITL p50", res["long_itl_p50_ms"], flush=True)
         finally:
             stop.set()
             up.close()
@@ -151,7 +159,11 @@ def main() -> None:
     p.add_argument("--slo", default="ttft=5s,tpot=500ms", help="shared-prefix: goodput SLO (default: ttft=5s,tpot=500ms)")
     p.add_argument("--num-short", type=int, default=8, help="short-prompts: short prompts measured (default: 8)")
     p.add_argument("--local-max", type=int, default=256,
-                   help="short-prompts: --local-prefill-max-tokens when on (default: 256)")
+                   help="short-prompts: --local-prefill-max-tokens of the `on` setup (default: 256)")
+    p.add_argument("--setups", default="on,off,off-fcfs,colocated",
+                   help=f"short-prompts: stacks to measure, of {', '.join(SETUPS)} (default: all)")
+    p.add_argument("--short-lens", default="16-64",
+                   help="short-prompts: prompt lengths measured, comma-separated N or LO-HI (default: 16-64)")
     p.add_argument("--warmup-s", type=float, default=10.0,
                    help="short-prompts: seconds of background load before measuring (default: 10)")
     p.add_argument("--up-arg", dest="up_args", action="append", default=[],
