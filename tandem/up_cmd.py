@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from services.router.policy import policy_names
     from services.router.route_config import add_route_arguments
 
-    p.add_argument("--policy", default="round_robin", choices=policy_names(),
-                   help="router policy: round_robin | least_load | cache_aware (default: round_robin)")
+    p.add_argument("--policy", default="cache_aware", choices=policy_names(),
+                   help="router policy: round_robin | least_load | cache_aware (default: cache_aware)")
     add_route_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
