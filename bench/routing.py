@@ -66,7 +66,9 @@ class Up:
 def shared_prefix(args) -> dict:
     out = {}
     for policy in args.policies.split(","):
-        up = Up("--prefill", "2", "--decode", "2", "--policy", policy, *args.up_args)
+        # Local prefill off: the policies are compared on the prefill workers (--up-arg may turn it on).
+        up = Up("--prefill", "2", "--decode", "2", "--policy", policy, "--local-prefill-max-tokens", "-1",
+                *args.up_args)
         try:
             res = ROOT / "bench" / "results" / f"routing_shared_prefix_{policy}.json"
             subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve", "--backend", "tandem-grpc",

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# Off (-1) until a crossover is measured on a machine where it is meaningful; see docs/benchmarks.md,
-# "KV-aware routing", for what was measured here.
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = -1
+# Measured (docs/benchmarks.md, "KV-aware routing"): under long-prompt load a prompt of up to 1,024
+# tokens got its first token sooner from the decode worker's own mixed-chunk prefill than through a
+# prefill worker (the crossover lies beyond; Dynamo's max_local_prefill_length is 1,000).
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
