@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
+from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -40,6 +41,11 @@ class EngineConfig:
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
     # device's default (on for CUDA, off for CPU; see engine.engine.overlap_enabled).
     enable_overlap_schedule: bool | None = None
+    # Who gets a step's prefill budget first (scheduler/prefill_order.py): the prompts with the least
+    # left to compute ("shortest-first"), except that one waiting over `prefill_max_wait_s` goes first;
+    # or "fcfs", one prompt's every chunk before the next prompt's first.
+    prefill_schedule_policy: str = "shortest-first"
+    prefill_max_wait_s: float = 2.0
     # Admission control reserves `remaining_tokens * new_token_ratio` pages for running requests.
     # The ratio decays while decoding goes well and jumps back after a retraction.
     init_new_token_ratio: float = 0.7
@@ -73,6 +79,11 @@ class EngineConfig:
             raise InvalidRequest("mixed_chunk_itl_factor must be > 1 (or 0: unbounded)", "mixed_chunk_itl_factor")
         if self.mixed_chunk_ttft_target_s < 0:
             raise InvalidRequest("mixed_chunk_ttft_target_s must be >= 0 (0: off)", "mixed_chunk_ttft_target_s")
+        if self.prefill_schedule_policy not in PREFILL_SCHEDULE_POLICIES:
+            raise InvalidRequest(f"prefill_schedule_policy must be one of {PREFILL_SCHEDULE_POLICIES}, "
+                                 f"got {self.prefill_schedule_policy!r}", "prefill_schedule_policy")
+        if self.prefill_max_wait_s < 0:
+            raise InvalidRequest("prefill_max_wait_s must be >= 0", "prefill_max_wait_s")
         if self.chunked_prefill_size < self.page_size:
             raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
         if self.graph_max_bs is not None and self.graph_max_bs < 1:

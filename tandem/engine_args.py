@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from engine.config import DTYPES, EngineConfig
+from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "plan and prepare step N+1 while step N's forward pass runs (default: on for CUDA, off for CPU, "
             "where both would share the same cores)",
             "run scheduling, input building and result processing between forward passes (SGLang's flag)")
+    p.add_argument("--prefill-schedule-policy", choices=PREFILL_SCHEDULE_POLICIES, default=d.prefill_schedule_policy,
+                   help="who gets a step's prefill token budget first: the prompts with the fewest tokens left "
+                        "to compute (shortest-first) or one prompt's every chunk before the next one's (fcfs) "
+                        f"(default: {d.prefill_schedule_policy})")
+    p.add_argument("--prefill-max-wait", type=float, default=d.prefill_max_wait_s,
+                   help="with shortest-first: a prompt that arrived this many seconds ago goes ahead of younger "
+                        f"ones, so long prompts are not starved (default: {d.prefill_max_wait_s})")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes seen before (radix cache)")
     add_queue_arguments(p, d.max_queued_requests)
@@ -146,6 +154,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mixed_chunk_ttft_target_s=args.mixed_chunk_ttft_target,
         enable_prefix_cache=not args.disable_prefix_cache,
         enable_overlap_schedule=args.enable_overlap_schedule,
+        prefill_schedule_policy=args.prefill_schedule_policy,
+        prefill_max_wait_s=args.prefill_max_wait,
         max_queued_requests=args.max_queued_requests,
         enable_priority_scheduling=args.enable_priority_scheduling,
         low_priority_values_first=args.low_priority_values_first,

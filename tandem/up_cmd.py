@@ -18,7 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
     p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
-    p.add_argument("--policy", default="round_robin", help="router policy: round_robin | least_load")
+    from services.router.policy import policy_names
+    from services.router.route_config import add_route_arguments
+
+    p.add_argument("--policy", default="cache_aware", choices=policy_names(),
+                   help="router policy: round_robin | least_load | cache_aware (default: cache_aware)")
+    add_route_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
@@ -80,7 +85,9 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
     # The router queues only when asked: its default (0) refuses at --max-inflight, as before.
     if args.max_queued_requests != EngineConfig().max_queued_requests:
         out += ["--max-queued-requests", str(args.max_queued_requests)]
-    return out + _priority_flags(args)
+    from services.router.route_config import route_argv
+
+    return out + _priority_flags(args) + route_argv(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -131,6 +131,8 @@ class OpenAIHTTPBackend:
                     usage = data.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         usage_tokens = int(usage["completion_tokens"])
+                    if usage and (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is not None:
+                        rec.cached_tokens = int(usage["prompt_tokens_details"]["cached_tokens"])
             rec.output_tokens = usage_tokens if usage_tokens is not None else events
             if not rec.token_times:
                 rec.error = "the stream ended without any output"
@@ -206,6 +208,8 @@ class TandemGrpcBackend:
                 if resp.token_ids:
                     rec.token_times.append(now)
                     rec.output_tokens += len(resp.token_ids)
+                if resp.HasField("usage"):
+                    rec.cached_tokens = resp.usage.cached_tokens
             if not rec.token_times:
                 rec.error = "the stream ended without any output"
             else:

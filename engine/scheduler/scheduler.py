@@ -34,6 +34,7 @@ from engine.errors import InvalidRequest, ResourceExhausted
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
 from engine.scheduler.kv_manager import KVManager, pages_for
+from engine.scheduler.prefill_order import PrefillOrder
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.step_cost import StepCostModel
@@ -46,6 +47,7 @@ class Scheduler:
         self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache)
         self.policy = QueuePolicy(cfg.enable_priority_scheduling, cfg.low_priority_values_first,
                                   cfg.priority_preemption_threshold)
+        self.prefill_order = PrefillOrder(cfg.prefill_schedule_policy, cfg.prefill_max_wait_s)
         self.waiting: PolicyQueue[Request] = PolicyQueue(self.policy)
         # Queued requests a newcomer of higher priority pushed out of a full queue: already finished
         # (they held nothing); the owner takes them with `take_evicted` and answers their callers.
@@ -164,29 +166,35 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> StepBatch | None:
         seqs: list[SeqStep] = []
-        for req in self.prefilling:
+        admitting = True  # after one waiting request did not fit, admit none behind it this step
+        for req in self.prefill_order.order(self.prefilling, self.waiting, self.policy, monotonic()):
             if budget <= 0:
                 break
-            seqs.append(self._chunk(req, budget))
-            budget -= len(seqs[-1].input_ids)
-        while self.waiting and budget > 0 and self.kv.slots.num_free_slots > 0:
-            req = self.waiting[0]
-            if req.num_inflight:
-                break  # retracted while its newest token is being sampled: admit it once that lands
-            fill = req.all_ids
-            need = pages_for(len(fill), self.cfg.page_size)
-            reserve = self._reserved_pages([*self.running, *self.prefilling, req])
-            busy = self.running or self.prefilling or seqs
-            if busy and need + reserve > self.kv.available_pages:
-                break
-            if not self.kv.admit(req, fill):
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.PREFILLING
-            self.prefilling.append(req)
+            if req.status is RequestStatus.WAITING:
+                if not (admitting and self._admit(req, bool(seqs))):
+                    admitting = False
+                    continue
             seqs.append(self._chunk(req, budget))
             budget -= len(seqs[-1].input_ids)
         return StepBatch(seqs) if seqs else None
+
+    def _admit(self, req: Request, batched: bool) -> bool:
+        """Move a waiting request to `prefilling` if a slot and its pages (keeping the reserve of the
+        running and prefilling requests) are available; `batched`: the step already carries work."""
+        if self.kv.slots.num_free_slots == 0 or req.num_inflight:
+            return False  # in flight: retracted while its newest token is sampled; admitted once that lands
+        fill = req.all_ids
+        need = pages_for(len(fill), self.cfg.page_size)
+        reserve = self._reserved_pages([*self.running, *self.prefilling, req])
+        busy = self.running or self.prefilling or batched
+        if busy and need + reserve > self.kv.available_pages:
+            return False
+        if not self.kv.admit(req, fill):
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.PREFILLING
+        self.prefilling.append(req)
+        return True
 
     def _chunk(self, req: Request, budget: int) -> SeqStep:
         ids = req.all_ids

@@ -37,8 +37,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         def add() -> None:
             req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid,
                                       priority_from_pb(request))
-            self.worker.add(DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
-                                       request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch))
+            room = DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
+                              request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch)
+            if request.local_prefill:
+                self.worker.add_local(room)
+            else:
+                self.worker.add(room)
 
         try:
             await self.loop.call(add)

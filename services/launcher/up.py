@@ -39,7 +39,7 @@ class UpConfig:
     port: int = 50051                    # router's public gRPC port (0: any free port)
     redis_url: str | None = None         # None: embedded redis-server
     transfer_backend: str = "auto"
-    policy: str = "round_robin"
+    policy: str = "cache_aware"
     worker_args: tuple[str, ...] = ()    # engine flags forwarded to every worker
     router_args: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0       # first run imports the default model

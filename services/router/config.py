@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.router.policy import policy_names
+from services.router.route_config import RouteConfig, add_route_arguments, route_config_from_args
 from tandem.v1 import worker_pb2
 
 MODES = ("disagg", "colocated")
@@ -23,7 +24,7 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     model: str = ""  # what ListModels reports for static workers; empty = accept any requested model
     probe_s: float = 2.0  # health-probe period of static workers; 0 = never drop them
-    policy: str = "round_robin"
+    policy: str = "cache_aware"  # measured better than round_robin (docs/benchmarks.md)
     mode: str = "disagg"
     metrics_port: int = -1  # 0 = pick a free port, -1 = no metrics endpoint
     max_inflight: int = 1024
@@ -37,6 +38,7 @@ class RouterConfig:
     k8s_namespace: str = ""  # "" = this pod's namespace
     k8s_selector: str = "app.kubernetes.io/part-of=tandem"  # EndpointSlices of the worker Services
     k8s_api_server: str | None = None  # None = in-cluster service account, then ~/.kube/config
+    route: RouteConfig = field(default_factory=RouteConfig)  # cache, load and local-prefill weights
 
     @property
     def discovery_kind(self) -> str:
@@ -73,6 +75,7 @@ class RouterConfig:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0:
             raise ValueError("timeouts and retries must be >= 0")
+        self.route.validate()
 
     @property
     def roles(self) -> tuple[int, ...]:
@@ -111,6 +114,7 @@ class RouterConfig:
             k8s_namespace=args.k8s_namespace,
             k8s_selector=args.k8s_selector,
             k8s_api_server=args.k8s_api_server or None,
+            route=route_config_from_args(args),
         )
         config.validate()
         return config
@@ -141,7 +145,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-interval", type=float, default=d.probe_s,
                    help="seconds between gRPC health probes of static workers (0 = never drop them)")
     p.add_argument("--policy", choices=policy_names(), default=d.policy,
-                   help="how a (prefill, decode) pair is picked: in turn, or the least loaded")
+                   help="how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill "
+                        "work (least_load), or the best prefix-cache match unless loads are imbalanced "
+                        f"(cache_aware) (default: {d.policy})")
+    add_route_arguments(p)
     p.add_argument("--mode", choices=MODES, default=d.mode, help="route to prefill+decode pairs or to co-located workers")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = pick free, -1 = off)")
     p.add_argument("--max-inflight", type=int, default=d.max_inflight,

@@ -25,6 +25,10 @@ class RouterMetrics:
         self.retries = Counter(
             "tandem_router_retries", "Requests retried on another pair after UNAVAILABLE", registry=self.registry
         )
+        self.prefill_route = Counter(
+            "tandem_router_prefill_route", "Disaggregated requests by where their prompt was prefilled: on a "
+            "prefill worker (remote) or on the decode worker (local)", ["route"], registry=self.registry,
+        )
         self.workers = Gauge("tandem_router_workers", "Registered workers by role", ["role"], registry=self.registry)
         self._httpd = None
 

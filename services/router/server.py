@@ -124,6 +124,7 @@ class RouterServer:
         for role, name in ROLE_NAMES.items():
             self.metrics.workers.labels(name).set(len(self.registry.workers(role)))
         self.channels.retain(w.grpc_addr for w in self.registry.all_workers())
+        self.servicer.planner.retain(w.worker_id for w in self.registry.all_workers())
         await self._set_health(self.can_route())
 
 

@@ -24,14 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Stack:
-    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`)."""
+    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`).
+    Local prefill on decode workers is off unless `args` turn it on: the tests' prompts are short,
+    and they are here to exercise the prefill -> decode transfer."""
 
     def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         gateway_port = "0" if gateway else "-1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
-             "--ready-json", *args],
+             "--ready-json", "--local-prefill-max-tokens", "-1", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
             start_new_session=True,
         )

@@ -48,7 +48,8 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
               "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
               "--mixed-chunk-ttft-target": "0.5", "--max-queued-requests": "9", "--priority-preemption-threshold": "4",
-              "--num-threads": "1", "--graph-max-bs": "3", "--graph-bs": "1,3"}
+              "--num-threads": "1", "--graph-max-bs": "3", "--graph-bs": "1,3",
+              "--prefill-schedule-policy": "fcfs", "--prefill-max-wait": "0.5"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph"]
     probe = argparse.ArgumentParser()
@@ -64,3 +65,16 @@ def test_up_forwards_every_engine_flag_to_workers():
     default = dataclasses.asdict(EngineConfig())
     no_flag = {"seed", "init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps"}
     assert all(v != default[k] for k, v in dataclasses.asdict(worker).items() if k not in no_flag), worker
+
+
+def test_up_forwards_the_routing_flags_to_the_router():
+    from services.router.route_config import RouteConfig
+
+    flags = ["--local-prefill-max-tokens", "-1", "--max-prefill-queue-tokens", "100", "--balance-abs-threshold",
+             "3", "--balance-rel-threshold", "2.5", "--prefix-cache-ttl", "7"]
+    args = build_parser().parse_args(["up", "--policy", "cache_aware", *flags])
+    router = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
+                                                                "--policy", args.policy, *_router_argv(args)]))
+    assert router.policy == "cache_aware"
+    assert router.route == RouteConfig(-1, 100, 3, 2.5, 7.0)
+    assert not set(_router_argv(build_parser().parse_args(["up"]))) & set(flags[::2])  # defaults: the router's own
