@@ -74,7 +74,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, router: RouterClient | None = None):
         self.config = config
-        self.router = router or RouterClient(config.router, config.request_timeout_s)
+        self.router = router or RouterClient(config.router, config.request_timeout_s, config.auth)
         self.catalog = ModelCatalog(self.router, config.models_ttl_s, config.tokenizer)
         self.metrics = GatewayMetrics(config.max_inflight)
         self.inflight = 0

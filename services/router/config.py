@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
 from services.router.policy import policy_names
 from tandem.v1 import worker_pb2
 
@@ -37,6 +38,10 @@ class RouterConfig:
     k8s_namespace: str = ""  # "" = this pod's namespace
     k8s_selector: str = "app.kubernetes.io/part-of=tandem"  # EndpointSlices of the worker Services
     k8s_api_server: str | None = None  # None = in-cluster service account, then ~/.kube/config
+    # Secrets (services/common/auth.py), never printed: the internal one workers require of the router
+    # (and the router accepts from the gateway), and the optional key of the public Generation API.
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def discovery_kind(self) -> str:
@@ -111,6 +116,8 @@ class RouterConfig:
             k8s_namespace=args.k8s_namespace,
             k8s_selector=args.k8s_selector,
             k8s_api_server=args.k8s_api_server or None,
+            auth=InternalAuth.load(args.internal_token_file),
+            api_key=load_api_key(args.api_key),
         )
         config.validate()
         return config
@@ -157,3 +164,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    add_api_key_argument(p, "tandem.v1.Generation callers must send the gRPC metadata `authorization: Bearer KEY` "
+                            "(or the internal token, as the gateway does)")
+    add_internal_auth_arguments(p)

@@ -108,7 +108,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
     engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, profiler))
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                             interceptors=[wcfg.auth.server_interceptor()])
     parts.add_servicers(server, engine_loop)
     identity = WorkerIdentityServicer(lambda: engine_loop.call(parts.worker.load))
     worker_pb2_grpc.add_WorkerIdentityServicer_to_server(identity, server)

@@ -21,13 +21,21 @@ import grpc
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+# The deployments' internal secret, known to the tests so that extra services (a second router or
+# gateway next to a stack) and the tests themselves can reach the workers, as an operator's would.
+INTERNAL_TOKEN = "tandem-e2e-internal-token-0123456789"
+
+
+def service_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_INTERNAL_TOKEN=INTERNAL_TOKEN)
 
 
 class Stack:
-    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`)."""
+    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`).
+    `env`: the launcher's environment (default: this one with the tests' INTERNAL_TOKEN)."""
 
-    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False, env: dict | None = None):
+        env = service_env() if env is None else env
         gateway_port = "0" if gateway else "-1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
@@ -156,7 +164,7 @@ class Service:
     def __init__(self, *argv: str):
         self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=service_env())
         self.log: deque[str] = deque(maxlen=200)
         self.info: dict | None = None
         self._ready = threading.Event()
