@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from services.common.limits import RequestLimits, limit_argv
 from tandem.engine_args import add_engine_arguments, engine_argv
 from tandem.worker_cmd import add_observability_arguments
 
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from services.common.auth import add_internal_auth_arguments
 
     add_internal_auth_arguments(p)
+    from services.common.limits import add_limit_arguments
+
+    add_limit_arguments(p)
     p.add_argument("--max-inflight", type=int, default=None,
                    help="router: requests in flight beyond which new ones are refused (HTTP 429; "
                         "default: the router's own)")
@@ -90,13 +94,18 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
     # The router queues only when asked: its default (0) refuses at --max-inflight, as before.
     if args.max_queued_requests != EngineConfig().max_queued_requests:
         out += ["--max-queued-requests", str(args.max_queued_requests)]
-    return out + _priority_flags(args) + _token_file_flag(args)
+    return out + _priority_flags(args) + _token_file_flag(args) + limit_argv(args)
 
 
 def run(args: argparse.Namespace) -> int:
     from services.launcher.up import UpConfig, run_up
     from services.worker.config import WorkerConfig
 
+    try:
+        RequestLimits.from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", flush=True)
+        return 2
     # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
     drain_s = args.drain_timeout if args.drain_timeout is not None else WorkerConfig(role="").drain_timeout_s
     cfg = UpConfig(
@@ -104,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
         worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
         stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
-        router_args=tuple(_router_argv(args)), gateway_args=tuple(_token_file_flag(args)),
+        router_args=tuple(_router_argv(args)), gateway_args=tuple(_token_file_flag(args) + limit_argv(args)),
         cpu_cores=args.cpu_cores, internal_token_file=args.internal_token_file,
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from services.common.auth import InternalAuth, add_internal_auth_arguments
+from services.common.limits import RequestLimits, add_limit_arguments
 
 API_KEY_ENV = "TANDEM_API_KEY"
 
@@ -24,6 +25,7 @@ class GatewayConfig:
     models_ttl_s: float = 5.0            # how long a ListModels answer is trusted
     drain_timeout_s: float = 5.0
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)  # what the router accepts from us
+    limits: RequestLimits = RequestLimits()
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,6 +50,7 @@ class GatewayConfig:
             host=args.host, port=args.port, router=args.router, api_key=api_key, tokenizer=args.tokenizer,
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
+            limits=RequestLimits.from_args(args),
         )
         config.validate()
         return config
@@ -70,3 +73,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")
     add_internal_auth_arguments(p)
+    add_limit_arguments(p)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
+from services.common.limits import RequestLimits, add_limit_arguments
 from services.router.policy import policy_names
 from tandem.v1 import worker_pb2
 
@@ -41,6 +42,7 @@ class RouterConfig:
     # Secrets (services/common/auth.py), never printed: the internal one workers require of the router
     # (and the router accepts from the gateway), and the optional key of the public Generation API.
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
+    limits: RequestLimits = RequestLimits()
     api_key: str | None = field(default=None, repr=False)
 
     @property
@@ -118,6 +120,7 @@ class RouterConfig:
             k8s_api_server=args.k8s_api_server or None,
             auth=InternalAuth.load(args.internal_token_file),
             api_key=load_api_key(args.api_key),
+            limits=RequestLimits.from_args(args),
         )
         config.validate()
         return config
@@ -167,3 +170,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_api_key_argument(p, "tandem.v1.Generation callers must send the gRPC metadata `authorization: Bearer KEY` "
                             "(or the internal token, as the gateway does)")
     add_internal_auth_arguments(p)
+    add_limit_arguments(p)

@@ -77,7 +77,7 @@ class RouterServer:
         self.registry.add_listener(self._on_workers_changed)
         server = grpc.aio.server(
             options=(
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", self.config.limits.max_request_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ),
