@@ -6,6 +6,7 @@ import argparse
 
 from engine.config import EngineConfig
 from services.common.limits import RequestLimits, limit_argv
+from services.common.tls import tls_argv, tls_from_args
 from tandem.engine_args import add_engine_arguments, engine_argv
 from tandem.worker_cmd import add_observability_arguments
 
@@ -43,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_internal_auth_arguments(p)
     from services.common.limits import add_limit_arguments
+    from services.common.tls import add_tls_arguments
 
+    add_tls_arguments(p)
     add_limit_arguments(p)
     p.add_argument("--max-inflight", type=int, default=None,
                    help="router: requests in flight beyond which new ones are refused (HTTP 429; "
@@ -73,7 +76,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     if args.require_rdma:
         out.append("--require-rdma")
     out += ["--log-stats-interval", str(args.log_stats_interval)]
-    out += _token_file_flag(args)
+    out += _token_file_flag(args) + tls_argv(args)
     if args.profile_dir is not None:
         out += ["--profile-dir", args.profile_dir]
     return out
@@ -94,7 +97,7 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
     # The router queues only when asked: its default (0) refuses at --max-inflight, as before.
     if args.max_queued_requests != EngineConfig().max_queued_requests:
         out += ["--max-queued-requests", str(args.max_queued_requests)]
-    return out + _priority_flags(args) + _token_file_flag(args) + limit_argv(args)
+    return out + _priority_flags(args) + _token_file_flag(args) + tls_argv(args) + limit_argv(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         RequestLimits.from_args(args)
+        tls_from_args(args)
     except ValueError as e:
         print(f"error: {e}", flush=True)
         return 2

@@ -43,8 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nixl/ucx: exit at start without an RDMA device, refuse peers UCX reaches without RDMA")
     add_observability_arguments(p, d)
     from services.common.auth import add_internal_auth_arguments
+    from services.common.tls import add_tls_arguments
 
     add_internal_auth_arguments(p)
+    add_tls_arguments(p)
     p.add_argument("--cpu-cores", type=_cpu_cores, default=None, metavar="LIST",
                    help="pin this worker to these cores (Linux cpulist: 0, 0-3, 0,2) and run one torch thread "
                         "per core unless --num-threads is given; none/nobind: no pinning (the default; `tandem "
@@ -71,13 +73,14 @@ def _cpu_cores(text: str) -> tuple[int, ...] | None:
 
 
 def run(role: str, args: argparse.Namespace) -> int:
-    from services.common.auth import AuthConfigError, InternalAuth
+    from services.common.auth import InternalAuth
+    from services.common.tls import tls_from_args
     from services.worker.config import WorkerConfig
     from services.worker.server import run as run_worker
 
     try:
-        auth = InternalAuth.load(args.internal_token_file)
-    except AuthConfigError as e:
+        auth = InternalAuth.load(args.internal_token_file, tls=tls_from_args(args))
+    except ValueError as e:            # AuthConfigError, TlsConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
     wcfg = WorkerConfig(

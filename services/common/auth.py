@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
+from services.common.tls import TlsFiles
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "TANDEM_INTERNAL_TOKEN"
@@ -69,6 +71,7 @@ class InternalAuth:
     """The deployment's internal secret (None: internal endpoints are open). Never printed."""
 
     token: bytes | None = field(default=None, repr=False)
+    tls: TlsFiles | None = None          # internal mutual TLS (services/common/tls.py); None: plaintext
 
     def __post_init__(self):
         if self.token is None:
@@ -80,16 +83,17 @@ class InternalAuth:
             raise AuthConfigError("the internal token must be printable ASCII without spaces")
 
     @classmethod
-    def load(cls, token_file: str | None = None, environ: Mapping[str, str] | None = None) -> InternalAuth:
+    def load(cls, token_file: str | None = None, environ: Mapping[str, str] | None = None,
+             tls: TlsFiles | None = None) -> InternalAuth:
         """From `--internal-token-file` if given, else $TANDEM_INTERNAL_TOKEN, else open."""
         env = os.environ if environ is None else environ
         if token_file:
             token = read_token_file(token_file)
             if not token:
                 raise AuthConfigError(f"the internal token file {token_file} is empty")
-            return cls(token)
+            return cls(token, tls)
         value = env.get(TOKEN_ENV, "").strip()
-        return cls(value.encode() if value else None)
+        return cls(value.encode() if value else None, tls)
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +109,8 @@ class InternalAuth:
     def announce(self, what: str) -> None:
         """One log line at start saying whether `what` is protected."""
         if self.enabled:
-            log.info("%s: internal gRPC and KV transfers require the shared secret", what)
+            log.info("%s: internal gRPC and KV transfers require the shared secret%s", what,
+                     " (internal gRPC over mutual TLS)" if self.tls is not None else "")
         else:
             log.warning("%s: no internal token ($%s or --internal-token-file): internal gRPC and KV "
                         "transfers accept anyone who can reach them", what, TOKEN_ENV)
@@ -120,12 +125,18 @@ class InternalAuth:
         return [_AttachToUnary(self.token), _AttachToStream(self.token)]
 
     def channel(self, addr: str, options=None) -> grpc.aio.Channel:
-        """A grpc.aio channel whose calls carry the secret (every internal client uses this)."""
+        """A grpc.aio channel to an internal server whose calls carry the secret (over mutual TLS
+        when configured): every internal client uses this."""
+        if self.tls is not None:
+            return grpc.aio.secure_channel(addr, self.tls.channel_credentials(), options=options,
+                                           interceptors=self.client_interceptors())
         return grpc.aio.insecure_channel(addr, options=options, interceptors=self.client_interceptors())
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The metadata to attach by hand (sync clients, tests)."""
-        return ((INTERNAL_TOKEN_KEY, self.token.decode()),) if self.token is not None else ()
+    def add_port(self, server: grpc.aio.Server, addr: str) -> int:
+        """Listen on `addr` as an internal server (mutual TLS when configured); returns the port."""
+        if self.tls is not None:
+            return server.add_secure_port(addr, self.tls.server_credentials())
+        return server.add_insecure_port(addr)
 
 
 def deployment_env(environ: Mapping[str, str], token_file: str | None) -> dict[str, str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
 from services.common.limits import RequestLimits, add_limit_arguments
+from services.common.tls import add_tls_arguments, tls_from_args
 from services.router.policy import policy_names
 from tandem.v1 import worker_pb2
 
@@ -118,7 +119,7 @@ class RouterConfig:
             k8s_namespace=args.k8s_namespace,
             k8s_selector=args.k8s_selector,
             k8s_api_server=args.k8s_api_server or None,
-            auth=InternalAuth.load(args.internal_token_file),
+            auth=InternalAuth.load(args.internal_token_file, tls=tls_from_args(args)),
             api_key=load_api_key(args.api_key),
             limits=RequestLimits.from_args(args),
         )
@@ -170,4 +171,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_api_key_argument(p, "tandem.v1.Generation callers must send the gRPC metadata `authorization: Bearer KEY` "
                             "(or the internal token, as the gateway does)")
     add_internal_auth_arguments(p)
+    add_tls_arguments(p)
     add_limit_arguments(p)

@@ -38,7 +38,7 @@ def registry_from_config(config: RouterConfig) -> WorkerRegistry:
         return create_registry("redis", url=config.redis_url, prefix=config.registry_prefix)
     return create_registry(
         "static", prefill=config.prefill, decode=config.decode, colocated=config.colocated,
-        model=config.model, probe_s=config.probe_s,
+        model=config.model, probe_s=config.probe_s, channel=config.auth.channel,
     )
 
 

@@ -119,7 +119,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     identity_name = worker_pb2.DESCRIPTOR.services_by_name["WorkerIdentity"].full_name
     reflection.enable_server_reflection(
         [*parts.service_names, identity_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{wcfg.host}:{wcfg.port}")
+    port = wcfg.auth.add_port(server, f"{wcfg.host}:{wcfg.port}")
     if port == 0:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
     addr = f"{wcfg.public_host}:{port}"

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.e2e.stack import API_KEY, INTERNAL_TOKEN, Stack, gateway_stack
+from tests.services.common.tls_certs import make_ca, make_cert, needs_openssl
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,5 +113,21 @@ def test_up_makes_a_secret_of_its_own_that_is_in_no_command_line(tiny_llama: Pat
         assert set(codes.values()) == {UNAUTHENTICATED}, codes
         cmdline = Path(f"/proc/{worker['pid']}/cmdline").read_bytes()
         assert b"internal-token" not in cmdline and b"TANDEM_INTERNAL_TOKEN" not in cmdline
+    finally:
+        stack.close()
+
+
+@needs_openssl
+def test_up_with_mutual_tls_on_internal_grpc(tiny_llama: Path, tmp_path: Path):
+    ca = make_ca(tmp_path, "ca")
+    cert, key = make_cert(tmp_path, ca, "node")
+    stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--max-total-tokens", "1024",
+                  "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca[0]))
+    try:
+        # router -> prefill / decode and decode -> prefill all went over mutual TLS
+        assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+        for worker in stack.info["workers"]:
+            with grpc.insecure_channel(worker["grpc_addr"]) as plaintext:
+                assert _code(lambda ch=plaintext: _serving(ch)) == grpc.StatusCode.UNAVAILABLE
     finally:
         stack.close()
