@@ -53,15 +53,15 @@ def _digest(secret: bytes) -> bytes:
 
 
 def read_token_file(path: str) -> bytes:
-    """The secret in `path` (surrounding whitespace stripped). Warns when others may read the file."""
+    """The secret in `path` (surrounding whitespace stripped). Warns when every user may read the file."""
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
             token = f.read().strip()
     except OSError as e:
         raise AuthConfigError(f"cannot read the internal token file {path}: {e.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("internal token file %s is readable by other users (mode %o): chmod 600 it",
+    if mode & stat.S_IRWXO:   # group access is how Kubernetes mounts a Secret for a pod's fsGroup
+        log.warning("internal token file %s is readable by every user (mode %o): chmod 600 it",
                     path, stat.S_IMODE(mode))
     return token
 

@@ -206,7 +206,7 @@ def test_load_reads_the_file_then_the_environment(tmp_path, caplog):
     os.chmod(path, 0o644)
     with caplog.at_level(logging.WARNING, logger="services.common.auth"):
         assert read_token_file(str(path)) == TOKEN
-    assert "readable by other users" in caplog.text
+    assert "readable by every user" in caplog.text
 
 
 def test_bad_secrets_are_clear_errors(tmp_path):
