@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 INTERNAL_TOKEN = "tandem-e2e-internal-token-0123456789"
 
 
+# What a caller of a worker's internal gRPC sends (the router's client interceptor does the same).
+INTERNAL_METADATA = (("tandem-internal-token", INTERNAL_TOKEN),)
+
+
 def service_env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_INTERNAL_TOKEN=INTERNAL_TOKEN)
 

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.e2e.stack import API_KEY, INTERNAL_TOKEN, Stack, gateway_stack
+from tests.e2e.stack import API_KEY, INTERNAL_METADATA, Stack, gateway_stack
 from tests.services.common.tls_certs import make_ca, make_cert, needs_openssl
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,9 +78,8 @@ def test_every_internal_endpoint_refuses_a_caller_without_the_secret(stack):
                       for name, call in _internal_calls(channel, worker["role"], wrong).items()}
             assert set(codes.values()) == {UNAUTHENTICATED}, (worker["role"], codes)
             assert _serving(channel)                                # probes need no secret
-            with_secret = (("tandem-internal-token", INTERNAL_TOKEN),)
             info = worker_pb2_grpc.WorkerIdentityStub(channel).GetWorkerInfo(
-                worker_pb2.WorkerInfoRequest(), metadata=with_secret, timeout=10)
+                worker_pb2.WorkerInfoRequest(), metadata=INTERNAL_METADATA, timeout=10)
             assert info.worker_id == worker["worker_id"]
     for worker in stack.info["workers"]:                            # the strangers left nothing behind
         free, total = stack.wait_pages_free(worker)
@@ -97,7 +96,7 @@ def test_the_public_api_wants_its_key_and_requests_still_flow(stack):
     chunks = list(gen.Generate(request, timeout=60, metadata=(("authorization", f"Bearer {API_KEY}"),)))
     assert sum(len(c.token_ids) for c in chunks) == 4
     assert gen.ListModels(generation_pb2.ListModelsRequest(), timeout=10,
-                          metadata=(("tandem-internal-token", INTERNAL_TOKEN),)).models
+                          metadata=INTERNAL_METADATA).models
 
 
 @pytest.mark.slow
