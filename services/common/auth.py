@@ -265,8 +265,8 @@ def _refusing(handler: grpc.RpcMethodHandler, why: str, on_refuse: Callable[[str
     }
     for attr, (make, fn) in kinds.items():
         if getattr(handler, attr) is not None:
-            return make(fn, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
+            # No request deserializer: a stranger's bytes are never parsed.
+            return make(fn, request_deserializer=None, response_serializer=handler.response_serializer)
     raise AssertionError(f"handler of no known kind: {handler!r}")
 
 

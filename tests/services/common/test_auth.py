@@ -243,3 +243,16 @@ def test_api_key_from_flag_then_environment():
     assert load_api_key(None, environ={}) is None
     with pytest.raises(AuthConfigError):
         load_api_key("  ", environ={})
+
+
+@synchronous
+async def test_a_strangers_bytes_are_refused_before_they_are_parsed():
+    server, addr = await _server(InternalAuth(TOKEN).server_interceptor())
+    try:
+        async with grpc.aio.insecure_channel(addr) as bare:
+            raw = bare.unary_unary("/tandem.v1.PrefillWorker/Prefill")     # no serializers: raw bytes
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await raw(b"\xff\xff\xff not a protobuf message", timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(0)
