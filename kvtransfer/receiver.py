@@ -301,7 +301,10 @@ class Receiver(KVReceiver):
             with self._lock:
                 if not error and self._closed:
                     error = "receiver closed"
-                if not error:
+                who = f"{hello.peer_id!r} at {conn.addr}" if hello is not None else conn.addr
+                if error:   # counted before the sender can learn of it
+                    self.refusals.refused(f"kv receiver {self.worker_id}", f"sender {who}", error)
+                else:
                     conn.peer_id, conn.epoch, conn.path = hello.peer_id, hello.epoch, hello.path
                     self._peer_conn[hello.peer_id] = conn
                     aborted = [room for (p, room) in self._tombstones if p == hello.peer_id]
@@ -311,8 +314,6 @@ class Receiver(KVReceiver):
                                      error=error, aborted=aborted)
             conn.ch.sock.sendall(HEADER.pack(Kind.HELLO_ACK, len(ack), 0, 0) + ack)
         if error:
-            who = f"{hello.peer_id!r} at {conn.addr}" if hello is not None else conn.addr
-            self.refusals.refused(f"kv receiver {self.worker_id}", f"sender {who}", error)
             raise TransferError(f"rejected sender {who}: {error}")
         conn.ch.sock.settimeout(None)
 
@@ -327,7 +328,8 @@ class Receiver(KVReceiver):
         return ""
 
     def _refuse(self, conn: _Conn, room: int, why: str) -> None:
-        """Log a frame refused for its room (a lost race after an abort is normal and only debug-logged)."""
+        """Log a frame refused for its room (a lost race after an abort is normal and only debug-logged).
+        Caller holds the lock: the refusal is counted before the room's state or the sender shows it."""
         if why.startswith("unknown room") or why.startswith("room already"):
             log.debug("kv receiver %s: frame of room %d from %s dropped: %s", self.worker_id, room, conn.peer_id, why)
         else:
@@ -371,6 +373,7 @@ class Receiver(KVReceiver):
             r = self._rooms.get(room)
             why = self._check_write(conn, r, runs, payload_len)
             if why:
+                self._refuse(conn, room, why)
                 if not self._owner_error(conn, r) and not r.state.done:
                     self._fail(r, f"bad write: {why}")
             else:
@@ -379,8 +382,6 @@ class Receiver(KVReceiver):
                 r.state = RoomState.TRANSFERRING
                 if r.t_first is None:
                     r.t_first = time.monotonic()
-        if why:
-            self._refuse(conn, room, why)
         return r, why
 
     def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
@@ -413,16 +414,18 @@ class Receiver(KVReceiver):
         with self._lock:
             r = self._rooms.get(room)
             why = self._owner_error(conn, r) or ("" if not r.state.done else f"room already {r.state.value}")
-            if not why and (why := self._pages_error(r, runs)):
-                # The bytes are in our memory already: the room fails, and the log names the sender.
-                self._fail(r, f"bad write: {why}")
-            if not why:
+            outside = "" if why else self._pages_error(r, runs)
+            why = why or outside
+            if why:
+                self._refuse(conn, room, why)
+                if outside:     # the bytes are in our memory already: the room fails
+                    self._fail(r, f"bad write: {why}")
+            else:
                 r.conn = conn
                 r.state = RoomState.TRANSFERRING
                 r.bytes += payload_len
                 r.t_first = started if r.t_first is None else min(r.t_first, started)
         if why:
-            self._refuse(conn, room, why)
             conn.ch.try_send(Kind.ABORT, room, why.encode())
 
     def _on_finish(self, conn: _Conn, room: int, aux: bytes) -> None:
@@ -435,10 +438,11 @@ class Receiver(KVReceiver):
                 if r.t_first is None:
                     r.t_first = now
                 self._cond.notify_all()
+            else:
+                self._refuse(conn, room, why)
         if not why:
             conn.ch.try_send(Kind.DONE, room)
         else:
-            self._refuse(conn, room, why)
             conn.ch.try_send(Kind.ABORT, room, why.encode())
 
     def _on_peer_abort(self, conn: _Conn, room: int, reason: bytes) -> None:
