@@ -38,7 +38,7 @@ class BackendConfig:
     extra_body: dict = field(default_factory=dict)  # merged into every HTTP request body
     timeout_s: float = 600.0
     use_token_ids: bool = True           # tandem-grpc: send the dataset's exact token ids when known
-    api_key: str | None = None           # openai-http: sent as `Authorization: Bearer KEY`
+    api_key: str | None = None           # sent as `Authorization: Bearer KEY` (HTTP header / gRPC metadata)
 
 
 class Backend(Protocol):
@@ -199,7 +199,8 @@ class TandemGrpcBackend:
         msg = self.request(req)
         rec.start = time.perf_counter()
         try:
-            call = self._stub.Generate(msg, timeout=self.cfg.timeout_s)
+            auth = (("authorization", f"Bearer {self.cfg.api_key}"),) if self.cfg.api_key else None
+            call = self._stub.Generate(msg, timeout=self.cfg.timeout_s, metadata=auth)
             while True:
                 resp = await call.read()
                 now = time.perf_counter()

@@ -179,7 +179,7 @@ class DecodeWorker:
             ps = kv.page_size
             first = req.cache_len // ps
             dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
-            self.receiver.expect(room.room, dst, room.prefill_id)
+            self.receiver.expect(room.room, dst, room.prefill_id, peer_epoch=room.prefill_epoch)
             self.transfer[room.room] = room
             room.bootstrapped_at = time.monotonic()  # the transfer timeout runs from here, not from queueing
             self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(

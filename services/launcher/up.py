@@ -12,6 +12,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.auth import API_KEY_ENV, deployment_env  # the key the router and the gateway read
+from services.common.auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
 from services.common.cpu_cores import (
     CpuListError,
     available_cores,
@@ -23,7 +25,6 @@ from services.common.cpu_cores import (
 from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
 
-API_KEY_ENV = "TANDEM_API_KEY"  # what the gateway reads (services/gateway/config.py)
 # With `ready_json`, the one stdout line scripts and tests wait for: this prefix, then the summary JSON.
 READY_JSON_PREFIX = "TANDEM_UP "
 
@@ -50,6 +51,7 @@ class UpConfig:
     gateway_args: tuple[str, ...] = ()
     api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
     cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
+    internal_token_file: str | None = None  # None: $TANDEM_INTERNAL_TOKEN, else a fresh secret in the children's env
 
 
 def _printer(quiet: bool):
@@ -154,6 +156,7 @@ def run_up(cfg: UpConfig) -> int:
             redis = EmbeddedRedis()
             redis.start()
             url = redis.url
+        env = _children_env(cfg)
         threads = ["--num-threads", str(worker_threads(cfg))] if "--num-threads" not in cfg.worker_args else []
         for role, n in roles:
             for i in range(n):
@@ -164,7 +167,7 @@ def run_up(cfg: UpConfig) -> int:
                 argv = python_cmd(role, *cfg.worker_args, *placed, "--host", cfg.host, "--port", "0",
                                   "--redis-url", url, "--worker-id", f"{name}-{os.getpid()}",
                                   "--transfer-backend", cfg.transfer_backend)
-                workers.append(Child(name, argv, on_line=on_line))
+                workers.append(Child(name, argv, env=env, on_line=on_line))
         say(f"Starting Tandem ({cfg.mode}): {len(workers)} worker(s), router"
             + (", gateway" if cfg.gateway_port >= 0 else "") + " ...")
         say(f"CPU placement: {placement}")
@@ -173,7 +176,7 @@ def run_up(cfg: UpConfig) -> int:
         ready = [_wait_ready(w, cfg.ready_timeout_s, stop) for w in workers]
         router = Child("router", python_cmd(
             "router", "--host", cfg.host, "--port", str(cfg.port), "--redis-url", url, "--mode", cfg.mode,
-            "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), on_line=on_line)
+            "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), env=_router_env(cfg, env), on_line=on_line)
         router.start()
         router_ready = _wait_ready(router, 60.0, stop)
         summary = {"router": router_ready["grpc_addr"], "mode": cfg.mode, "redis_url": url, "workers": ready,
@@ -184,7 +187,7 @@ def run_up(cfg: UpConfig) -> int:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
             gateway = Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
                                         "--port", str(cfg.gateway_port), "--router", router_ready["grpc_addr"],
-                                        *cfg.gateway_args], env=_gateway_env(cfg), on_line=on_line)
+                                        *cfg.gateway_args], env=_router_env(cfg, env), on_line=on_line)
             gateway.start()
             summary["gateway"] = _wait_ready(gateway, 60.0, stop)["url"]
             # Up means a request would be served: the gateway's /health checks that the router
@@ -227,11 +230,19 @@ def run_up(cfg: UpConfig) -> int:
             say("Tandem stopped.")
 
 
-def _gateway_env(cfg: UpConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    if cfg.api_key is not None:
-        env[API_KEY_ENV] = cfg.api_key
+def _children_env(cfg: UpConfig) -> dict[str, str]:
+    """Every child's environment: the internal secret they share (generated here unless configured)."""
+    env = deployment_env(os.environ, cfg.internal_token_file)
+    if cfg.internal_token_file is not None:
+        env.pop(INTERNAL_TOKEN_ENV, None)   # the file, forwarded as a flag, is the one secret
     return env
+
+
+def _router_env(cfg: UpConfig, env: dict[str, str]) -> dict[str, str]:
+    """The router's and the gateway's: also the public API key (environment, not argv: `ps` shows argv)."""
+    if cfg.api_key is None:
+        return env
+    return {**env, API_KEY_ENV: cfg.api_key}
 
 
 def _auth_header(cfg: UpConfig) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
+from services.common.limits import RequestLimits, add_limit_arguments
+from services.common.tls import add_tls_arguments, tls_from_args
 from services.router.policy import policy_names
 from services.router.route_config import RouteConfig, add_route_arguments, route_config_from_args
 from tandem.v1 import worker_pb2
@@ -39,6 +42,11 @@ class RouterConfig:
     k8s_selector: str = "app.kubernetes.io/part-of=tandem"  # EndpointSlices of the worker Services
     k8s_api_server: str | None = None  # None = in-cluster service account, then ~/.kube/config
     route: RouteConfig = field(default_factory=RouteConfig)  # cache, load and local-prefill weights
+    # Secrets (services/common/auth.py), never printed: the internal one workers require of the router
+    # (and the router accepts from the gateway), and the optional key of the public Generation API.
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
+    limits: RequestLimits = RequestLimits()
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def discovery_kind(self) -> str:
@@ -115,6 +123,9 @@ class RouterConfig:
             k8s_selector=args.k8s_selector,
             k8s_api_server=args.k8s_api_server or None,
             route=route_config_from_args(args),
+            auth=InternalAuth.load(args.internal_token_file, tls=tls_from_args(args)),
+            api_key=load_api_key(args.api_key),
+            limits=RequestLimits.from_args(args),
         )
         config.validate()
         return config
@@ -164,3 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    add_api_key_argument(p, "tandem.v1.Generation callers must send the gRPC metadata `authorization: Bearer KEY` "
+                            "(or the internal token, as the gateway does)")
+    add_internal_auth_arguments(p)
+    add_tls_arguments(p)
+    add_limit_arguments(p)

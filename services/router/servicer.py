@@ -125,7 +125,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         started = time.monotonic()
         try:
-            validate_request(request)  # before queueing: a bad request never waits for a slot
+            validate_request(request, self.config.limits)  # before queueing: a bad request never waits
             await asyncio.wait_for(self.admission.acquire(request.priority),
                                    self._timeout(self._deadline(context, started)))
         except TandemError as e:

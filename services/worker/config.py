@@ -7,6 +7,8 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
+from services.common.auth import InternalAuth
+
 
 def new_boot_epoch() -> int:
     """A random non-zero 63-bit id of one process start (0 means "not checked" on the wire)."""
@@ -37,6 +39,8 @@ class WorkerConfig:
     # Identity of this process start, drawn once when the config is built (a restarted container gets
     # a new one): peers check it in the bootstrap handshake.
     boot_epoch: int = field(default_factory=new_boot_epoch)
+    # The internal secret (services/common/auth.py): required of gRPC callers and KV senders.
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
 
     @property
     def id(self) -> str:

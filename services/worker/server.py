@@ -108,7 +108,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
     engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, profiler))
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                             interceptors=[wcfg.auth.server_interceptor()])
     parts.add_servicers(server, engine_loop)
     identity = WorkerIdentityServicer(lambda: engine_loop.call(parts.worker.load))
     worker_pb2_grpc.add_WorkerIdentityServicer_to_server(identity, server)
@@ -117,7 +119,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     identity_name = worker_pb2.DESCRIPTOR.services_by_name["WorkerIdentity"].full_name
     reflection.enable_server_reflection(
         [*parts.service_names, identity_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{wcfg.host}:{wcfg.port}")
+    port = wcfg.auth.add_port(server, f"{wcfg.host}:{wcfg.port}")
     if port == 0:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
     addr = f"{wcfg.public_host}:{port}"
