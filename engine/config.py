@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequest
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,15 @@ class EngineConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay_steps: int = 600
     num_threads: int | None = None        # torch intra-op threads; None: torch's default
+    # Speculative decoding on decode rows (engine/spec/): None (off) | ngram | draft.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4      # drafts proposed per request per step (k)
+    speculative_ngram_min: int = 2             # shortest suffix n-gram the n-gram proposer matches
+    speculative_ngram_max: int = 4             # longest one (tried first)
+    speculative_draft_model: str | None = None # HF folder of the draft model (algorithm "draft")
+    # Switch speculation off for a batch while measured acceptance x step cost says it is slower than
+    # plain decode, probing it again periodically (engine/spec/adaptive.py).
+    speculative_adaptive: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -69,5 +79,20 @@ class EngineConfig:
             raise InvalidRequest("mixed_chunk_ttft_target_s must be >= 0 (0: off)", "mixed_chunk_ttft_target_s")
         if self.chunked_prefill_size < self.page_size:
             raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
+        self._validate_speculative()
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("context_length must be >= 2", "context_length")
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise InvalidRequest(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}",
+                                 "speculative_algorithm")
+        if not 1 <= self.speculative_num_draft_tokens <= 32:
+            raise InvalidRequest("speculative_num_draft_tokens must be in [1, 32]", "speculative_num_draft_tokens")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise InvalidRequest("need 1 <= speculative_ngram_min <= speculative_ngram_max", "speculative_ngram_min")
+        if algo == "draft" and not self.speculative_draft_model:
+            raise InvalidRequest("speculative_algorithm 'draft' needs speculative_draft_model", "speculative_draft_model")

@@ -233,8 +233,19 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Draw one token per row from the temperature-scaled, filtered distribution."""
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] fp32: the distribution each sampled row draws from (penalties, temperature, top-k,
+    top-p and min-p applied; each row sums to 1). Speculative verification accepts drafts by it."""
+    probs, order = _filtered_probs(_apply_penalties(logits.float(), batch), batch)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if order is None:
+        return probs
+    return torch.zeros(probs.shape[0], batch.vocab_size, device=probs.device).scatter_(1, order, probs)
+
+
+def _filtered_probs(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after temperature and the top-k / top-p / min-p filters (not renormalised after
+    min-p), and the candidates' token ids when the rows are in descending order (else None)."""
     order = None
     if batch.top_k is not None or batch.top_p is not None:
         # Work in each row's descending order: top-k is then a rank cut and top-p a prefix of the
@@ -261,6 +272,12 @@ def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.min_p is not None:
         # Relative to the row's largest probability; renormalizing does not change these ratios.
         probs = probs * (probs >= probs.amax(dim=-1, keepdim=True) * batch.min_p)
+    return probs, order
+
+
+def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw one token per row from the temperature-scaled, filtered distribution."""
+    probs, order = _filtered_probs(x, batch)
     # Inverse-CDF draw: one uniform number per row, so a seeded row consumes exactly one draw of
     # its own generator per step whatever else is in the batch (and the batch needs no [B, V]
     # random tensor). The kept mass may not sum to 1 (min-p, fp32 rounding): scale u by it.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, SPECULATIVE_ALGORITHMS, EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +49,27 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed later) a running one whose priority is lower by more than this")
     p.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: torch's own choice; `tandem up` splits the cores between workers)")
+    add_speculative_arguments(p, d)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Speculative decoding (engine/spec/), named as SGLang names them."""
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=SPECULATIVE_ALGORITHMS,
+                   help="speculative decoding on decode rows: ngram (drafts looked up in the request's own prompt "
+                        "and output) or draft (a small model of the same tokenizer, --speculative-draft-model); "
+                        "unset: no speculation")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+                   help="draft tokens per request per step, all verified in one forward of the target model")
+    p.add_argument("--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+                   help="ngram: shortest suffix n-gram of the request's tokens looked up earlier in them")
+    p.add_argument("--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+                   help="ngram: longest suffix n-gram looked up (tried first)")
+    p.add_argument("--speculative-draft-model", default=d.speculative_draft_model,
+                   help="draft: local Hugging Face folder (or alias) of the draft model; it must share the target's tokenizer")
+    p.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                   default=d.speculative_adaptive,
+                   help="keep speculating even when measured acceptance makes it slower than plain decode "
+                        "(by default a batch stops speculating then, and probes it again now and then)")
 
 
 def _on_off(p: argparse.ArgumentParser, name: str, default: bool | None, on_help: str, off_help: str) -> None:
@@ -115,4 +136,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         low_priority_values_first=args.low_priority_values_first,
         priority_preemption_threshold=args.priority_preemption_threshold,
         num_threads=args.num_threads,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_ngram_min=args.speculative_ngram_min,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_draft_model=args.speculative_draft_model,
+        speculative_adaptive=args.speculative_adaptive,
     )
