@@ -6,7 +6,8 @@
     speculator.observe(batch, sampled)
     scheduler.on_step_done(batch, sampled)   # keeps accepted KV, shrinks pages of rejected drafts
 
-Which rows speculate: decode rows (one new token at the end of a running request) without
+Which rows speculate: decode rows (one new token at the end of a running request, in decode and in
+mixed steps; a mixed step's drafts come on top of its chunked-prefill token budget) without
 repetition/frequency/presence penalties, with room left in max_tokens and the context. Drafts use
 only free pages (never evicting the prefix cache, never retracting anyone); the pages of rejected
 drafts go back after the step. Speculation runs in the engine's synchronous step (overlap
@@ -46,22 +47,21 @@ class Speculator:
         self.gate = SpecGate(adaptive=adaptive)
         self.stats = SpecStats(num_draft_tokens)
         self._started: float | None = None
+        self._timed = False
 
     def attach(self, batch: StepBatch) -> None:
-        """Give the batch's eligible decode rows their drafts (in place), if the gate says it pays."""
-        self._started = None
+        """Give the batch's eligible decode rows their drafts (in place), if the gate says it pays.
+        Mixed steps speculate too; only pure decode steps are timed for the gate."""
         rows = [s for s in batch.seqs if _is_decode_row(s)]
-        if not rows or len(rows) != len(batch.seqs):
-            return   # steps with prefill chunks run plain (and are not measured for the gate)
-        self._started = time.perf_counter()
+        self._timed = len(rows) == len(batch.seqs)
+        self._started = time.perf_counter() if rows else None
         eligible = [s for s in rows if _may_speculate(s.req)]
         ks = [self._room(s.req) for s in eligible]
         picked = [(s, k) for s, k in zip(eligible, ks, strict=True) if k > 0]
         if not picked:
             return
         drafts = self.proposer.propose_batch([s.req for s, _ in picked], [k for _, k in picked])
-        total = sum(len(d) for d in drafts)
-        if not self.gate.decide(len(rows), total):
+        if not self.gate.decide(len(rows), sum(len(d) for d in drafts)):
             return
         for (seq, _), d in zip(picked, drafts, strict=True):
             n = len(seq.req.all_ids)
@@ -97,7 +97,8 @@ class Speculator:
             self.stats.verify_steps += 1
         else:
             self.stats.plain_steps += 1
-        self.gate.observe(len(batch.seqs), drafted, accepted, seconds)
+        if self._timed:
+            self.gate.observe(len(batch.seqs), drafted, accepted, seconds)
 
     def release(self, rid: str) -> None:
         self.proposer.release(rid)

@@ -9,10 +9,13 @@ every verified row emits between 1 and k + 1 tokens.
   plain greedy decoding gives.
 - Sampled rows use the rejection rule for a point-mass draft (both proposers here are
   deterministic): draft d is accepted with probability p(d), where p is the distribution the plain
-  sampler would draw from (temperature, top-k, top-p, min-p applied); on rejection the token is
-  drawn from p with d removed and renormalised, and after k acceptances the bonus token from p.
-  Each emitted token is then distributed exactly as plain sampling's. A row draws k + 1 uniforms
-  per step from its generator (its own when seeded), in a fixed order, so seeded runs repeat.
+  sampler draws from (temperature, top-k, top-p, min-p applied), and on rejection the token comes
+  from p with d removed and renormalised. It is implemented as the coupling that makes this exact
+  and cheap: draw the token t = F^-1(u) the plain sampler would draw at that position with the next
+  uniform u, accept d iff t == d, else emit t (which then is distributed as p without d). Each
+  emitted token consumes exactly one uniform of the row's generator, the same one plain decoding
+  would consume for it, so a seeded request gives the same tokens with and without speculation
+  (up to floating-point differences between the verify and decode forward paths).
 
 Penalties (repetition/frequency/presence) depend on the tokens before each position; rows with
 them are not speculated (the speculator gives them no drafts).
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import SamplingBatch, sampling_probs
+from engine.sampler import SamplingBatch, filtered_probs, inverse_cdf
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 
@@ -49,48 +52,26 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], vocab_size: int) -> list
                              vocab_size, device)
     raw = logits.float()
     greedy_ids = raw.argmax(dim=-1).tolist()
-    probs = None if sb.all_greedy else sampling_probs(raw, sb)
-    p_draft = None
-    if probs is not None:
-        # p_j(d_{j+1}) for every draft of every row, in one gather.
-        idx = [(s + j, d) for (s, _), r in zip(spans, rows, strict=True) for j, d in enumerate(r.drafts)]
-        if idx:
-            ri = torch.tensor([i for i, _ in idx], device=device)
-            di = torch.tensor([d for _, d in idx], device=device)
-            p_draft = iter(probs[ri, di].tolist())
+    cdf = order = None
+    if not sb.all_greedy:
+        probs, order = filtered_probs(raw, sb)
+        cdf = probs.cumsum(dim=-1)
     out: list[list[int]] = []
     for (s, k), r in zip(spans, rows, strict=True):
-        if r.params.is_greedy:
-            if p_draft is not None:
-                for _ in range(k):
-                    next(p_draft)
-            m = 0
-            while m < k and r.drafts[m] == greedy_ids[s + m]:
-                m += 1
-            out.append(r.drafts[:m] + [greedy_ids[s + m]])
-            continue
-        u = torch.rand(k + 1, generator=r.generator, device=device) if r.generator is not None \
-            else torch.rand(k + 1, device=device)
-        u = u.tolist()
-        pd = [next(p_draft) for _ in range(k)]
-        m = 0
-        while m < k and u[m] < pd[m]:
-            m += 1
-        q = probs[s + m]
-        if m < k:                                   # rejected: draw from p without the draft
-            q = q.clone()
-            q[r.drafts[m]] = 0.0
-        out.append(r.drafts[:m] + [_draw(q, u[k])])
+        toks: list[int] = []
+        for j in range(k + 1):
+            if r.params.is_greedy:
+                t = greedy_ids[s + j]
+            else:
+                u = torch.empty(1, 1, device=device)
+                u.uniform_(generator=r.generator) if r.generator is not None else u.uniform_()
+                row = slice(s + j, s + j + 1)
+                t = int(inverse_cdf(cdf[row], order[row] if order is not None else None, u)[0])
+            toks.append(t)
+            if j == k or t != r.drafts[j]:
+                break
+        out.append(toks)
     return _with_logprobs(raw, rows, spans, out)
-
-
-def _draw(q: torch.Tensor, u: float) -> int:
-    cdf = q.cumsum(dim=0)
-    total = float(cdf[-1])
-    if total <= 0.0:            # rounding left no mass beside the rejected draft
-        return int(q.argmax())
-    x = min(u * total, torch.nextafter(torch.tensor(total), torch.tensor(0.0)).item())
-    return int(torch.searchsorted(cdf, torch.tensor([x], device=q.device), right=True)[0])
 
 
 def _with_logprobs(raw: torch.Tensor, rows: list[VerifyRow], spans: list[tuple[int, int]],

@@ -47,9 +47,11 @@ def test_up_forwards_every_engine_flag_to_workers():
     values = {"--model": "/m", "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
               "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
               "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5", "--mixed-chunk-ttft-target": "0.5",
-              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1"}
+              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1",
+              "--speculative-algorithm": "draft", "--speculative-num-draft-tokens": "3",
+              "--speculative-ngram-min": "1", "--speculative-ngram-max": "6", "--speculative-draft-model": "/d"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
-                "--low-priority-values-first", "--enable-overlap-schedule"]
+                "--low-priority-values-first", "--enable-overlap-schedule", "--disable-speculative-adaptive"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}

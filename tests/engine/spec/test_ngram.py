@@ -78,3 +78,19 @@ def test_shrink_returns_pages_of_rejected_drafts_only():
     assert kv.slots.pages(req.slot) == req.pages
     kv.release(req)
     kv.check_idle()
+
+
+def test_bad_speculative_config_is_refused_with_the_field_named():
+    import pytest
+
+    from engine.config import EngineConfig
+    from engine.errors import InvalidRequest
+
+    for kw, field in ((dict(speculative_algorithm="eagle"), "speculative_algorithm"),
+                      (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),
+                      (dict(speculative_algorithm="ngram", speculative_ngram_min=3, speculative_ngram_max=2),
+                       "speculative_ngram_min"),
+                      (dict(speculative_algorithm="draft"), "speculative_draft_model")):
+        with pytest.raises(InvalidRequest, match=field):
+            EngineConfig(**kw).validate()
+    EngineConfig(speculative_algorithm="ngram").validate()

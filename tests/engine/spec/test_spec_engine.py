@@ -106,12 +106,21 @@ def test_penalised_requests_are_not_speculated(tiny_llama):
     engine.check_idle()
 
 
-def test_seeded_sampling_repeats(tiny_llama):
-    prompts = _repetitive([8, 12], seed=26)
-    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
-    a = draft_is_target(tiny_llama).generate(prompts, params)
-    b = draft_is_target(tiny_llama).generate(prompts, params)
-    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+@pytest.mark.parametrize("top_k", [-1, 20])
+@pytest.mark.parametrize("make", [ngram, draft_is_target], ids=["ngram", "draft"])
+def test_seeded_sampling_gives_the_tokens_of_plain_sampling(tiny_llama, make, top_k):
+    # verify() draws each emitted token with the uniform plain sampling would use for it. (Rows of
+    # one batch share their filters here: the plain sampler's candidate order, and so its pick for
+    # a uniform, depends on whether any row of the batch filters, see docs/sampling.md.)
+    prompts = _repetitive([8, 12, 5], seed=26)
+    params = [SamplingParams(max_tokens=20, temperature=t, seed=s, ignore_eos=True, top_k=top_k)
+              for t, s in ((0.8, 1), (1.0, 2), (0.6, 3))]
+    plain = make_engine(tiny_llama).generate(prompts, params)
+    engine = make(tiny_llama)
+    spec = engine.generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert engine.spec.stats.drafted_tokens > 0
+    engine.check_idle()
 
 
 def _chi2_same_distribution(a: Counter, b: Counter) -> float:

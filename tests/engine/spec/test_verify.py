@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.sampler import SamplingBatch, sampling_probs
+from engine.sampler import Sampler, SamplingBatch, sampling_probs
 from engine.sampling_params import SamplingParams
 from engine.spec.verify import VerifyRow, verify
 
@@ -53,16 +54,30 @@ def test_sampled_tokens_follow_the_plain_sampling_distribution():
                 assert (_freq([o[1].token_id for o in accepted]) - p[1]).abs().max() < 0.05
 
 
-def test_seeded_rows_repeat_and_consume_their_own_generator():
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, temperature=1.0, seed=5),
+                                    SamplingParams(max_tokens=8, temperature=0.8, top_k=4, seed=5),
+                                    SamplingParams(max_tokens=8, temperature=1.1, top_p=0.8, min_p=0.05, seed=5)],
+                         ids=["plain", "top-k", "top-p-min-p"])
+def test_seeded_rows_pick_what_plain_sampling_picks_with_one_draw_per_token(params):
     logits = _logits(2, 3)
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    plain = []
+    for j in range(3):
+        sb = SamplingBatch.build([params], [[]], [[]], [gen], V, "cpu")
+        plain.append(int(Sampler()(logits[j:j + 1], sb).token_ids[0]))
+    after_plain = gen.get_state()
 
-    def run(seed):
-        gen = torch.Generator().manual_seed(seed)
-        return [[t.token_id for t in verify(logits, [VerifyRow(params, [1, 2], gen)], V)[0]] for _ in range(20)]
+    gen = torch.Generator().manual_seed(5)
+    out = verify(logits, [VerifyRow(params, plain[:2], gen)], V)[0]
+    assert [t.token_id for t in out] == plain and torch.equal(gen.get_state(), after_plain)
 
-    assert run(5) == run(5)
-    assert run(5) != run(6)
+    gen = torch.Generator().manual_seed(5)
+    wrong = (plain[1] + 1) % V
+    out = verify(logits, [VerifyRow(params, [plain[0], wrong], gen)], V)[0]
+    assert [t.token_id for t in out] == plain[:2]      # the rejection emits what plain sampling drew
+    ref = torch.Generator().manual_seed(5)
+    torch.empty(2).uniform_(generator=ref)
+    assert torch.equal(gen.get_state(), ref.get_state())
 
 
 def test_logprobs_come_from_the_raw_logits_at_each_position():
