@@ -8,6 +8,7 @@ from engine.errors import InvalidRequest
 from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ class EngineConfig:
     enable_graph: bool | None = None
     graph_max_bs: int | None = None       # largest captured batch (<= max_running_requests); None: 256 CUDA, 32 CPU
     graph_bs: tuple[int, ...] | None = None   # the sizes to capture (<= graph_max_bs); None: the device's list
+    # Speculative decoding on decode rows (engine/spec/): None (off) | ngram | draft.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4      # drafts proposed per request per step (k)
+    speculative_ngram_min: int = 2             # shortest suffix n-gram the n-gram proposer matches
+    speculative_ngram_max: int = 4             # longest one (tried first)
+    speculative_draft_model: str | None = None # HF folder of the draft model (algorithm "draft")
+    # Switch speculation off for a batch while measured acceptance x step cost says it is slower than
+    # plain decode, probing it again periodically (engine/spec/adaptive.py).
+    speculative_adaptive: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -94,5 +104,20 @@ class EngineConfig:
             if self.graph_max_bs is not None and min(self.graph_bs) > self.graph_max_bs:
                 raise InvalidRequest(f"graph_bs {self.graph_bs} has no size <= graph_max_bs {self.graph_max_bs}",
                                      "graph_bs")
+        self._validate_speculative()
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("context_length must be >= 2", "context_length")
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise InvalidRequest(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}",
+                                 "speculative_algorithm")
+        if not 1 <= self.speculative_num_draft_tokens <= 32:
+            raise InvalidRequest("speculative_num_draft_tokens must be in [1, 32]", "speculative_num_draft_tokens")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise InvalidRequest("need 1 <= speculative_ngram_min <= speculative_ngram_max", "speculative_ngram_min")
+        if algo == "draft" and not self.speculative_draft_model:
+            raise InvalidRequest("speculative_algorithm 'draft' needs speculative_draft_model", "speculative_draft_model")

@@ -23,6 +23,7 @@ from engine.models.registry import model_class
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
+from engine.spec.verify import VerifyRow, verify
 from engine.weights import iter_weights
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,9 @@ class ModelRunner:
             input_ids.extend(s.input_ids)
             positions.extend(range(s.prefix_len, s.prefix_len + n))
             seq_of_token.extend([i] * n)
-            if s.sample:
+            if s.num_drafts:
+                logits_rows.extend(range(len(input_ids) - n, len(input_ids)))   # verify every position
+            elif s.sample:
                 logits_rows.append(len(input_ids) - 1)
             q_lens.append(n)
             prefix_lens.append(s.prefix_len)
@@ -202,21 +205,58 @@ class ModelRunner:
             self.forward_spans.append((t1, t2))
             self.last_timings = StepTimings(step.prepare_s, t2 - t1, 0.0)
             return []
+        if any(s.num_drafts for s in step.sampling):   # speculative verification (never with overlap)
+            result = self._verify_and_sample(logits, step.sampling)
+            t3 = time.perf_counter()
+            self.forward_spans.append((t1, t3))
+            self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
+            return result
         out = self.sampler(logits, step.sampling_batch)
         self.future_map[step.futures] = out.token_ids
+        result = self._tokens(out, step.sampling)
+        t3 = time.perf_counter()
+        self.forward_spans.append((t1, t3))
+        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
+        return result
+
+    def _verify_and_sample(self, logits: torch.Tensor, sampling: list[SeqStep]) -> list[SampledToken | list[SampledToken]]:
+        """Sequences with drafts own num_drafts + 1 logits rows each, the others one."""
+        plain_rows, spec_rows, row = [], [], 0
+        for s in sampling:
+            n = s.num_drafts + 1
+            (spec_rows if s.num_drafts else plain_rows).extend(range(row, row + n))
+            row += n
+        plain = [s for s in sampling if not s.num_drafts]
+        spec = [s for s in sampling if s.num_drafts]
+        dev = self.device
+        plain_out: list[SampledToken] = []
+        if plain:
+            sb = SamplingBatch.build(
+                params=[s.req.params for s in plain], prompt_ids=[s.req.prompt_ids for s in plain],
+                output_ids=[s.req.output_ids for s in plain],
+                generators=[self._generator(s.req.rid, s.req.params.seed) for s in plain],
+                vocab_size=self.model_cfg.vocab_size, device=dev)
+            plain_out = self._tokens(self.sampler(logits[torch.tensor(plain_rows, device=dev)], sb), plain)
+        spec_out = iter(verify(
+            logits[torch.tensor(spec_rows, device=dev)],
+            [VerifyRow(s.req.params, s.input_ids[-s.num_drafts:], self._generator(s.req.rid, s.req.params.seed))
+             for s in spec],
+            self.model_cfg.vocab_size))
+        it = iter(plain_out)
+        return [next(spec_out) if s.num_drafts else next(it) for s in sampling]
+
+    @staticmethod
+    def _tokens(out, sampling: list[SeqStep]) -> list[SampledToken]:
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
-        for i, s in enumerate(step.sampling):
+        for i, s in enumerate(sampling):
             k = s.req.params.top_logprobs
             top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if top_ids is not None and k else None
             lp = logprobs[i] if logprobs is not None and s.req.params.logprobs else None
             result.append(SampledToken(tokens[i], lp, top))
-        t3 = time.perf_counter()
-        self.forward_spans.append((t1, t3))
-        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
         return result
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, SPECULATIVE_ALGORITHMS, EngineConfig
 from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 
@@ -70,6 +70,27 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the batch sizes to capture, comma-separated (a batch runs the smallest one that holds it, "
                         "padded); default: 1,2,4,8,12,16,24,32,40,... on CUDA, 1,2,4,8,16,24,32 on CPU, up to "
                         "--graph-max-bs")
+    add_speculative_arguments(p, d)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Speculative decoding (engine/spec/), named as SGLang names them."""
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=SPECULATIVE_ALGORITHMS,
+                   help="speculative decoding on decode rows: ngram (drafts looked up in the request's own prompt "
+                        "and output) or draft (a small model of the same tokenizer, --speculative-draft-model); "
+                        "unset: no speculation")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+                   help="draft tokens per request per step, all verified in one forward of the target model")
+    p.add_argument("--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+                   help="ngram: shortest suffix n-gram of the request's tokens looked up earlier in them")
+    p.add_argument("--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+                   help="ngram: longest suffix n-gram looked up (tried first)")
+    p.add_argument("--speculative-draft-model", default=d.speculative_draft_model,
+                   help="draft: local Hugging Face folder (or alias) of the draft model; it must share the target's tokenizer")
+    p.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                   default=d.speculative_adaptive,
+                   help="keep speculating even when measured acceptance makes it slower than plain decode "
+                        "(by default a batch stops speculating then, and probes it again now and then)")
 
 
 def _positive_int(text: str) -> int:
@@ -164,4 +185,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_graph=args.enable_graph,
         graph_max_bs=args.graph_max_bs,
         graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_ngram_min=args.speculative_ngram_min,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_draft_model=args.speculative_draft_model,
+        speculative_adaptive=args.speculative_adaptive,
     )

@@ -247,9 +247,10 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # --- results -----------------------------------------------------------------------------
-    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken],
-                     elapsed_s: float | None = None) -> list[tuple[Request, SampledToken]]:
-        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order.
+    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken | list[SampledToken]],
+                     elapsed_s: float | None = None) -> list[tuple[Request, SampledToken | list[SampledToken]]]:
+        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order:
+        a token, or for a sequence with drafts the tokens it emits (accepted drafts plus one).
         `elapsed_s`: the pass's own time when it ran beside other work (overlap); by default the
         time since the step was scheduled."""
         decode_rows = sum(1 for s in batch.seqs if s.decode)
@@ -266,7 +267,14 @@ class Scheduler:
             if req.finished:
                 continue  # ended while the step ran (abort, or a stop in the step before): dropped
             req.num_inflight -= 1
-            req.output_ids.append(tok.token_id)
+            if isinstance(tok, list):
+                # Verified drafts (engine/spec/, never with overlap): KV is kept for the last token
+                # and the accepted drafts; pages past what the next step needs go back.
+                req.num_computed = seq.prefix_len + len(tok)
+                req.output_ids.extend(t.token_id for t in tok)
+                self.kv.shrink(req, len(req.all_ids))
+            else:
+                req.output_ids.append(tok.token_id)
             out.append((req, tok))
         return out
 

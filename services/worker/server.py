@@ -35,6 +35,7 @@ from services.worker.loop import EngineLoop
 from services.worker.metrics_server import start_metrics_server
 from services.worker.profiler import StepProfiler
 from services.worker.rdma import preflight
+from services.worker.spec_metrics import SpecMetrics
 from services.worker.step_stats import StepStats
 from services.worker.watchdog import Watchdog
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -106,7 +107,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     watchdog = Watchdog(wcfg.watchdog_timeout_s) if wcfg.watchdog_timeout_s > 0 else None
     faults = FaultConfig.from_env()
     guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
-    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, profiler))
+    spec = [SpecMetrics(engine.spec)] if getattr(engine, "spec", None) is not None else []
+    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, *spec, profiler))
 
     wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],

@@ -49,9 +49,12 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
               "--mixed-chunk-ttft-target": "0.5", "--max-queued-requests": "9", "--priority-preemption-threshold": "4",
               "--num-threads": "1", "--graph-max-bs": "3", "--graph-bs": "1,3",
-              "--prefill-schedule-policy": "fcfs", "--prefill-max-wait": "0.5"}
+              "--prefill-schedule-policy": "fcfs", "--prefill-max-wait": "0.5",
+              "--speculative-algorithm": "draft", "--speculative-num-draft-tokens": "3",
+              "--speculative-ngram-min": "1", "--speculative-ngram-max": "6", "--speculative-draft-model": "/d"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
-                "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph"]
+                "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",
+                "--disable-speculative-adaptive"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}

@@ -52,6 +52,9 @@ def test_step_kinds():
     assert (mixed.kind, mixed.num_seqs, mixed.prefill_tokens, mixed.decode_tokens) == ("mixed", 2, 7, 1)
     # A one-token last chunk of a prompt is prefill, not decode.
     assert shape_of(StepBatch([prefill_chunk(1, 16, 17)])).kind == "prefill"
+    # A speculative row (last token + 3 drafts) is a decode row running 4 tokens.
+    spec = shape_of(StepBatch([SeqStep(Req(100), [1, 2, 3, 4], 100, sample=True, num_drafts=3), decode_row()]))
+    assert (spec.kind, spec.decode_tokens, spec.prefill_tokens) == ("decode", 5, 0)
 
 
 def _sample(name: str, **labels) -> float:
