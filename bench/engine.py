@@ -8,6 +8,12 @@ static-batch `generate` (equal-length prompts, so no padding). Decode throughput
 (generate(N tokens) - generate(1 token)) so both sides exclude the prefill.
 The engine's decode step is split into model forward vs everything else (scheduling, metadata,
 sampling, detokenization) to show the overhead the issue bounds at 10%.
+
+Decode graphs (engine/graph_runner.py): `--graph on|off` sets `--enable-graph`/`--disable-graph` for
+the engine; `--compare-graph` builds a second engine with graphs on and measures each row on both,
+back to back (the cores are shared, so only a ratio measured this way means much):
+
+    python -m bench.engine --batches 1,8,32 --input-lens 512 --mixed-requests 0 --skip-hf --compare-graph
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -44,7 +51,7 @@ def bench_tandem_decode(engine: LLMEngine, batch: int, input_len: int, output_le
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    step_times, fwd_times = [], []
+    step_times, fwd_times, batch_sizes = [], [], []
     decoded = 0
     while engine.has_unfinished():
         is_decode = not engine.scheduler.waiting and not engine.scheduler.prefilling
@@ -55,12 +62,14 @@ def bench_tandem_decode(engine: LLMEngine, batch: int, input_len: int, output_le
             step_times.append(dt)
             fwd_times.append(engine.runner.last_timings.forward_s)
             decoded += len(outs)
+            batch_sizes.append(len(outs))
     total = sum(step_times)
     return {
         "decode_tok_s": decoded / total,
         "step_ms_median": statistics.median(step_times) * 1e3,
         "forward_ms_median": statistics.median(fwd_times) * 1e3,
         "outside_forward_frac": 1 - sum(fwd_times) / total,
+        "decode_batch_median": statistics.median(batch_sizes),
     }
 
 
@@ -113,6 +122,13 @@ def bench_hf_mixed(model, prompts, outs, batch: int) -> dict:
     return {"output_tok_s": useful / dt, "seconds": dt}
 
 
+def _rss_mb() -> float:
+    """This process's resident memory (MiB), after building an engine: compiled graphs hold their own
+    (frozen, prepacked) copy of the weights."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -123,23 +139,58 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--mixed-requests", type=int, default=64, help="requests in the mixed workload (0: skip)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
+                    help="decode graphs for the engine (auto: the engine's default for the device)")
+    ap.add_argument("--compare-graph", action="store_true",
+                    help="also run every decode row on a second engine with graphs on (the first: --graph off)")
+    ap.add_argument("--graph-bs", default=None, help="with graphs on: the captured batch sizes (default: the engine's)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure each decode row this many times (alternating engines with --compare-graph) and "
+                         "keep the fastest: on shared cores the best run is the least disturbed one")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     input_lens = [int(n) for n in args.input_lens.split(",")]
 
     max_batch = max(batches)
+    graph = {"auto": None, "on": True, "off": False}["off" if args.compare_graph else args.graph]
+    # No mixed chunks: every prompt is prefilled before decoding starts, so a decode row of batch b runs
+    # b sequences (with them, the first admitted decode while the rest prefill, finish first, and the
+    # pure decode steps measured run fewer than b).
     cfg = dataclasses.replace(EngineConfig(), model=args.model, dtype=args.dtype, enable_prefix_cache=False,
-                              kv_cache_gb=2.0, chunked_prefill_size=8192, max_running_requests=max_batch)
-    engine = LLMEngine(cfg)
+                              kv_cache_gb=2.0, chunked_prefill_size=8192, max_running_requests=max_batch,
+                              enable_mixed_chunk=False,
+                              enable_graph=graph,
+                              graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None)
+    engines = {"tandem": cfg}
+    if args.compare_graph:
+        engines["graph"] = dataclasses.replace(cfg, enable_graph=True)
+    startup = {}
+    for name, c in list(engines.items()):
+        t0 = time.perf_counter()
+        engines[name] = LLMEngine(c)
+        graphs = engines[name].runner.graphs
+        startup[name] = {"engine_s": time.perf_counter() - t0, "graph_capture_s": graphs.capture_s if graphs else None,
+                         "graph_bs": graphs.sizes if graphs else None, "rss_mb": _rss_mb()}
+        print(name, json.dumps(startup[name]))
+    engine = engines["tandem"]
     vocab = engine.model_config.vocab_size
-    engine.generate(prompts_of(2, 32, vocab, 7), SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    for e in engines.values():
+        e.generate(prompts_of(2, 32, vocab, 7), SamplingParams(max_tokens=4, temperature=0))  # warm-up
     rows = []
     for input_len in input_lens:
         for b in batches:
             row = {"input_len": input_len, "batch": b,
                    "tandem_prefill_tok_s": bench_tandem_prefill(engine, b, input_len)}
-            row.update({f"tandem_{k}": v for k, v in bench_tandem_decode(engine, b, input_len, args.output_len).items()})
+            runs: dict[str, list[dict]] = {name: [] for name in engines}
+            for _ in range(args.repeat):
+                for name, e in engines.items():
+                    runs[name].append(bench_tandem_decode(e, b, input_len, args.output_len))
+            for name, results in runs.items():
+                best = max(results, key=lambda r: r["decode_tok_s"])
+                row.update({f"{name}_{k}": v for k, v in best.items()})
+            if "graph" in engines:
+                row["graph_speedup"] = row["graph_decode_tok_s"] / row["tandem_decode_tok_s"]
             rows.append(row)
             print(json.dumps(row))
     mixed = {}
@@ -147,7 +198,8 @@ def main() -> None:
         prompts, outs = mixed_workload(args.mixed_requests, vocab)
         mixed["tandem"] = bench_tandem_mixed(engine, prompts, outs)
         print("mixed", json.dumps(mixed))
-    engine.check_idle()
+    for e in engines.values():
+        e.check_idle()
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -171,6 +223,7 @@ def main() -> None:
         "input_lens": input_lens,
         "output_len": args.output_len,
         "threads": torch.get_num_threads(),
+        "startup": startup,
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "rows": rows,
         "mixed_workload": {"requests": args.mixed_requests, "prompt_len": [32, 256], "output_len": [16, 128],

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
+from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,32 @@ class EngineConfig:
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
     # device's default (on for CUDA, off for CPU; see engine.engine.overlap_enabled).
     enable_overlap_schedule: bool | None = None
+    # Who gets a step's prefill budget first (scheduler/prefill_order.py): the prompts with the least
+    # left to compute ("shortest-first"), except that one waiting over `prefill_max_wait_s` goes first;
+    # or "fcfs", one prompt's every chunk before the next prompt's first.
+    prefill_schedule_policy: str = "shortest-first"
+    prefill_max_wait_s: float = 2.0
     # Admission control reserves `remaining_tokens * new_token_ratio` pages for running requests.
     # The ratio decays while decoding goes well and jumps back after a retraction.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay_steps: int = 600
     num_threads: int | None = None        # torch intra-op threads; None: torch's default
+    # Decode steps from graphs captured for fixed (padded) batch sizes: CUDA graphs on CUDA,
+    # torch.compile/inductor on CPU (engine/graph_runner.py). None: on where that measured faster
+    # than eager (CUDA; not this project's 2-core CPU, see docs/benchmarks.md).
+    enable_graph: bool | None = None
+    graph_max_bs: int | None = None       # largest captured batch (<= max_running_requests); None: 256 CUDA, 32 CPU
+    graph_bs: tuple[int, ...] | None = None   # the sizes to capture (<= graph_max_bs); None: the device's list
+    # Speculative decoding on decode rows (engine/spec/): None (off) | ngram | draft.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4      # drafts proposed per request per step (k)
+    speculative_ngram_min: int = 2             # shortest suffix n-gram the n-gram proposer matches
+    speculative_ngram_max: int = 4             # longest one (tried first)
+    speculative_draft_model: str | None = None # HF folder of the draft model (algorithm "draft")
+    # Switch speculation off for a batch while measured acceptance x step cost says it is slower than
+    # plain decode, probing it again periodically (engine/spec/adaptive.py).
+    speculative_adaptive: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -67,7 +89,35 @@ class EngineConfig:
             raise InvalidRequest("mixed_chunk_itl_factor must be > 1 (or 0: unbounded)", "mixed_chunk_itl_factor")
         if self.mixed_chunk_ttft_target_s < 0:
             raise InvalidRequest("mixed_chunk_ttft_target_s must be >= 0 (0: off)", "mixed_chunk_ttft_target_s")
+        if self.prefill_schedule_policy not in PREFILL_SCHEDULE_POLICIES:
+            raise InvalidRequest(f"prefill_schedule_policy must be one of {PREFILL_SCHEDULE_POLICIES}, "
+                                 f"got {self.prefill_schedule_policy!r}", "prefill_schedule_policy")
+        if self.prefill_max_wait_s < 0:
+            raise InvalidRequest("prefill_max_wait_s must be >= 0", "prefill_max_wait_s")
         if self.chunked_prefill_size < self.page_size:
             raise InvalidRequest("chunked_prefill_size must be >= page_size", "chunked_prefill_size")
+        if self.graph_max_bs is not None and self.graph_max_bs < 1:
+            raise InvalidRequest(f"graph_max_bs must be >= 1, got {self.graph_max_bs}", "graph_max_bs")
+        if self.graph_bs is not None:
+            if not self.graph_bs or any(not isinstance(b, int) or b < 1 for b in self.graph_bs):
+                raise InvalidRequest(f"graph_bs must be batch sizes >= 1, got {self.graph_bs}", "graph_bs")
+            if self.graph_max_bs is not None and min(self.graph_bs) > self.graph_max_bs:
+                raise InvalidRequest(f"graph_bs {self.graph_bs} has no size <= graph_max_bs {self.graph_max_bs}",
+                                     "graph_bs")
+        self._validate_speculative()
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("context_length must be >= 2", "context_length")
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise InvalidRequest(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}",
+                                 "speculative_algorithm")
+        if not 1 <= self.speculative_num_draft_tokens <= 32:
+            raise InvalidRequest("speculative_num_draft_tokens must be in [1, 32]", "speculative_num_draft_tokens")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise InvalidRequest("need 1 <= speculative_ngram_min <= speculative_ngram_max", "speculative_ngram_min")
+        if algo == "draft" and not self.speculative_draft_model:
+            raise InvalidRequest("speculative_algorithm 'draft' needs speculative_draft_model", "speculative_draft_model")

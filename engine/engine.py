@@ -35,6 +35,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
+from engine.spec.factory import create_speculator
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,12 @@ class LLMEngine:
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
         self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len)
+        self.spec = create_speculator(cfg, self.scheduler.kv, self.context_len, self.model_config, self.runner)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        self.overlap = overlap_enabled(cfg, self.runner.device)
+        # A verify step's input is the previous step's accepted tokens: speculation runs synchronously.
+        self.overlap = overlap_enabled(cfg, self.runner.device) and self.spec is None
         self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
         self._inflight: tuple[StepBatch, Future] | None = None
         self.num_overlapped_steps = 0   # steps launched before the previous one's tokens were known
@@ -118,7 +121,12 @@ class LLMEngine:
     def forget(self, rid: str) -> None:
         """Stop tracking a request that never got queued (or whose resources the caller freed)."""
         self._tracked.pop(rid, None)
+        self._release(rid)
+
+    def _release(self, rid: str) -> None:
         self.runner.release(rid)
+        if self.spec is not None:
+            self.spec.release(rid)
 
     def start_decoding(self, req: Request, first: SampledToken) -> RequestOutput:
         """A request whose prompt KV arrived in its pages joins the running batch with its first
@@ -147,7 +155,14 @@ class LLMEngine:
         requests sampled (not yet checked for stop conditions; a prefill worker sends KV instead)."""
         if self._forward is None:
             batch = self.scheduler.schedule()
-            return [] if batch is None else [(batch, self.scheduler.on_step_done(batch, self.runner.run(batch)))]
+            if batch is None:
+                return []
+            if self.spec is not None:
+                self.spec.attach(batch)
+            sampled = self.runner.run(batch)
+            if self.spec is not None:
+                self.spec.observe(batch, sampled)
+            return [(batch, self.scheduler.on_step_done(batch, sampled))]
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         done = []
@@ -179,7 +194,7 @@ class LLMEngine:
         if tracked is None:
             return False
         self.scheduler.finish(tracked.req, FinishReason.ABORT)
-        self.runner.release(rid)
+        self._release(rid)
         return True
 
     def check_idle(self) -> None:
@@ -187,25 +202,40 @@ class LLMEngine:
         assert not self._tracked, f"requests still tracked: {list(self._tracked)[:5]}"
         assert self._inflight is None, "a forward pass is still in flight"
         self.scheduler.check_idle()
+        if self.spec is not None:
+            self.spec.check_idle()
 
-    def _emit(self, t: _Tracked, tok: SampledToken) -> RequestOutput:
+    def _emit(self, t: _Tracked, tok: SampledToken | list[SampledToken]) -> RequestOutput:
+        """The delta for the newest token(s) of `t.req`, already in its output_ids (several after a
+        verified speculative step). A stop condition met inside a run of tokens cuts the output
+        right after the token that met it, as token-by-token decoding would have."""
+        toks = tok if isinstance(tok, list) else [tok]
         req = t.req
-        reason = t.stop.check(req.output_ids)
-        stopped_by_token = reason is FinishReason.STOP
-        # A stop/EOS token ends the text without contributing to it.
-        text = "" if stopped_by_token else t.detok.append(tok.token_id)
-        matched: str | int | None = t.stop.matched_stop_token if stopped_by_token else None
-        if t.detok.finished and not stopped_by_token:  # a stop string wins over the length limit
-            reason, matched = FinishReason.STOP, t.detok.matched_stop
+        base = len(req.output_ids) - len(toks)
+        text, ids, lp = "", [], []
+        reason: FinishReason | None = None
+        matched: str | int | None = None
+        for i, tk in enumerate(toks):
+            n = base + i + 1
+            reason = t.stop.check(req.output_ids if n == len(req.output_ids) else req.output_ids[:n])
+            stopped_by_token = reason is FinishReason.STOP
+            # A stop/EOS token ends the text without contributing to it.
+            text += "" if stopped_by_token else t.detok.append(tk.token_id)
+            matched = t.stop.matched_stop_token if stopped_by_token else None
+            if t.detok.finished and not stopped_by_token:  # a stop string wins over the length limit
+                reason, matched = FinishReason.STOP, t.detok.matched_stop
+            ids.append(tk.token_id)
+            if req.params.logprobs and tk.logprob is not None:
+                lp.append(TokenLogprob(tk.token_id, tk.logprob, tk.top or []))
+            if reason is not None:
+                del req.output_ids[n:]      # drafts accepted past the stop are not output
+                break
         if reason is not None and t.detok.matched_stop is None:
             text += t.detok.flush()
-        lp = None
-        if req.params.logprobs and tok.logprob is not None:
-            lp = [TokenLogprob(tok.token_id, tok.logprob, tok.top or [])]
-        out = RequestOutput(req.rid, [tok.token_id], text, lp, reason, matched)
+        out = RequestOutput(req.rid, ids, text, lp or None, reason, matched)
         if reason is not None:
             self.scheduler.finish(req, reason)
-            self.runner.release(req.rid)
+            self._release(req.rid)
             del self._tracked[req.rid]
             out.usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
         return out

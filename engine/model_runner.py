@@ -16,12 +16,14 @@ import torch
 from engine.attention.base import create_backend
 from engine.config import EngineConfig
 from engine.forward_context import ForwardContext
+from engine.graph_runner import create_graph_runner
 from engine.kv_pool import KVPool, KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.models.registry import model_class
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
+from engine.spec.verify import VerifyRow, verify
 from engine.weights import iter_weights
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class ModelRunner:
         self.pool = KVPool(spec, self.device, kv_allocator(spec) if kv_allocator else None)
         self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
         self.sampler = Sampler()
+        # Decode steps from captured graphs (None: always eager); captures them now.
+        self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)
         self._generators: dict[str, torch.Generator] = {}
         # Sampled tokens by future slot (engine/scheduler/future.py): written after each step's
         # sampling, read by the next step's inputs when overlap scheduling planned it early.
@@ -134,7 +138,9 @@ class ModelRunner:
             input_ids.extend(s.input_ids)
             positions.extend(range(s.prefix_len, s.prefix_len + n))
             seq_of_token.extend([i] * n)
-            if s.sample:
+            if s.num_drafts:
+                logits_rows.extend(range(len(input_ids) - n, len(input_ids)))   # verify every position
+            elif s.sample:
                 logits_rows.append(len(input_ids) - 1)
             q_lens.append(n)
             prefix_lens.append(s.prefix_len)
@@ -193,28 +199,71 @@ class ModelRunner:
         if step.has_future_inputs:
             ids = ctx.input_ids
             ctx.input_ids = torch.where(ids < 0, self.future_map[(-ids - 1).clamp_(min=0)], ids)
-        logits = self.model(ctx)   # with nothing to sample, still writes every layer's KV
+        logits = self.forward(ctx)   # with nothing to sample, still writes every layer's KV
         t2 = time.perf_counter()
         if not step.sampling:
             self.forward_spans.append((t1, t2))
             self.last_timings = StepTimings(step.prepare_s, t2 - t1, 0.0)
             return []
+        if any(s.num_drafts for s in step.sampling):   # speculative verification (never with overlap)
+            result = self._verify_and_sample(logits, step.sampling)
+            t3 = time.perf_counter()
+            self.forward_spans.append((t1, t3))
+            self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
+            return result
         out = self.sampler(logits, step.sampling_batch)
         self.future_map[step.futures] = out.token_ids
+        result = self._tokens(out, step.sampling)
+        t3 = time.perf_counter()
+        self.forward_spans.append((t1, t3))
+        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
+        return result
+
+    def _verify_and_sample(self, logits: torch.Tensor, sampling: list[SeqStep]) -> list[SampledToken | list[SampledToken]]:
+        """Sequences with drafts own num_drafts + 1 logits rows each, the others one."""
+        plain_rows, spec_rows, row = [], [], 0
+        for s in sampling:
+            n = s.num_drafts + 1
+            (spec_rows if s.num_drafts else plain_rows).extend(range(row, row + n))
+            row += n
+        plain = [s for s in sampling if not s.num_drafts]
+        spec = [s for s in sampling if s.num_drafts]
+        dev = self.device
+        plain_out: list[SampledToken] = []
+        if plain:
+            sb = SamplingBatch.build(
+                params=[s.req.params for s in plain], prompt_ids=[s.req.prompt_ids for s in plain],
+                output_ids=[s.req.output_ids for s in plain],
+                generators=[self._generator(s.req.rid, s.req.params.seed) for s in plain],
+                vocab_size=self.model_cfg.vocab_size, device=dev)
+            plain_out = self._tokens(self.sampler(logits[torch.tensor(plain_rows, device=dev)], sb), plain)
+        spec_out = iter(verify(
+            logits[torch.tensor(spec_rows, device=dev)],
+            [VerifyRow(s.req.params, s.input_ids[-s.num_drafts:], self._generator(s.req.rid, s.req.params.seed))
+             for s in spec],
+            self.model_cfg.vocab_size))
+        it = iter(plain_out)
+        return [next(spec_out) if s.num_drafts else next(it) for s in sampling]
+
+    @staticmethod
+    def _tokens(out, sampling: list[SeqStep]) -> list[SampledToken]:
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
-        for i, s in enumerate(step.sampling):
+        for i, s in enumerate(sampling):
             k = s.req.params.top_logprobs
             top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if top_ids is not None and k else None
             lp = logprobs[i] if logprobs is not None and s.req.params.logprobs else None
             result.append(SampledToken(tokens[i], lp, top))
-        t3 = time.perf_counter()
-        self.forward_spans.append((t1, t3))
-        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
         return result
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """The model's logits for `ctx`: from a captured graph when one fits (a decode step of at most
+        the largest captured size), else eager."""
+        logits = self.graphs.forward(ctx) if self.graphs is not None else None
+        return self.model(ctx) if logits is None else logits
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -233,8 +233,24 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Draw one token per row from the temperature-scaled, filtered distribution."""
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] fp32: the distribution each sampled row draws from (penalties, temperature, top-k,
+    top-p and min-p applied; each row sums to 1). Speculative verification accepts drafts by it."""
+    probs, order = filtered_probs(logits, batch)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if order is None:
+        return probs
+    return torch.zeros(probs.shape[0], batch.vocab_size, device=probs.device).scatter_(1, order, probs)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a sampled row draws from: probabilities after penalties, temperature and the top-k /
+    top-p / min-p filters (not renormalised after min-p), and the candidates' token ids when the
+    columns are in each row's descending order (else None: vocabulary order)."""
+    return _filtered_probs(_apply_penalties(logits.float(), batch), batch)
+
+
+def _filtered_probs(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     order = None
     if batch.top_k is not None or batch.top_p is not None:
         # Work in each row's descending order: top-k is then a rank cut and top-p a prefix of the
@@ -261,15 +277,28 @@ def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.min_p is not None:
         # Relative to the row's largest probability; renormalizing does not change these ratios.
         probs = probs * (probs >= probs.amax(dim=-1, keepdim=True) * batch.min_p)
+    return probs, order
+
+
+def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw one token per row from the temperature-scaled, filtered distribution."""
+    probs, order = _filtered_probs(x, batch)
     # Inverse-CDF draw: one uniform number per row, so a seeded row consumes exactly one draw of
     # its own generator per step whatever else is in the batch (and the batch needs no [B, V]
-    # random tensor). The kept mass may not sum to 1 (min-p, fp32 rounding): scale u by it.
-    cdf = probs.cumsum(dim=-1)
+    # random tensor).
     u = torch.rand(batch.size, 1, device=x.device)
     for row, gen in batch.seeded_rows:
         u[row].uniform_(generator=gen)
+    return inverse_cdf(probs.cumsum(dim=-1), order, u)
+
+
+def inverse_cdf(cdf: torch.Tensor, order: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """[R] tokens for uniforms `u` [R, 1] under rows of cumulative mass `cdf` [R, C] (columns in
+    `order`'s token ids, or vocabulary order). Speculative verification draws through this too, so
+    that a seeded row picks the very token the plain sampler would with the same uniform."""
+    # The kept mass may not sum to 1 (min-p, fp32 rounding): scale u by it. u < total strictly, so
+    # the first cdf entry above u belongs to a token with nonzero mass.
     total = cdf[:, -1:]
-    # u < total strictly, so the first cdf entry above u belongs to a token with nonzero mass.
     u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     token = torch.searchsorted(cdf, u, right=True)
     if order is not None:

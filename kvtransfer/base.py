@@ -93,8 +93,11 @@ class KVReceiver(ABC):
         """What a sender needs to reach this receiver (sent to P once per peer in the handshake)."""
 
     @abstractmethod
-    def expect(self, room: int, dst_pages: list[int], peer_id: str) -> None:
+    def expect(self, room: int, dst_pages: list[int], peer_id: str, peer_epoch: int = 0) -> None:
         """Announce a room whose KV sender `peer_id` will write into `dst_pages` (-> WAITING_FOR_INPUT).
+
+        Only that sender (and, when `peer_epoch` is not 0, only that process start of it, as its
+        handshake says) may write the room, and only into `dst_pages`; anything else is refused.
 
         If the connection from that sender breaks, its unfinished rooms become FAILED.
         """

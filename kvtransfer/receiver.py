@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtransfer import handshake
 from kvtransfer.backends.shm import Segment
 from kvtransfer.backends.tcp import recv_pages
 from kvtransfer.base import KVReceiver, PoolLayout, RoomState, RoomStatus, TransferError
 from kvtransfer.wire import (
     HEADER,
-    VERSION,
     WROTE_BODY,
     Channel,
     Kind,
@@ -40,8 +40,7 @@ from kvtransfer.wire import (
     ReceiverMetadata,
     Timeouts,
     configure,
-    dumps,
-    loads,
+    serve_until_lost,
 )
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,8 @@ class _Conn:
     def __init__(self, channel: Channel, addr: object):
         self.ch = channel
         self.addr = addr
-        self.peer_id: str | None = None
+        self.peer_id: str | None = None      # proven by the handshake when the receiver has a key
+        self.epoch = 0                       # the sender's boot epoch (0: it did not say)
         self.path = ""                       # data path the sender announced: "tcp" | "shm"
         self.alive = True
         self.busy_room: int | None = None    # room whose WRITE payload is being received into the pool
@@ -66,6 +66,7 @@ class _Conn:
 class _Room:
     peer_id: str
     pages: np.ndarray                        # sorted destination pages
+    peer_epoch: int = 0                      # the sender instance paired with the room (0: any)
     state: RoomState = RoomState.WAITING_FOR_INPUT
     aux: bytes | None = None
     error: str = ""
@@ -81,8 +82,12 @@ class Receiver(KVReceiver):
     ONE_SIDED_PATHS: frozenset[str] = frozenset({"shm"})
 
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "tcp",
-                 backends: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True):
+                 backends: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True,
+                 secret: bytes | None = None):
+        """`secret`: the key senders must prove in the handshake (None: anyone may connect)."""
         self.name = name
+        self._key = secret
+        self.refusals = handshake.RefusalLog()
         self.layout = layout
         self.worker_id = worker_id
         self._backends = tuple(backends)
@@ -121,7 +126,7 @@ class Receiver(KVReceiver):
     def metadata(self) -> bytes:
         return self._meta.to_bytes()
 
-    def expect(self, room: int, dst_pages: list[int], peer_id: str) -> None:
+    def expect(self, room: int, dst_pages: list[int], peer_id: str, peer_epoch: int = 0) -> None:
         pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
         if pages.size and (pages.min() < 0 or pages.max() >= self.layout.num_pages):
             raise ValueError(f"room {room}: destination pages outside [0, {self.layout.num_pages})")
@@ -133,7 +138,7 @@ class Receiver(KVReceiver):
                 raise TransferError("receiver is closed")
             if room in self._rooms:
                 raise ValueError(f"room {room} is already expected")
-            self._rooms[room] = _Room(peer_id=peer_id, pages=pages)
+            self._rooms[room] = _Room(peer_id=peer_id, pages=pages, peer_epoch=peer_epoch)
 
     def poll(self, room: int) -> RoomStatus:
         with self._lock:
@@ -253,8 +258,7 @@ class Receiver(KVReceiver):
             conn.thread.start()
 
     def _serve(self, conn: _Conn) -> None:
-        reason = "connection closed"
-        try:
+        def frames() -> None:
             configure(conn.ch.sock, self._timeouts)
             self._handshake(conn)
             while True:
@@ -275,33 +279,21 @@ class Receiver(KVReceiver):
                             self._cond.notify_all()
                 else:
                     raise ProtocolError(f"unexpected {kind.name} frame")
-        except (OSError, TransferError) as e:
-            reason = str(e) or type(e).__name__
-        except Exception as e:                   # a bug: still fail the rooms, never hang them
-            log.exception("kv receiver connection from %s crashed", conn.peer_id)
-            reason = f"receiver error: {e!r}"
-        finally:
+
+        def lost(reason: str) -> None:
             self._conn_lost(conn, reason)
             conn.ch.close()
 
+        serve_until_lost(frames, lost, f"kv receiver connection from {conn.peer_id or conn.addr}")
+
     def _handshake(self, conn: _Conn) -> None:
         conn.ch.sock.settimeout(self._timeouts.connect)
+        challenge = handshake.send_challenge(conn.ch)
         kind, _, body, _ = conn.ch.recv_frame()
         if kind != Kind.HELLO:
             raise ProtocolError(f"expected HELLO, got {kind.name}")
-        hello = loads(body)
-        error, peer_id, path = "", "", ""
-        try:
-            peer_id, path = str(hello["worker_id"]), str(hello["path"])
-            layout = PoolLayout(**hello["layout"])
-            if hello.get("version") != VERSION:
-                error = f"protocol version {hello.get('version')!r}, receiver speaks {VERSION}"
-            elif not layout.compatible(self.layout):
-                error = f"incompatible pool layouts: receiver {self.layout}, sender {layout}"
-            elif path not in self._backends:
-                error = f"receiver {self.worker_id} accepts {list(self._backends)}, not {path!r}"
-        except (KeyError, TypeError, ValueError) as e:
-            error = f"bad hello: {e!r}"
+        hello, error = handshake.check_hello(body, key=self._key, challenge=challenge, receiver_id=self.worker_id,
+                                             layout=self.layout, backends=self._backends)
         aborted: list[int] = []
         # Registration and the ack are one step on this connection's send lock: an abort() that finds
         # the connection sends its ABORT only after the ack; one that ran before left a tombstone.
@@ -309,46 +301,80 @@ class Receiver(KVReceiver):
             with self._lock:
                 if not error and self._closed:
                     error = "receiver closed"
-                if not error:
-                    conn.peer_id, conn.path = peer_id, path
-                    self._peer_conn[peer_id] = conn
-                    aborted = [room for (p, room) in self._tombstones if p == peer_id]
+                who = f"{hello.peer_id!r} at {conn.addr}" if hello is not None else conn.addr
+                if error:   # counted before the sender can learn of it
+                    self.refusals.refused(f"kv receiver {self.worker_id}", f"sender {who}", error)
+                else:
+                    conn.peer_id, conn.epoch, conn.path = hello.peer_id, hello.epoch, hello.path
+                    self._peer_conn[hello.peer_id] = conn
+                    aborted = [room for (p, room) in self._tombstones if p == hello.peer_id]
                     for room in aborted:
-                        del self._tombstones[(peer_id, room)]
-            ack = dumps({"ok": not error, "error": error, "aborted": aborted})
+                        del self._tombstones[(hello.peer_id, room)]
+            ack = handshake.ack_body(key=self._key, challenge=challenge, receiver_id=self.worker_id, hello=hello,
+                                     error=error, aborted=aborted)
             conn.ch.sock.sendall(HEADER.pack(Kind.HELLO_ACK, len(ack), 0, 0) + ack)
         if error:
-            raise TransferError(f"rejected sender {peer_id or conn.addr}: {error}")
+            raise TransferError(f"rejected sender {who}: {error}")
         conn.ch.sock.settimeout(None)
 
-    def _check_write(self, conn: _Conn, r: _Room | None, runs: np.ndarray, payload_len: int) -> str:
-        """Why a WRITE must be discarded ("" if it may land). Caller holds the lock."""
+    def _owner_error(self, conn: _Conn, r: _Room | None) -> str:
+        """Why `conn` may not touch room `r` ("" if it may). Caller holds the lock."""
         if r is None:
-            return "unknown room (aborted or released)"
-        if r.state.done:
-            return f"room already {r.state.value}"
+            return "unknown room (aborted, released or never expected)"
         if r.peer_id != conn.peer_id:
-            return f"room expects sender {r.peer_id!r}, not {conn.peer_id!r}"
+            return f"room is paired with sender {r.peer_id!r}, not {conn.peer_id!r}"
+        if r.peer_epoch and conn.epoch != r.peer_epoch:
+            return f"room is paired with instance {r.peer_epoch:x} of {r.peer_id}, not instance {conn.epoch:x}"
+        return ""
+
+    def _refuse(self, conn: _Conn, room: int, why: str) -> None:
+        """Log a frame refused for its room (a lost race after an abort is normal and only debug-logged).
+        Caller holds the lock: the refusal is counted before the room's state or the sender shows it."""
+        if why.startswith("unknown room") or why.startswith("room already"):
+            log.debug("kv receiver %s: frame of room %d from %s dropped: %s", self.worker_id, room, conn.peer_id, why)
+        else:
+            self.refusals.refused(f"kv receiver {self.worker_id}", f"a write of room {room} from {conn.peer_id}", why)
+
+    def _pages_error(self, r: _Room, runs: np.ndarray) -> str:
+        """Why page runs `[n, 2]` (dst_start, length) are not all the room's own pages."""
+        if runs.size == 0:
+            return ""
         starts, lengths = runs[:, 0], runs[:, 1]
         if (lengths <= 0).any():
             return "empty run"
         total = int(lengths.sum())
-        if payload_len != total * self.layout.num_layers * 2 * self.layout.page_bytes:
-            return f"payload of {payload_len} bytes for {total} pages"
         pages = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(total)
         if not np.isin(pages, r.pages, assume_unique=False).all():
             return "write outside the room's destination pages"
         return ""
 
-    def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
-        if len(body) % 16:
-            raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
-        runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
+    def _check_write(self, conn: _Conn, r: _Room | None, runs: np.ndarray, payload_len: int) -> str:
+        """Why a WRITE must be discarded ("" if it may land). Caller holds the lock."""
+        why = self._owner_error(conn, r)
+        if why:
+            return why
+        if r.state.done:
+            return f"room already {r.state.value}"
+        if runs.size == 0:
+            return "empty run"
+        why = self._pages_error(r, runs)
+        if why:
+            return why
+        total = int(runs[:, 1].sum())
+        if payload_len != total * self.layout.num_layers * 2 * self.layout.page_bytes:
+            return f"payload of {payload_len} bytes for {total} pages"
+        return ""
+
+    def _admit_write(self, conn: _Conn, room: int, runs: np.ndarray, payload_len: int) -> tuple[_Room | None, str]:
+        """Whether a WRITE may land: (room, "") with the room TRANSFERRING and `conn` busy on it, or
+        (room, why not), logged. A refused write fails the room only when it came from the room's own
+        sender: a stranger's write never hurts someone else's room."""
         with self._lock:
             r = self._rooms.get(room)
             why = self._check_write(conn, r, runs, payload_len)
             if why:
-                if r is not None and not r.state.done:
+                self._refuse(conn, room, why)
+                if not self._owner_error(conn, r) and not r.state.done:
                     self._fail(r, f"bad write: {why}")
             else:
                 conn.busy_room = room
@@ -356,6 +382,13 @@ class Receiver(KVReceiver):
                 r.state = RoomState.TRANSFERRING
                 if r.t_first is None:
                     r.t_first = time.monotonic()
+        return r, why
+
+    def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
+        if len(body) % 16:
+            raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
+        runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
+        r, why = self._admit_write(conn, room, runs, payload_len)
         if why:
             conn.ch.drain(payload_len)
             conn.ch.try_send(Kind.ABORT, room, why.encode())
@@ -370,38 +403,44 @@ class Receiver(KVReceiver):
                 self._cond.notify_all()
 
     def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
-        if len(body) != WROTE_BODY.size:
+        """A one-sided path copied pages itself: account for them, after checking they were the room's."""
+        if len(body) < WROTE_BODY.size or (len(body) - WROTE_BODY.size) % 16:
             raise ProtocolError("bad WROTE body")
         now = time.monotonic()
-        started = WROTE_BODY.unpack(body)[0]             # the copy's start, on this host's clock
+        started = WROTE_BODY.unpack_from(body)[0]       # the copy's start, on this host's clock
         if not 0.0 <= now - started < 600.0:              # another clock after all (time namespace)
             started = now
+        runs = np.frombuffer(body, dtype="<i8", offset=WROTE_BODY.size).reshape(-1, 2)
         with self._lock:
             r = self._rooms.get(room)
-            ok = r is not None and not r.state.done and r.peer_id == conn.peer_id
-            if ok:
+            why = self._owner_error(conn, r) or ("" if not r.state.done else f"room already {r.state.value}")
+            outside = "" if why else self._pages_error(r, runs)
+            why = why or outside
+            if why:
+                self._refuse(conn, room, why)
+                if outside:     # the bytes are in our memory already: the room fails
+                    self._fail(r, f"bad write: {why}")
+            else:
                 r.conn = conn
                 r.state = RoomState.TRANSFERRING
                 r.bytes += payload_len
                 r.t_first = started if r.t_first is None else min(r.t_first, started)
-        if not ok:
-            if r is None:
-                log.warning("sender %s copied pages for room %d, which this receiver does not expect",
-                            conn.peer_id, room)
-            conn.ch.try_send(Kind.ABORT, room, b"room not expected by the receiver")
+        if why:
+            conn.ch.try_send(Kind.ABORT, room, why.encode())
 
     def _on_finish(self, conn: _Conn, room: int, aux: bytes) -> None:
         with self._lock:
             r = self._rooms.get(room)
-            ok = r is not None and not r.state.done and r.peer_id == conn.peer_id
-            if ok:
+            why = self._owner_error(conn, r) or ("" if not r.state.done else f"room already {r.state.value}: {r.error}")
+            if not why:
                 now = time.monotonic()
                 r.state, r.aux, r.t_done, r.conn = RoomState.SUCCESS, aux, now, conn
                 if r.t_first is None:
                     r.t_first = now
                 self._cond.notify_all()
-            why = "" if ok else ("unknown room" if r is None else f"room is {r.state.value}: {r.error}")
-        if ok:
+            else:
+                self._refuse(conn, room, why)
+        if not why:
             conn.ch.try_send(Kind.DONE, room)
         else:
             conn.ch.try_send(Kind.ABORT, room, why.encode())
@@ -409,7 +448,7 @@ class Receiver(KVReceiver):
     def _on_peer_abort(self, conn: _Conn, room: int, reason: bytes) -> None:
         with self._lock:
             r = self._rooms.get(room)
-            if r is not None and r.peer_id == conn.peer_id:
+            if not self._owner_error(conn, r):
                 self._fail(r, f"aborted by sender: {reason.decode(errors='replace')}")
 
     def _conn_lost(self, conn: _Conn, reason: str) -> None:
@@ -421,6 +460,8 @@ class Receiver(KVReceiver):
                 del self._peer_conn[conn.peer_id]
             if conn.peer_id is not None:
                 for r in self._rooms.values():
-                    if r.peer_id == conn.peer_id and (r.conn is conn or (r.conn is None and current)):
+                    if self._owner_error(conn, r):
+                        continue                 # another sender's, or another instance's of it
+                    if r.conn is conn or (r.conn is None and current):
                         self._fail(r, f"connection from {conn.peer_id} lost: {reason}")
             self._cond.notify_all()

@@ -18,7 +18,6 @@ socket reach D before the ABORT frame, and D's own state decides what lands (see
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import socket
 import threading
@@ -28,22 +27,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtransfer import handshake
 from kvtransfer.backends.shm import Segment, ShmPath
 from kvtransfer.backends.tcp import SocketPath
 from kvtransfer.base import KVSender, PoolLayout, RoomState, RoomStatus, TransferError
 from kvtransfer.runs import merge_runs
 from kvtransfer.wire import (
-    HEADER,
     MAX_BODY,
-    VERSION,
     Channel,
     Kind,
     ProtocolError,
     ReceiverMetadata,
     Timeouts,
     configure,
-    dumps,
-    loads,
+    serve_until_lost,
 )
 
 log = logging.getLogger(__name__)
@@ -87,7 +84,10 @@ class _Room:
 
 class Sender(KVSender):
     def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "tcp",
-                 paths: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True):
+                 paths: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True,
+                 secret: bytes | None = None, boot_epoch: int = 0):
+        """`secret`: the key this sender proves in each handshake and requires receivers to prove (None:
+        no proof); `boot_epoch`: this process start, which receivers bind rooms to (0: not told)."""
         if tuple(buffer.shape) != layout.shape or buffer.dtype != layout.torch_dtype:
             raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} does not match {layout}")
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
@@ -99,6 +99,8 @@ class Sender(KVSender):
         self._paths = tuple(paths)
         self._timeouts = timeouts
         self._native = native_iov
+        self._key = secret
+        self.boot_epoch = boot_epoch
         self._lock = threading.Lock()
         self._room_done = threading.Condition(self._lock)
         self._connect_lock = threading.Lock()
@@ -317,17 +319,9 @@ class Sender(KVSender):
         ch = Channel(sock)
         try:
             configure(sock, self._timeouts)
-            sock.settimeout(self._timeouts.connect)
-            hello = dumps({"version": VERSION, "worker_id": self.worker_id, "path": chosen,
-                           "layout": dataclasses.asdict(self.layout)})
-            sock.sendall(HEADER.pack(Kind.HELLO, len(hello), 0, 0) + hello)
-            kind, _, body, _ = ch.recv_frame()
-            if kind != Kind.HELLO_ACK:
-                raise ProtocolError(f"expected HELLO_ACK, got {kind.name}")
-            ack = loads(body)
-            if not ack.get("ok"):
-                raise TransferError(f"{peer_id} rejected the connection: {ack.get('error')}")
-            sock.settimeout(None)
+            aborted = handshake.open_connection(
+                ch, key=self._key, sender_id=self.worker_id, epoch=self.boot_epoch, receiver_id=meta.worker_id,
+                path=chosen, layout=self.layout, timeouts=self._timeouts)
         except (OSError, TransferError) as e:
             ch.close()
             if isinstance(e, TransferError):
@@ -337,7 +331,7 @@ class Sender(KVSender):
             path = ShmPath(ch, self._buffer, segment, meta.layout)
         else:
             path = SocketPath(ch, self._buffer, self.layout, self._native)
-        return _Peer(peer_id, metadata, meta, ch, path, self._lock), [int(x) for x in ack.get("aborted", [])]
+        return _Peer(peer_id, metadata, meta, ch, path, self._lock), aborted
 
     def _write_loop(self, peer: _Peer) -> None:
         while True:
@@ -371,8 +365,7 @@ class Sender(KVSender):
                     return
 
     def _read_loop(self, peer: _Peer) -> None:
-        reason = "connection closed by the receiver"
-        try:
+        def frames() -> None:
             while True:
                 kind, room, body, _ = peer.ch.recv_frame()
                 with self._lock:
@@ -390,17 +383,15 @@ class Sender(KVSender):
                         peer.cond.notify_all()
                     else:
                         raise ProtocolError(f"unexpected {kind.name} frame from the receiver")
-        except (OSError, TransferError) as e:
-            reason = str(e) or type(e).__name__
-        except Exception as e:
-            log.exception("kv sender reader for %s crashed", peer.id)
-            reason = f"sender error: {e!r}"
-        finally:
+
+        def lost(reason: str) -> None:
             self._peer_lost(peer, reason)
             if peer.writer is not None:
                 peer.writer.join()
             peer.ch.close()
             peer.path.close()
+
+        serve_until_lost(frames, lost, f"kv sender reader for {peer.id}")
 
     def _peer_lost(self, peer: _Peer, reason: str) -> None:
         with self._lock:

@@ -6,21 +6,23 @@ of body, then (WRITE only) `payload_len` bytes of page data:
 
 | kind      | dir  | body                                   | payload                          |
 |-----------|------|----------------------------------------|----------------------------------|
-| HELLO     | P->D | JSON {version, worker_id, layout, path}| -                                |
-| HELLO_ACK | D->P | JSON {ok, error, aborted: [room...]}   | -                                |
+| CHALLENGE | D->P | 32 random bytes (first frame)          | -                                |
+| HELLO     | P->D | JSON {version, worker_id, epoch, layout, path, nonce, proof} | -          |
+| HELLO_ACK | D->P | JSON {ok, error, aborted: [room...], proof} | -                           |
 | WRITE     | P->D | int64 [n_runs, 2] (dst_start, length)  | pages, (layer, K|V)-major, run-minor |
-| WROTE     | P->D | `<d` monotonic time the copy began (shm: P already copied payload_len bytes into D's segment) | - |
+| WROTE     | P->D | `<d` monotonic time the copy began, then int64 (dst_start, length) runs (one-sided paths: P already copied payload_len bytes into those pages) | - |
 | FINISH    | P->D | the room's aux record                  | -                                |
 | DONE      | D->P | - (D marked the room SUCCESS)          | -                                |
 | ABORT     | both | utf-8 reason                           | -                                |
 | ABORT_ACK | P->D | - (P will not touch the room's pages again)                            | - |
 
 Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON:
-`{"version": 1, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
+`{"version": 2, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
   "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype},
   "shm": null | {"path": str, "size": int, "offset": int, "nonce": hex str, "hostname": str}}`.
 `host:port` is the control socket (always present: even shm sends its control frames over it);
 `backends` lists the data paths the receiver accepts, in its order of preference.
+The opening exchange (CHALLENGE, HELLO, HELLO_ACK) and its proof of the shared secret: handshake.py.
 """
 
 from __future__ import annotations
@@ -28,16 +30,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtransfer.base import PoolLayout, TransferError
 
-VERSION = 1
+log = logging.getLogger(__name__)
+
+VERSION = 2
 HEADER = struct.Struct("<B3xIQQ")
-WROTE_BODY = struct.Struct("<d")
+WROTE_BODY = struct.Struct("<d")       # followed by the runs, as a WRITE body
 MAX_BODY = 64 << 20
 
 
@@ -50,6 +56,7 @@ class Kind(enum.IntEnum):
     DONE = 6
     ABORT = 7
     ABORT_ACK = 8
+    CHALLENGE = 9
 
 
 class ProtocolError(TransferError):
@@ -196,6 +203,15 @@ class Channel:
                 self.sock.close()
 
 
+def wrote_body(started: float, runs) -> bytes:
+    """A WROTE note's body: when the copy began, then the (dst_start, length) of the runs `[n, 3]`
+    (src_start, dst_start, length) that were copied, so the receiver can check they were the room's."""
+    import numpy as np
+
+    pairs = np.ascontiguousarray(np.asarray(runs, dtype=np.int64).reshape(-1, 3)[:, 1:], dtype="<i8")
+    return WROTE_BODY.pack(started) + pairs.tobytes()
+
+
 def dumps(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -208,3 +224,20 @@ def loads(body: bytes) -> dict:
     if not isinstance(obj, dict):
         raise ProtocolError("JSON body is not an object")
     return obj
+
+
+def serve_until_lost(loop: Callable[[], None], lost: Callable[[str], None], what: str) -> None:
+    """Run a connection thread's `loop` until the connection ends, then `lost(reason)`: the one
+    teardown of every connection thread on both sides. An I/O or protocol error is the reason; any
+    other exception is a bug, logged with its stack, and still ends the connection, so the rooms on it
+    fail instead of hanging."""
+    reason = "connection closed by the peer"
+    try:
+        loop()
+    except (OSError, TransferError) as e:
+        reason = str(e) or type(e).__name__
+    except Exception as e:
+        log.exception("%s crashed", what)
+        reason = f"{what} crashed: {e!r}"
+    finally:
+        lost(reason)

@@ -73,7 +73,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how to make the server produce exactly --output-len tokens")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every HTTP request body")
     p.add_argument("--api-key", default=None,
-                   help="openai-http: bearer token (default: $TANDEM_API_KEY, else $OPENAI_API_KEY)")
+                   help="bearer token: HTTP `Authorization` header, or tandem-grpc metadata "
+                        "(default: $TANDEM_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--label", default="", help="name of this endpoint in output and plots")
     p.add_argument("--out", default=None, help="results JSON (plots are written beside it)")

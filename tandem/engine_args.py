@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, SPECULATIVE_ALGORITHMS, EngineConfig
+from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "plan and prepare step N+1 while step N's forward pass runs (default: on for CUDA, off for CPU, "
             "where both would share the same cores)",
             "run scheduling, input building and result processing between forward passes (SGLang's flag)")
+    p.add_argument("--prefill-schedule-policy", choices=PREFILL_SCHEDULE_POLICIES, default=d.prefill_schedule_policy,
+                   help="who gets a step's prefill token budget first: the prompts with the fewest tokens left "
+                        "to compute (shortest-first) or one prompt's every chunk before the next one's (fcfs) "
+                        f"(default: {d.prefill_schedule_policy})")
+    p.add_argument("--prefill-max-wait", type=float, default=d.prefill_max_wait_s,
+                   help="with shortest-first: a prompt that arrived this many seconds ago goes ahead of younger "
+                        f"ones, so long prompts are not starved (default: {d.prefill_max_wait_s})")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes seen before (radix cache)")
     add_queue_arguments(p, d.max_queued_requests)
@@ -49,15 +57,72 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "recomputed later) a running one whose priority is lower by more than this")
     p.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: torch's own choice; `tandem up` splits the cores between workers)")
+    _on_off(p, "graph", d.enable_graph,
+            "run decode steps from graphs captured at start-up for fixed batch sizes (CUDA graphs on GPU, "
+            "torch.compile/inductor on CPU; compiled graphs are cached under ~/.cache/tandem/inductor). Default: "
+            "on for CUDA, off on CPU (within 7%% of eager on the project's 2-core CPU, not worth the compile; "
+            "docs/benchmarks.md)",
+            "always run the model eagerly (SGLang's --disable-cuda-graph)", off_aliases=("--disable-cuda-graph",))
+    p.add_argument("--graph-max-bs", type=_positive_int, default=d.graph_max_bs, metavar="N",
+                   help="largest decode batch run from a graph (bigger ones run eagerly); default: "
+                        "--max-running-requests, at most 256 on CUDA / 32 on CPU")
+    p.add_argument("--graph-bs", type=_batch_sizes, default=None, metavar="LIST",
+                   help="the batch sizes to capture, comma-separated (a batch runs the smallest one that holds it, "
+                        "padded); default: 1,2,4,8,12,16,24,32,40,... on CUDA, 1,2,4,8,16,24,32 on CPU, up to "
+                        "--graph-max-bs")
+    add_speculative_arguments(p, d)
 
 
-def _on_off(p: argparse.ArgumentParser, name: str, default: bool | None, on_help: str, off_help: str) -> None:
-    """`--enable-NAME` / `--disable-NAME`, one destination (`enable_NAME`); both carry the default so
-    that `engine_argv` sees it (argparse would report store_false's implicit True)."""
+def add_speculative_arguments(p: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Speculative decoding (engine/spec/), named as SGLang names them."""
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=SPECULATIVE_ALGORITHMS,
+                   help="speculative decoding on decode rows: ngram (drafts looked up in the request's own prompt "
+                        "and output) or draft (a small model of the same tokenizer, --speculative-draft-model); "
+                        "unset: no speculation")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+                   help="draft tokens per request per step, all verified in one forward of the target model")
+    p.add_argument("--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+                   help="ngram: shortest suffix n-gram of the request's tokens looked up earlier in them")
+    p.add_argument("--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+                   help="ngram: longest suffix n-gram looked up (tried first)")
+    p.add_argument("--speculative-draft-model", default=d.speculative_draft_model,
+                   help="draft: local Hugging Face folder (or alias) of the draft model; it must share the target's tokenizer")
+    p.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                   default=d.speculative_adaptive,
+                   help="keep speculating even when measured acceptance makes it slower than plain decode "
+                        "(by default a batch stops speculating then, and probes it again now and then)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _batch_sizes(text: str) -> str:
+    """`1,2,4`: kept as text (forwarded as is to workers); `engine_config_from_args` makes the tuple."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes >= 1, got {text!r}")
+    return ",".join(map(str, sorted(set(sizes))))
+
+
+def _on_off(p: argparse.ArgumentParser, name: str, default: bool | None, on_help: str, off_help: str,
+            off_aliases: tuple[str, ...] = ()) -> None:
+    """`--enable-NAME` / `--disable-NAME` (and `off_aliases`), one destination (`enable_NAME`); both
+    carry the default so that `engine_argv` sees it (argparse would report store_false's implicit True)."""
     dest = "enable_" + name.replace("-", "_")
     group = p.add_mutually_exclusive_group()
     group.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=default, help=on_help)
-    group.add_argument(f"--disable-{name}", dest=dest, action="store_false", default=default, help=off_help)
+    group.add_argument(f"--disable-{name}", *off_aliases, dest=dest, action="store_false", default=default,
+                       help=off_help)
 
 
 def add_queue_arguments(p: argparse.ArgumentParser, max_queued_default: int) -> None:
@@ -110,9 +175,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mixed_chunk_ttft_target_s=args.mixed_chunk_ttft_target,
         enable_prefix_cache=not args.disable_prefix_cache,
         enable_overlap_schedule=args.enable_overlap_schedule,
+        prefill_schedule_policy=args.prefill_schedule_policy,
+        prefill_max_wait_s=args.prefill_max_wait,
         max_queued_requests=args.max_queued_requests,
         enable_priority_scheduling=args.enable_priority_scheduling,
         low_priority_values_first=args.low_priority_values_first,
         priority_preemption_threshold=args.priority_preemption_threshold,
         num_threads=args.num_threads,
+        enable_graph=args.enable_graph,
+        graph_max_bs=args.graph_max_bs,
+        graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_ngram_min=args.speculative_ngram_min,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_draft_model=args.speculative_draft_model,
+        speculative_adaptive=args.speculative_adaptive,
     )

@@ -6,6 +6,8 @@ import argparse
 
 from engine.config import EngineConfig
 from services.router.config import RouterConfig, add_resilience_arguments
+from services.common.limits import RequestLimits, limit_argv
+from services.common.tls import tls_argv, tls_from_args
 from tandem.engine_args import add_engine_arguments, engine_argv
 from tandem.worker_cmd import add_fault_arguments, add_observability_arguments
 
@@ -19,7 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
     p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
-    p.add_argument("--policy", default="round_robin", help="router policy: round_robin | least_load")
+    from services.router.policy import policy_names
+    from services.router.route_config import add_route_arguments
+
+    p.add_argument("--policy", default="cache_aware", choices=policy_names(),
+                   help="router policy: round_robin | least_load | cache_aware (default: cache_aware)")
+    add_route_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
@@ -37,7 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)")
     p.add_argument("--api-key", default=None,
-                   help="gateway requires `Authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset = no auth)")
+                   help="the HTTP gateway requires `Authorization: Bearer KEY` and the router's gRPC API the metadata "
+                        "`authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset = no key required)")
+    from services.common.auth import add_internal_auth_arguments
+
+    add_internal_auth_arguments(p)
+    from services.common.limits import add_limit_arguments
+    from services.common.tls import add_tls_arguments
+
+    add_tls_arguments(p)
+    add_limit_arguments(p)
     p.add_argument("--max-inflight", type=int, default=None,
                    help="router: requests in flight beyond which new ones are refused (HTTP 429; "
                         "default: the router's own)")
@@ -72,6 +88,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     if args.require_rdma:
         out.append("--require-rdma")
     out += ["--log-stats-interval", str(args.log_stats_interval)]
+    out += _token_file_flag(args) + tls_argv(args)
     if args.profile_dir is not None:
         out += ["--profile-dir", args.profile_dir]
     out += ["--peer-probe-interval", str(args.peer_probe_interval)]
@@ -80,6 +97,11 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     if args.enable_fault_injection:
         out.append("--enable-fault-injection")
     return out
+
+
+def _token_file_flag(args: argparse.Namespace) -> list[str]:
+    """`--internal-token-file` goes to every child (a path, not the secret, is on their command line)."""
+    return ["--internal-token-file", args.internal_token_file] if args.internal_token_file else []
 
 
 def _priority_flags(args: argparse.Namespace) -> list[str]:
@@ -96,7 +118,9 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
             str(args.cb_failure_threshold), "--cb-timeout-duration-secs", str(args.cb_timeout_duration_secs)]
     if args.disable_circuit_breaker:
         out.append("--disable-circuit-breaker")
-    return out + _priority_flags(args)
+    from services.router.route_config import route_argv
+
+    return out + _priority_flags(args) + route_argv(args) + _token_file_flag(args) + tls_argv(args) + limit_argv(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,6 +135,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", flush=True)
         return 2
 
+    try:
+        RequestLimits.from_args(args)
+        tls_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", flush=True)
+        return 2
     # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
     drain_s = args.drain_timeout if args.drain_timeout is not None else WorkerConfig(role="").drain_timeout_s
     cfg = UpConfig(
@@ -118,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
         worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
         stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
-        router_args=tuple(_router_argv(args)),
-        cpu_cores=args.cpu_cores, max_restarts=args.max_restarts,
+        router_args=tuple(_router_argv(args)), gateway_args=tuple(_token_file_flag(args) + limit_argv(args)),
+        cpu_cores=args.cpu_cores, internal_token_file=args.internal_token_file, max_restarts=args.max_restarts,
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
         print("error: --prefill and --decode must be >= 1", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 
 from tandem.engine_args import add_engine_arguments, engine_config_from_args
@@ -42,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nixl/ucx: exit at start without an RDMA device, refuse peers UCX reaches without RDMA")
     add_observability_arguments(p, d)
     add_fault_arguments(p, d)
+    from services.common.auth import add_internal_auth_arguments
+    from services.common.tls import add_tls_arguments
+
+    add_internal_auth_arguments(p)
+    add_tls_arguments(p)
     p.add_argument("--cpu-cores", type=_cpu_cores, default=None, metavar="LIST",
                    help="pin this worker to these cores (Linux cpulist: 0, 0-3, 0,2) and run one torch thread "
                         "per core unless --num-threads is given; none/nobind: no pinning (the default; `tandem "
@@ -90,6 +96,8 @@ def _cpu_cores(text: str) -> tuple[int, ...] | None:
 def run(role: str, args: argparse.Namespace) -> int:
     import sys
 
+    from services.common.auth import InternalAuth
+    from services.common.tls import tls_from_args
     from services.worker.config import WorkerConfig
     from services.worker.faults import FaultSpecError
     from services.worker.server import run as run_worker
@@ -100,6 +108,11 @@ def run(role: str, args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    try:
+        auth = InternalAuth.load(args.internal_token_file, tls=tls_from_args(args))
+    except ValueError as e:            # AuthConfigError, TlsConfigError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     wcfg = WorkerConfig(
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, metrics_port=args.metrics_port,
@@ -108,6 +121,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
         require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,
         log_stats_interval_s=args.log_stats_interval, faults=faults, peer_probe_s=args.peer_probe_interval,
+        auth=auth,
     )
     return run_worker(engine_config_from_args(args), wcfg)
 

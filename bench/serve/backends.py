@@ -38,7 +38,7 @@ class BackendConfig:
     extra_body: dict = field(default_factory=dict)  # merged into every HTTP request body
     timeout_s: float = 600.0
     use_token_ids: bool = True           # tandem-grpc: send the dataset's exact token ids when known
-    api_key: str | None = None           # openai-http: sent as `Authorization: Bearer KEY`
+    api_key: str | None = None           # sent as `Authorization: Bearer KEY` (HTTP header / gRPC metadata)
 
 
 class Backend(Protocol):
@@ -131,6 +131,8 @@ class OpenAIHTTPBackend:
                     usage = data.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         usage_tokens = int(usage["completion_tokens"])
+                    if usage and (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is not None:
+                        rec.cached_tokens = int(usage["prompt_tokens_details"]["cached_tokens"])
             rec.output_tokens = usage_tokens if usage_tokens is not None else events
             if not rec.token_times:
                 rec.error = "the stream ended without any output"
@@ -197,7 +199,8 @@ class TandemGrpcBackend:
         msg = self.request(req)
         rec.start = time.perf_counter()
         try:
-            call = self._stub.Generate(msg, timeout=self.cfg.timeout_s)
+            auth = (("authorization", f"Bearer {self.cfg.api_key}"),) if self.cfg.api_key else None
+            call = self._stub.Generate(msg, timeout=self.cfg.timeout_s, metadata=auth)
             while True:
                 resp = await call.read()
                 now = time.perf_counter()
@@ -206,6 +209,8 @@ class TandemGrpcBackend:
                 if resp.token_ids:
                     rec.token_times.append(now)
                     rec.output_tokens += len(resp.token_ids)
+                if resp.HasField("usage"):
+                    rec.cached_tokens = resp.usage.cached_tokens
             if not rec.token_times:
                 rec.error = "the stream ended without any output"
             else:

@@ -123,6 +123,7 @@ class BenchMetrics:
     failures: dict[str, int]          # error message -> count
     total_input_tokens: int
     total_output_tokens: int
+    cached_token_ratio: float         # prompt tokens served from prefix caches / prompt tokens (as reported)
     request_throughput: float         # completed req/s
     output_throughput: float          # output tok/s
     total_token_throughput: float     # (input + output) tok/s
@@ -161,6 +162,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: SL
         failures=dict(failures.most_common()),
         total_input_tokens=in_tokens,
         total_output_tokens=out_tokens,
+        cached_token_ratio=sum(r.cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
         request_throughput=len(ok) / duration_s,
         output_throughput=out_tokens / duration_s,
         total_token_throughput=(in_tokens + out_tokens) / duration_s,
@@ -184,6 +186,7 @@ def format_summary(m: BenchMetrics, title: str) -> str:
         ("Output token throughput (tok/s)", f"{m.output_throughput:.1f}"),
         ("Total token throughput (tok/s)", f"{m.total_token_throughput:.1f}"),
         (f"Goodput (req/s) [{m.slo}]", f"{m.goodput:.3f} ({m.good_requests} requests)"),
+        ("Cached prompt tokens (reported)", f"{m.cached_token_ratio:.1%}"),
     ]
     lines = [f"==== {title} ===="]
     lines += [f"{k:<42s}{v}" for k, v in rows]

@@ -34,6 +34,7 @@ class RequestRecord:
     end: float = 0.0                     # stream finished (or failed)
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0               # server-reported when it says so, else counted events
+    cached_tokens: int = 0               # prompt tokens the server reports as served from its prefix cache
     success: bool = False
     error: str = ""
 
@@ -65,6 +66,7 @@ class RequestRecord:
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
             "output_tokens": self.output_tokens,
+            "cached_tokens": self.cached_tokens,
             "success": self.success,
             "error": self.error,
             "ttft_ms": None if self.ttft is None else round(self.ttft * ms, 3),

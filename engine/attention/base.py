@@ -20,6 +20,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # Whether `graph_metadata` exists: a decode step can then be captured in a CUDA graph.
+    supports_cuda_graph: bool = False
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None):
         self.pool = pool

@@ -33,6 +33,8 @@ from engine.forward_context import ForwardContext
 # A decode bucket is closed when the next (shorter) sequence would be padded by more than this
 # fraction of the bucket's length; each extra bucket costs ~6 small ops per layer.
 MAX_PADDING = 0.5
+# Extends of at most this many tokens over a cached prefix run as decode rows (see prepare).
+MAX_EXPANDED_EXTEND = 16
 
 
 @dataclass
@@ -75,19 +77,27 @@ class TorchAttention(AttentionBackend):
             starts.append(row)
             row += n
         table = ctx.page_table
-        for bucket in self._buckets([i for i, n in enumerate(ctx.q_lens) if n == 1], ctx.kv_lens):
-            num_pages = -(-max(ctx.kv_lens[i] for i in bucket) // ps)
-            idx = torch.tensor(bucket, device=device)
+        # Decode rows: (token row, its kv length, its sequence). A short extend over a cached
+        # prefix (a speculative verify row: last token + k drafts) runs as one decode row per token,
+        # each seeing the keys up to itself: the batched decode path instead of one SDPA per
+        # sequence, and the same arithmetic per token as plain decoding.
+        rows: list[tuple[int, int, int]] = []
+        for i, n in enumerate(ctx.q_lens):
+            if n == 1 or (n <= MAX_EXPANDED_EXTEND and ctx.prefix_lens[i] > 0):
+                rows.extend((starts[i] + j, ctx.prefix_lens[i] + j + 1, i) for j in range(n))
+        for bucket in self._buckets(list(range(len(rows))), [r[1] for r in rows]):
+            num_pages = -(-max(rows[r][1] for r in bucket) // ps)
+            idx = torch.tensor([rows[r][2] for r in bucket], device=device)
             kv_pos = torch.arange(num_pages * ps, device=device)
-            lens = torch.tensor([ctx.kv_lens[i] for i in bucket], device=device)
+            lens = torch.tensor([rows[r][1] for r in bucket], device=device)
             bias = torch.zeros(len(bucket), 1, 1, num_pages * ps, device=device)
             bias.masked_fill_((kv_pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
             md.decode.append(DecodeBucket(
-                rows=torch.tensor([starts[i] for i in bucket], device=device),
+                rows=torch.tensor([rows[r][0] for r in bucket], device=device),
                 pages=table.index_select(0, idx)[:, :num_pages].to(torch.int64).reshape(-1),
                 num_pages=num_pages, bias=bias))
         for i, n in enumerate(ctx.q_lens):
-            if n == 1:
+            if n == 1 or (n <= MAX_EXPANDED_EXTEND and ctx.prefix_lens[i] > 0):
                 continue
             prefix = ctx.prefix_lens[i]
             if prefix == 0:
@@ -103,7 +113,7 @@ class TorchAttention(AttentionBackend):
 
     @staticmethod
     def _buckets(decode: list[int], kv_lens: list[int]) -> list[list[int]]:
-        """Decode sequences grouped by length so that padding stays under MAX_PADDING; a single
+        """Decode rows grouped by length so that padding stays under MAX_PADDING; a single
         bucket keeps batch order (its rows are then the step's rows as they are)."""
         order = sorted(decode, key=lambda i: -kv_lens[i])
         buckets = []

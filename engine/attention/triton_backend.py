@@ -35,6 +35,8 @@ class TritonAttnMetadata:
 
 @register_backend("triton")
 class TritonAttention(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, pool, num_heads: int, head_dim: int, scale: float | None = None):
         super().__init__(pool, num_heads, head_dim, scale)
         device = pool.buffer.device
@@ -66,6 +68,17 @@ class TritonAttention(AttentionBackend):
             kv_lens=dev[0], max_kv_len=max_kv, num_splits=splits,
             q_start=dev[3], q_lens=dev[1], prefix_lens=dev[2], max_q_len=max(ctx.q_lens),
         )
+
+    def graph_metadata(self, ctx: ForwardContext, kv_lens: torch.Tensor, max_kv_len: int) -> TritonAttnMetadata:
+        """Decode metadata for a CUDA graph of `ctx` (static buffers): `kv_lens` is rewritten before each
+        replay; `max_kv_len` bounds every replay and sizes the splits (a split past a sequence's
+        length exits at once, a row of length 0 attends to nothing and writes zeros)."""
+        b, dev = ctx.batch_size, kv_lens.device
+        splits = default_num_splits(b, self.pool.spec.kv_heads, max_kv_len, dev)
+        # Only the decode fields are read by a decode forward; the rest keep the dataclass whole.
+        unused = torch.zeros(b, dtype=torch.int32, device=dev)
+        return TritonAttnMetadata(kv_lens=kv_lens, max_kv_len=max_kv_len, num_splits=splits,
+                                  q_start=unused, q_lens=unused, prefix_lens=unused, max_q_len=1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

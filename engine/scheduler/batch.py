@@ -19,6 +19,9 @@ class SeqStep:
     # an input id < 0 refers to such a slot of the previous step (see engine/scheduler/future.py).
     future: int = -1
     decode: bool = False           # one token of a running request (not a prefill chunk)
+    # Speculative decoding: the last `num_drafts` of `input_ids` are draft tokens to verify; the
+    # step then yields up to num_drafts + 1 tokens for this sequence (engine/spec/).
+    num_drafts: int = 0
 
 
 @dataclass

@@ -79,6 +79,15 @@ class KVManager:
         self.slots.set_pages(req.slot, req.pages)
         return True
 
+    def shrink(self, req: Request, num_tokens: int) -> None:
+        """Free `req`'s pages beyond those covering `num_tokens` tokens (pages reserved for draft
+        tokens that were rejected). Never below the computed tokens."""
+        keep = pages_for(max(num_tokens, req.num_computed), self.page_size)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+            self.slots.set_pages(req.slot, req.pages)
+
     def release(self, req: Request, token_ids: list[int] | None = None) -> None:
         """Give back the request's slot and pages; full pages of computed tokens go to the prefix cache.
 

@@ -34,6 +34,7 @@ from engine.errors import InvalidRequest, ResourceExhausted
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
 from engine.scheduler.kv_manager import KVManager, pages_for
+from engine.scheduler.prefill_order import PrefillOrder
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.step_cost import StepCostModel
@@ -46,6 +47,7 @@ class Scheduler:
         self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache)
         self.policy = QueuePolicy(cfg.enable_priority_scheduling, cfg.low_priority_values_first,
                                   cfg.priority_preemption_threshold)
+        self.prefill_order = PrefillOrder(cfg.prefill_schedule_policy, cfg.prefill_max_wait_s)
         self.waiting: PolicyQueue[Request] = PolicyQueue(self.policy)
         # Queued requests a newcomer of higher priority pushed out of a full queue: already finished
         # (they held nothing); the owner takes them with `take_evicted` and answers their callers.
@@ -164,29 +166,35 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> StepBatch | None:
         seqs: list[SeqStep] = []
-        for req in self.prefilling:
+        admitting = True  # after one waiting request did not fit, admit none behind it this step
+        for req in self.prefill_order.order(self.prefilling, self.waiting, self.policy, monotonic()):
             if budget <= 0:
                 break
-            seqs.append(self._chunk(req, budget))
-            budget -= len(seqs[-1].input_ids)
-        while self.waiting and budget > 0 and self.kv.slots.num_free_slots > 0:
-            req = self.waiting[0]
-            if req.num_inflight:
-                break  # retracted while its newest token is being sampled: admit it once that lands
-            fill = req.all_ids
-            need = pages_for(len(fill), self.cfg.page_size)
-            reserve = self._reserved_pages([*self.running, *self.prefilling, req])
-            busy = self.running or self.prefilling or seqs
-            if busy and need + reserve > self.kv.available_pages:
-                break
-            if not self.kv.admit(req, fill):
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.PREFILLING
-            self.prefilling.append(req)
+            if req.status is RequestStatus.WAITING:
+                if not (admitting and self._admit(req, bool(seqs))):
+                    admitting = False
+                    continue
             seqs.append(self._chunk(req, budget))
             budget -= len(seqs[-1].input_ids)
         return StepBatch(seqs) if seqs else None
+
+    def _admit(self, req: Request, batched: bool) -> bool:
+        """Move a waiting request to `prefilling` if a slot and its pages (keeping the reserve of the
+        running and prefilling requests) are available; `batched`: the step already carries work."""
+        if self.kv.slots.num_free_slots == 0 or req.num_inflight:
+            return False  # in flight: retracted while its newest token is sampled; admitted once that lands
+        fill = req.all_ids
+        need = pages_for(len(fill), self.cfg.page_size)
+        reserve = self._reserved_pages([*self.running, *self.prefilling, req])
+        busy = self.running or self.prefilling or batched
+        if busy and need + reserve > self.kv.available_pages:
+            return False
+        if not self.kv.admit(req, fill):
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.PREFILLING
+        self.prefilling.append(req)
+        return True
 
     def _chunk(self, req: Request, budget: int) -> SeqStep:
         ids = req.all_ids
@@ -239,9 +247,10 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # --- results -----------------------------------------------------------------------------
-    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken],
-                     elapsed_s: float | None = None) -> list[tuple[Request, SampledToken]]:
-        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order.
+    def on_step_done(self, batch: StepBatch, sampled: list[SampledToken | list[SampledToken]],
+                     elapsed_s: float | None = None) -> list[tuple[Request, SampledToken | list[SampledToken]]]:
+        """Record a finished forward pass. `sampled` has one entry per sampling sequence, in order:
+        a token, or for a sequence with drafts the tokens it emits (accepted drafts plus one).
         `elapsed_s`: the pass's own time when it ran beside other work (overlap); by default the
         time since the step was scheduled."""
         decode_rows = sum(1 for s in batch.seqs if s.decode)
@@ -258,7 +267,14 @@ class Scheduler:
             if req.finished:
                 continue  # ended while the step ran (abort, or a stop in the step before): dropped
             req.num_inflight -= 1
-            req.output_ids.append(tok.token_id)
+            if isinstance(tok, list):
+                # Verified drafts (engine/spec/, never with overlap): KV is kept for the last token
+                # and the accepted drafts; pages past what the next step needs go back.
+                req.num_computed = seq.prefix_len + len(tok)
+                req.output_ids.extend(t.token_id for t in tok)
+                self.kv.shrink(req, len(req.all_ids))
+            else:
+                req.output_ids.append(tok.token_id)
             out.append((req, tok))
         return out
 

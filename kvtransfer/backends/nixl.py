@@ -53,7 +53,7 @@ from kvtransfer.base import PoolLayout, TransferError
 from kvtransfer.iovec import page_iov
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
-from kvtransfer.wire import WROTE_BODY, Channel, Kind, ReceiverMetadata, Timeouts
+from kvtransfer.wire import Channel, Kind, ReceiverMetadata, Timeouts, wrote_body
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class NixlPath:
         started = time.monotonic()
         per_run = len(self._src_regions)
         step = max(1, MAX_DESCS // per_run)
-        pages = 0
+        pages = copied = 0
         for i in range(0, len(runs), step):
             if stop():
                 break
@@ -279,9 +279,10 @@ class NixlPath:
             self._agent.write(_descs(local, self._agent.dev), _descs(remote, self._info.dev), self._info.agent,
                               self._info.mem, lambda: connection_up(self._ch.sock), self._timeouts.send)
             pages += int(chunk[:, 2].sum())
+            copied += len(chunk)
         nbytes = pages * per_run * self._page_bytes
         # Same host: D times the room from here (CLOCK_MONOTONIC is shared); elsewhere D uses its own clock.
-        self._ch.send(Kind.WROTE, room, WROTE_BODY.pack(started), payload_len=nbytes)
+        self._ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
         return nbytes
 
     def close(self) -> None:
@@ -297,8 +298,8 @@ class NixlReceiver(Receiver):
 
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "nixl",
                  backends: tuple[str, ...] = ("nixl",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None):
-        super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts)
+                 ucx: UcxSettings | None = None, secret: bytes | None = None):
+        super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts, secret=secret)
         try:
             self._agent = _Agent(_agent_name(worker_id, "rx"), self.buffer, ucx or UcxSettings.from_env(),
                                  host=host, busy=lambda: bool(self._rooms))
@@ -324,8 +325,9 @@ class NixlSender(Sender):
 
     def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "nixl",
                  paths: tuple[str, ...] = ("nixl",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None):
-        super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts)
+                 ucx: UcxSettings | None = None, secret: bytes | None = None, boot_epoch: int = 0):
+        super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts, secret=secret,
+                         boot_epoch=boot_epoch)
         self._agent = _Agent(_agent_name(worker_id, "tx"), buffer, ucx or UcxSettings.from_env(), host=None)
 
     def _open(self, peer_id: str, metadata: bytes, meta: ReceiverMetadata):

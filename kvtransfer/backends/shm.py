@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.wire import WROTE_BODY, Channel, Kind, ShmInfo
+from kvtransfer.wire import Channel, Kind, ShmInfo, wrote_body
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"
@@ -191,15 +191,16 @@ class ShmPath:
         Returns the bytes copied."""
         src, dst = self._src, self._dst
         started = time.monotonic()
-        pages = 0
+        pages = copied = 0
         for s, d, n in runs.tolist():
             if stop():
                 break
             dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
             pages += n
+            copied += 1
         nbytes = pages * self._bytes_per_page
         # Same host, so CLOCK_MONOTONIC is shared: D times the room from the copy's start.
-        self._ch.send(Kind.WROTE, room, WROTE_BODY.pack(started), payload_len=nbytes)
+        self._ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
         return nbytes
 
     def close(self) -> None:

@@ -51,7 +51,7 @@ from kvtransfer.backends.ucx_env import UcxSettings
 from kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
 from kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
 from kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
-from kvtransfer.base import PoolLayout, RoomState, TransferError
+from kvtransfer.base import PoolLayout, TransferError
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from kvtransfer.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
@@ -194,9 +194,11 @@ class UcxSender(Sender):
 
     def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "ucx",
                  paths: tuple[str, ...] = ("ucx",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None, require_rdma: bool = False):
+                 ucx: UcxSettings | None = None, require_rdma: bool = False, secret: bytes | None = None,
+                 boot_epoch: int = 0):
         """`require_rdma`: refuse a peer unless every lane of its endpoint is an RDMA transport."""
-        super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts)
+        super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts, secret=secret,
+                         boot_epoch=boot_epoch)
         self._node = Node(ucx or UcxSettings.from_env(), host=None)
         self.require_rdma = require_rdma
         self._transports: dict[str, list[Transport]] = {}
@@ -249,8 +251,8 @@ class UcxReceiver(Receiver):
 
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "ucx",
                  backends: tuple[str, ...] = ("ucx",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None):
-        super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts)
+                 ucx: UcxSettings | None = None, secret: bytes | None = None):
+        super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts, secret=secret)
         settings = ucx or UcxSettings.from_env()
         try:
             self._node = Node(settings, host=host)
@@ -284,18 +286,7 @@ class UcxReceiver(Receiver):
         if state is None:
             state = self._conn_state[conn] = (self._eps.find(token, self._timeouts.connect, up), _Slots(self.layout))
         ep, slots = state
-        with self._lock:
-            r = self._rooms.get(room)
-            why = self._check_write(conn, r, runs, payload_len)
-            if why:
-                if r is not None and not r.state.done:
-                    self._fail(r, f"bad write: {why}")
-            else:
-                conn.busy_room = room
-                r.conn = conn
-                r.state = RoomState.TRANSFERRING
-                if r.t_first is None:
-                    r.t_first = time.monotonic()
+        r, why = self._admit_write(conn, room, runs, payload_len)
         landed = 0
         try:
             landed = self._receive(ep, slots, token, first, runs, (lambda: True) if why else (lambda: r.state.done), up)

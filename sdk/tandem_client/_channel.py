@@ -26,6 +26,15 @@ class _Default:
 DEFAULT: Any = _Default()  # "the client's default timeout" (None would mean "no deadline")
 
 
+def call_metadata(metadata: Sequence[tuple[str, str]], api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """What every call sends: `metadata`, plus `authorization: Bearer KEY` when an API key is given."""
+    if api_key is None:
+        return tuple(metadata)
+    if not api_key.strip():
+        raise ValueError("api_key must not be empty")
+    return (*metadata, ("authorization", f"Bearer {api_key.strip()}"))
+
+
 def channel_args(tls: bool | TLSConfig, options: Sequence[tuple[str, Any]]):
     """(credentials or None, options) for grpc.{,aio.}{secure,insecure}_channel."""
     opts = list(_BASE_OPTIONS) + list(options)

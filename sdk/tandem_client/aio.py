@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from tandem_client._channel import DEFAULT, Attempts, channel_args
+from tandem_client._channel import DEFAULT, Attempts, call_metadata, channel_args
 from tandem_client._convert import (
     GENERATE,
     LIST_MODELS,
@@ -98,11 +98,11 @@ class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None,
                  retry: RetryPolicy | None = None, tls: bool | TLSConfig = False,
                  metadata: Sequence[tuple[str, str]] = (), wait_for_ready: bool = False,
-                 options: Sequence[tuple[str, Any]] = ()):
+                 options: Sequence[tuple[str, Any]] = (), api_key: str | None = None):
         self.target = target
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
-        self.metadata = tuple(metadata)
+        self.metadata = call_metadata(metadata, api_key)
         self.wait_for_ready = wait_for_ready
         self._creds, self._options = channel_args(tls, options)
         self._channel: grpc.aio.Channel | None = None

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from tandem_client._channel import DEFAULT, Attempts, channel_args
+from tandem_client._channel import DEFAULT, Attempts, call_metadata, channel_args
 from tandem_client._convert import (
     GENERATE,
     LIST_MODELS,
@@ -86,17 +86,18 @@ class Client:
     timeout: default deadline in seconds of each call, retries included (None: none).
     retry: retries of UNAVAILABLE before the first token. tls: True (system roots) or a TLSConfig.
     metadata: sent with every call (e.g. an authorization header for a proxy in front).
+    api_key: the router's --api-key, sent as `authorization: Bearer KEY` (None: none).
     wait_for_ready: calls wait for the channel to connect instead of failing fast.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None,
                  retry: RetryPolicy | None = None, tls: bool | TLSConfig = False,
                  metadata: Sequence[tuple[str, str]] = (), wait_for_ready: bool = False,
-                 options: Sequence[tuple[str, Any]] = ()):
+                 options: Sequence[tuple[str, Any]] = (), api_key: str | None = None):
         self.target = target
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
-        self.metadata = tuple(metadata)
+        self.metadata = call_metadata(metadata, api_key)
         self.wait_for_ready = wait_for_ready
         creds, opts = channel_args(tls, options)
         self._channel = grpc.secure_channel(target, creds, opts) if creds else grpc.insecure_channel(target, opts)

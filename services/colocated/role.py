@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
+from engine.scheduler.prefill_order import tokens_to_prefill
 from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.worker import metrics
@@ -74,7 +75,8 @@ class ColocatedWorker:
     def load(self) -> worker_pb2.WorkerLoad:
         s = self.engine.scheduler
         return worker_pb2.WorkerLoad(running=len(s.running) + len(s.prefilling), waiting=len(s.waiting),
-                                     free_pages=s.kv.available_pages, total_pages=s.kv.num_pages)
+                                     free_pages=s.kv.available_pages, total_pages=s.kv.num_pages,
+                                     prefill_tokens=tokens_to_prefill(s.prefilling, s.waiting))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -86,8 +87,11 @@ class KubernetesRegistry(WorkerRegistry):
 
     def __init__(self, namespace: str = "default", selector: str = DEFAULT_SELECTOR, port_name: str = "grpc",
                  api_server: str | None = None, info_poll_s: float = 1.0, info_timeout_s: float = 1.0,
-                 watch_timeout_s: int = 300, retry_s: float = 1.0):
+                 watch_timeout_s: int = 300, retry_s: float = 1.0,
+                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel):
+        """`channel(addr)` opens the channel workers are asked over (InternalAuth.channel: with the secret)."""
         super().__init__()
+        self._open = channel
         self.namespace, self.selector, self.port_name = namespace, selector, port_name
         self.api_server = api_server
         self.info_poll_s, self.info_timeout_s = info_poll_s, info_timeout_s
@@ -152,7 +156,7 @@ class KubernetesRegistry(WorkerRegistry):
     async def _describe(self, ep: Endpoint) -> worker_pb2.WorkerInfo | None:
         channel = self._channels.get(ep.addr)
         if channel is None:
-            channel = self._channels[ep.addr] = grpc.aio.insecure_channel(ep.addr)
+            channel = self._channels[ep.addr] = self._open(ep.addr)
         try:
             info = await worker_pb2_grpc.WorkerIdentityStub(channel).GetWorkerInfo(
                 worker_pb2.WorkerInfoRequest(), timeout=self.info_timeout_s)

@@ -328,8 +328,11 @@ class StaticRegistry(WorkerRegistry):
         model: str = "",
         probe_s: float = 2.0,
         probe_timeout_s: float = 1.0,
+        channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
     ):
+        """`channel(addr)` opens the probes' channels (InternalAuth.channel: TLS when configured)."""
         super().__init__()
+        self._open = channel
         self.probe_s = probe_s
         self.probe_timeout_s = probe_timeout_s
         self._configured: list[worker_pb2.WorkerInfo] = []
@@ -375,7 +378,7 @@ class StaticRegistry(WorkerRegistry):
     async def _probe(self, addr: str) -> bool:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            channel = self._channels[addr] = self._open(addr)
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s

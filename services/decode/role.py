@@ -29,7 +29,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     engine = LLMEngine(engine_cfg, kv_allocator=allocate)
     receiver = holder["rx"]
     peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s,
-                            boot_epoch=wcfg.boot_epoch)
+                            boot_epoch=wcfg.boot_epoch, auth=wcfg.auth)
     worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s), peers,
                           max_prealloc=engine_cfg.max_queued_requests)
 

@@ -10,6 +10,7 @@ import grpc
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVReceiver
+from services.common.auth import InternalAuth
 from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.decode.worker import DecodeRoom, DecodeWorker
@@ -37,8 +38,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         def add() -> None:
             req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid,
                                       priority_from_pb(request))
-            self.worker.add(DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
-                                       request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch))
+            room = DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
+                              request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch)
+            if request.local_prefill:
+                self.worker.add_local(room)
+            else:
+                self.worker.add(room)
 
         try:
             await self.loop.call(add)
@@ -70,7 +75,8 @@ class BootstrapClient:
     paired, and this worker's own epoch."""
 
     def __init__(self, worker_id: str, receiver: KVReceiver, backend: str, timeout_s: float = 10.0,
-                 boot_epoch: int = 0):
+                 boot_epoch: int = 0, auth: InternalAuth = InternalAuth()):
+        self.auth = auth
         self.loop: EngineLoop | None = None
         self.worker_id = worker_id
         self.grpc_addr = ""               # set once the server listens (RoleParts.on_listening)
@@ -90,7 +96,7 @@ class BootstrapClient:
     def _stub(self, addr: str) -> worker_pb2_grpc.BootstrapStub:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = self.auth.channel(addr)
         return worker_pb2_grpc.BootstrapStub(ch)
 
     # Called on the engine thread: hop to the event loop.

@@ -21,6 +21,7 @@ from engine.engine import LLMEngine
 from engine.errors import ResourceExhausted
 from engine.outputs import RequestOutput
 from engine.scheduler.batch import SampledToken
+from engine.scheduler.prefill_order import tokens_to_prefill
 from engine.scheduler.queue_policy import PolicyQueue
 from engine.scheduler.request import Request
 from kvtransfer.base import KVReceiver, RoomState
@@ -106,6 +107,22 @@ class DecodeWorker:
             self._drop(out, ResourceExhausted(
                 policy.evicted_message("decode prealloc queue", self.max_prealloc, out, room)), reason="queue full")
 
+    def add_local(self, room: DecodeRoom) -> None:
+        """Conditional disaggregation: the router sent no prefill worker, so the prompt is prefilled
+        here by the scheduler (mixed chunks beside the running decodes, this worker's prefix cache).
+        Raises ResourceExhausted when the waiting queue is full and this request is the one turned away."""
+        try:
+            self.sched.add(room.req)
+        except Exception:
+            self.engine.forget(room.req.rid)
+            raise
+        self.streams[room.req.rid] = room
+        for rid, err in self.engine.take_evicted():  # lower-priority local prefills this one pushed out
+            evicted = self.streams.pop(rid, None)
+            if evicted is not None:
+                metrics.REQUESTS.labels("failed").inc()
+                evicted.emit(err)
+
     def bootstrap_done(self, room_id: int, error: str | None) -> None:
         """The Bootstrap RPC's answer (called back from the asyncio side)."""
         room = self.transfer.get(room_id)
@@ -175,7 +192,7 @@ class DecodeWorker:
             ps = kv.page_size
             first = req.cache_len // ps
             dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
-            self.receiver.expect(room.room, dst, room.prefill_id)
+            self.receiver.expect(room.room, dst, room.prefill_id, peer_epoch=room.prefill_epoch)
             self.transfer[room.room] = room
             room.bootstrapped_at = time.monotonic()  # the transfer timeout runs from here, not from queueing
             self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(
@@ -219,7 +236,8 @@ class DecodeWorker:
         req = room.req
         if room in self.prealloc:
             self.prealloc.remove(room)
-        if self.transfer.pop(room.room, None) is not None:
+        if self.transfer.get(room.room) is room:
+            del self.transfer[room.room]
             # No write may land in these pages once they are reused: the receiver guarantees it
             # after abort() returns; P is told too so it stops computing and frees its side.
             self.receiver.abort(room.room)
@@ -253,4 +271,5 @@ class DecodeWorker:
             running=len(self.sched.running) + len(self.transfer),
             waiting=len(self.prealloc) + len(self.sched.waiting),
             free_pages=kv.available_pages, total_pages=kv.num_pages,
+            prefill_tokens=tokens_to_prefill(self.sched.prefilling, self.sched.waiting),
         )

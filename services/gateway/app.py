@@ -28,6 +28,7 @@ from services.gateway.chat_template import ChatTemplateError
 from services.gateway.config import GatewayConfig
 from services.gateway.disconnect import ClientDisconnected, EventStream, until_disconnect
 from services.gateway.errors import APIError, bad_request
+from services.gateway.limits import checked, read_body
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -74,7 +75,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, router: RouterClient | None = None):
         self.config = config
-        self.router = router or RouterClient(config.router, config.request_timeout_s)
+        self.router = router or RouterClient(config.router, config.request_timeout_s, config.auth)
         self.catalog = ModelCatalog(self.router, config.models_ttl_s, config.tokenizer)
         self.metrics = GatewayMetrics(config.max_inflight)
         self.inflight = 0
@@ -118,7 +119,7 @@ class Gateway:
         self.inflight += 1
         self.metrics.inflight.inc()
         try:
-            body = await request.body()
+            body = await read_body(request, self.config.limits.max_request_bytes)
             plan = await (self._plan_completion(body) if endpoint == "completions" else self._plan_chat(body))
             if plan.stream:
                 response = await self._stream(request, plan, started, release)
@@ -144,6 +145,9 @@ class Gateway:
         req = parse(CompletionRequest, body)
         check_common(req, self.config.max_n)
         check_completion(req)
+        limits = self.config.limits
+        checked(limits.check_stop, req.stop)
+        checked(limits.check_max_tokens, req.max_tokens)
         prompts = completion_prompts(req)
         model = await self.catalog.get(req.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -155,6 +159,7 @@ class Gateway:
                 ids = prompt
                 if model.vocab_size and any(not 0 <= t < model.vocab_size for t in ids):
                     raise bad_request(f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
+            checked(limits.check_prompt_tokens, len(ids))
             max_tokens = _max_tokens(model, len(ids), req.max_tokens, "prompt", "max_tokens")
             sampling = make_sampling(req, max_tokens, logprobs=req.logprobs is not None,
                                      top_logprobs=req.logprobs or 0)
@@ -165,6 +170,11 @@ class Gateway:
     async def _plan_chat(self, body: bytes) -> Plan:
         req = parse(ChatCompletionRequest, body)
         check_common(req, self.config.max_n)
+        limits = self.config.limits
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        checked(limits.check_stop, req.stop)
+        checked(limits.check_max_tokens, requested, max_param)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
         messages = chat_messages(req)
@@ -175,8 +185,7 @@ class Gateway:
             raise bad_request(str(e), "messages") from None
         # The template already holds the special tokens it wants (as Hugging Face tokenizes chats).
         ids = await _encode(model.tokenizer, text, add_special_tokens=False)
-        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        checked(limits.check_prompt_tokens, len(ids), "messages")
         max_tokens = _max_tokens(model, len(ids), requested, "messages", max_param)
         sampling = make_sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                                  max_tokens_param=max_param)

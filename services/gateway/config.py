@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.auth import InternalAuth, add_internal_auth_arguments
+from services.common.limits import RequestLimits, add_limit_arguments
 
 API_KEY_ENV = "TANDEM_API_KEY"
 
@@ -21,6 +24,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0     # gRPC deadline of one generation; 0 = none
     models_ttl_s: float = 5.0            # how long a ListModels answer is trusted
     drain_timeout_s: float = 5.0
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)  # what the router accepts from us
+    limits: RequestLimits = RequestLimits()
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -44,7 +49,8 @@ class GatewayConfig:
         config = cls(
             host=args.host, port=args.port, router=args.router, api_key=api_key, tokenizer=args.tokenizer,
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
-            drain_timeout_s=args.drain_timeout,
+            drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
+            limits=RequestLimits.from_args(args),
         )
         config.validate()
         return config
@@ -66,3 +72,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds per generation (0 = none)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    add_internal_auth_arguments(p)
+    add_limit_arguments(p)

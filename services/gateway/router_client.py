@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import InternalAuth
 from services.gateway.errors import APIError
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -23,10 +24,10 @@ CHANNEL_OPTIONS = (
 class RouterClient:
     """Lifecycle: create (inside the event loop that uses it) → calls → `close()` (idempotent)."""
 
-    def __init__(self, addr: str, request_timeout_s: float = 0.0):
+    def __init__(self, addr: str, request_timeout_s: float = 0.0, auth: InternalAuth = InternalAuth()):
         self.addr = addr
         self.request_timeout_s = request_timeout_s
-        self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._channel = auth.channel(addr, options=CHANNEL_OPTIONS)   # calls carry the internal secret
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._closed = False

@@ -13,6 +13,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.auth import API_KEY_ENV, deployment_env  # the key the router and the gateway read
+from services.common.auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
 from services.common.cpu_cores import (
     CpuListError,
     available_cores,
@@ -25,7 +27,6 @@ from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.supervisor import Supervisor
 
-API_KEY_ENV = "TANDEM_API_KEY"  # what the gateway reads (services/gateway/config.py)
 # With `ready_json`, the one stdout line scripts and tests wait for: this prefix, then the summary JSON.
 READY_JSON_PREFIX = "TANDEM_UP "
 # With `ready_json`, one line per restarted process once it is ready again: this prefix, then
@@ -44,7 +45,7 @@ class UpConfig:
     port: int = 50051                    # router's public gRPC port (0: any free port)
     redis_url: str | None = None         # None: embedded redis-server
     transfer_backend: str = "auto"
-    policy: str = "round_robin"
+    policy: str = "cache_aware"
     worker_args: tuple[str, ...] = ()    # engine flags forwarded to every worker
     router_args: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0       # first run imports the default model
@@ -56,6 +57,7 @@ class UpConfig:
     api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
     cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
     max_restarts: int = 20               # per process; 0: nothing is restarted (a dead router/gateway stops all)
+    internal_token_file: str | None = None  # None: $TANDEM_INTERNAL_TOKEN, else a fresh secret in the children's env
 
 
 def _printer(quiet: bool):
@@ -161,6 +163,7 @@ def run_up(cfg: UpConfig) -> int:
             redis = EmbeddedRedis()
             redis.start()
             url = redis.url
+        env = _children_env(cfg)
         threads = ["--num-threads", str(worker_threads(cfg))] if "--num-threads" not in cfg.worker_args else []
         for role, n in roles:
             for i in range(n):
@@ -171,7 +174,7 @@ def run_up(cfg: UpConfig) -> int:
                 argv = python_cmd(role, *cfg.worker_args, *placed, "--host", cfg.host, "--port", "0",
                                   "--redis-url", url, "--worker-id", f"{name}-{os.getpid()}",
                                   "--transfer-backend", cfg.transfer_backend)
-                workers.append(Child(name, argv, on_line=on_line))
+                workers.append(Child(name, argv, env=env, on_line=on_line))
         say(f"Starting Tandem ({cfg.mode}): {len(workers)} worker(s), router"
             + (", gateway" if cfg.gateway_port >= 0 else "") + " ...")
         say(f"CPU placement: {placement}")
@@ -181,7 +184,8 @@ def run_up(cfg: UpConfig) -> int:
         def router_child(port: int) -> Child:
             return Child("router", python_cmd(
                 "router", "--host", cfg.host, "--port", str(port), "--redis-url", url, "--mode", cfg.mode,
-                "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), on_line=on_line)
+                "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), env=_router_env(cfg, env),
+                on_line=on_line)
 
         router = router_child(cfg.port)
         router.start()
@@ -195,7 +199,7 @@ def run_up(cfg: UpConfig) -> int:
             def gateway_child(port: int) -> Child:
                 return Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
                                          "--port", str(port), "--router", router_ready["grpc_addr"],
-                                         *cfg.gateway_args], env=_gateway_env(cfg), on_line=on_line)
+                                         *cfg.gateway_args], env=_router_env(cfg, env), on_line=on_line)
 
             gateway = gateway_child(cfg.gateway_port)
             gateway.start()
@@ -277,11 +281,19 @@ def _supervise(cfg: UpConfig, workers: list[Child], router: Child, router_child,
     return sup
 
 
-def _gateway_env(cfg: UpConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    if cfg.api_key is not None:
-        env[API_KEY_ENV] = cfg.api_key
+def _children_env(cfg: UpConfig) -> dict[str, str]:
+    """Every child's environment: the internal secret they share (generated here unless configured)."""
+    env = deployment_env(os.environ, cfg.internal_token_file)
+    if cfg.internal_token_file is not None:
+        env.pop(INTERNAL_TOKEN_ENV, None)   # the file, forwarded as a flag, is the one secret
     return env
+
+
+def _router_env(cfg: UpConfig, env: dict[str, str]) -> dict[str, str]:
+    """The router's and the gateway's: also the public API key (environment, not argv: `ps` shows argv)."""
+    if cfg.api_key is None:
+        return env
+    return {**env, API_KEY_ENV: cfg.api_key}
 
 
 def _auth_header(cfg: UpConfig) -> str:

@@ -19,8 +19,11 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 @register_role("prefill")
 def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
-    # A prefill worker never decodes: admission reserves nothing for future tokens.
-    cfg = dataclasses.replace(engine_cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    # A prefill worker never decodes: admission reserves nothing for future tokens, no decode graphs
+    # are captured, and speculation (a decode-path feature; `tandem up` passes the same flags to every
+    # worker) stays off.
+    cfg = dataclasses.replace(engine_cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0, enable_graph=False,
+                              speculative_algorithm=None)
     engine = LLMEngine(cfg)
     sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
                            wcfg.id, **transfer_options(wcfg, "sender"))

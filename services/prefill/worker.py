@@ -18,6 +18,7 @@ from engine.engine import LLMEngine
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
+from engine.scheduler.prefill_order import tokens_to_prefill
 from kvtransfer.base import KVSender, RoomState
 from services.prefill.rooms import BootstrapInfo, PrefillRoom
 from services.worker import metrics
@@ -240,9 +241,11 @@ class PrefillWorker:
 
     def load(self) -> worker_pb2.WorkerLoad:
         kv = self.sched.kv
+        unstarted = sum(len(r.req.prompt_ids) for r in self.rooms.values() if r.req is not None and not r.ready)
         return worker_pb2.WorkerLoad(
             running=len(self.sched.prefilling), waiting=len(self.sched.waiting) + len(self.rooms),
             free_pages=kv.available_pages, total_pages=kv.num_pages,
+            prefill_tokens=unstarted + tokens_to_prefill(self.sched.prefilling, self.sched.waiting),
         )
 
 

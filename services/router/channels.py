@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -25,15 +25,18 @@ class ChannelPool:
     """Lifecycle: get() creates on demand; retain() drops channels of departed workers, letting their
     in-flight calls finish for up to `close_grace_s`; close() closes everything (idempotent)."""
 
-    def __init__(self, close_grace_s: float = 30.0):
+    def __init__(self, close_grace_s: float = 30.0,
+                 channel: Callable[..., grpc.aio.Channel] = grpc.aio.insecure_channel):
+        """`channel(addr, options=...)` opens a channel (InternalAuth.channel: calls carry the secret)."""
         self.close_grace_s = close_grace_s
+        self._open = channel
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
 
     def get(self, addr: str) -> grpc.aio.Channel:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            channel = self._channels[addr] = self._open(addr, options=CHANNEL_OPTIONS)
         return channel
 
     def addresses(self) -> list[str]:

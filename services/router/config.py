@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
+from services.common.limits import RequestLimits, add_limit_arguments
+from services.common.tls import add_tls_arguments, tls_from_args
 from services.router.policy import policy_names
+from services.router.route_config import RouteConfig, add_route_arguments, route_config_from_args
 from tandem.v1 import worker_pb2
 
 MODES = ("disagg", "colocated")
@@ -23,7 +27,7 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     model: str = ""  # what ListModels reports for static workers; empty = accept any requested model
     probe_s: float = 2.0  # health-probe period of static workers; 0 = never drop them
-    policy: str = "round_robin"
+    policy: str = "cache_aware"  # measured better than round_robin (docs/benchmarks.md)
     mode: str = "disagg"
     metrics_port: int = -1  # 0 = pick a free port, -1 = no metrics endpoint
     max_inflight: int = 1024
@@ -40,6 +44,12 @@ class RouterConfig:
     k8s_namespace: str = ""  # "" = this pod's namespace
     k8s_selector: str = "app.kubernetes.io/part-of=tandem"  # EndpointSlices of the worker Services
     k8s_api_server: str | None = None  # None = in-cluster service account, then ~/.kube/config
+    route: RouteConfig = field(default_factory=RouteConfig)  # cache, load and local-prefill weights
+    # Secrets (services/common/auth.py), never printed: the internal one workers require of the router
+    # (and the router accepts from the gateway), and the optional key of the public Generation API.
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
+    limits: RequestLimits = RequestLimits()
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def discovery_kind(self) -> str:
@@ -78,6 +88,7 @@ class RouterConfig:
             raise ValueError("timeouts and retries must be >= 0")
         if self.cb_failure_threshold < 1 or self.cb_timeout_s <= 0:
             raise ValueError("--cb-failure-threshold must be >= 1 and --cb-timeout-duration-secs > 0")
+        self.route.validate()
 
     @property
     def roles(self) -> tuple[int, ...]:
@@ -120,6 +131,10 @@ class RouterConfig:
             k8s_namespace=args.k8s_namespace,
             k8s_selector=args.k8s_selector,
             k8s_api_server=args.k8s_api_server or None,
+            route=route_config_from_args(args),
+            auth=InternalAuth.load(args.internal_token_file, tls=tls_from_args(args)),
+            api_key=load_api_key(args.api_key),
+            limits=RequestLimits.from_args(args),
         )
         config.validate()
         return config
@@ -150,7 +165,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-interval", type=float, default=d.probe_s,
                    help="seconds between gRPC health probes of static workers (0 = never drop them)")
     p.add_argument("--policy", choices=policy_names(), default=d.policy,
-                   help="how a (prefill, decode) pair is picked: in turn, or the least loaded")
+                   help="how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill "
+                        "work (least_load), or the best prefix-cache match unless loads are imbalanced "
+                        f"(cache_aware) (default: {d.policy})")
+    add_route_arguments(p)
     p.add_argument("--mode", choices=MODES, default=d.mode, help="route to prefill+decode pairs or to co-located workers")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = pick free, -1 = off)")
     p.add_argument("--max-inflight", type=int, default=d.max_inflight,
@@ -166,6 +184,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    add_api_key_argument(p, "tandem.v1.Generation callers must send the gRPC metadata `authorization: Bearer KEY` "
+                            "(or the internal token, as the gateway does)")
+    add_internal_auth_arguments(p)
+    add_tls_arguments(p)
+    add_limit_arguments(p)
     add_resilience_arguments(p, d)
 
 

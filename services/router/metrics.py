@@ -28,6 +28,10 @@ class RouterMetrics:
         self.open_circuits = Gauge(
             "tandem_router_open_circuits", "Workers skipped by their open circuit breaker", registry=self.registry
         )
+        self.prefill_route = Counter(
+            "tandem_router_prefill_route", "Disaggregated requests by where their prompt was prefilled: on a "
+            "prefill worker (remote) or on the decode worker (local)", ["route"], registry=self.registry,
+        )
         self.workers = Gauge("tandem_router_workers", "Registered workers by role", ["role"], registry=self.registry)
         self._httpd = None
 

@@ -1,26 +1,30 @@
-"""Pairing policies: which worker of a role gets the next request. Plug new ones in with `register_policy`."""
+"""Pairing policies: which worker of a role gets the next request. Plug new ones in with `register_policy`.
+
+Every policy sees the same `Candidate`s (services/router/cost.py): reported load, this router's
+in-flight work, and how much of the prompt the router believes each worker has cached.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
-from tandem.v1 import worker_pb2
+from services.router.cost import Candidate
+from services.router.route_config import RouteConfig
 
 
 class Policy(ABC):
-    """Picks one worker among `candidates` (non-empty, in the registry's stable order).
+    """Picks one of `candidates` (non-empty, in the registry's stable order). One instance serves one role."""
 
-    `inflight` counts the requests this router has in flight per worker_id: it reacts at once,
-    while WorkerInfo.load is as old as the worker's last heartbeat. One instance serves one role.
-    """
+    def __init__(self, cfg: RouteConfig) -> None:
+        self.cfg = cfg
 
     @abstractmethod
-    def pick(self, candidates: Sequence[worker_pb2.WorkerInfo], inflight: Mapping[str, int]) -> worker_pb2.WorkerInfo:
+    def pick(self, candidates: Sequence[Candidate]) -> Candidate:
         ...
 
 
-_POLICIES: dict[str, Callable[[], Policy]] = {}
+_POLICIES: dict[str, Callable[[RouteConfig], Policy]] = {}
 
 
 def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
@@ -33,22 +37,36 @@ def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
 
 
 def policy_names() -> list[str]:
+    _load_builtin()
     return sorted(_POLICIES)
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, cfg: RouteConfig | None = None) -> Policy:
+    _load_builtin()
     try:
-        return _POLICIES[name]()
+        factory = _POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}") from None
+    return factory(cfg or RouteConfig())
+
+
+def _load_builtin() -> None:
+    # One module per policy beyond the two simplest; importing registers it.
+    import services.router.policy_cache_aware  # noqa: F401
+
+
+def least_load_key(c: Candidate) -> tuple[int, int, float]:
+    """Least queued prefill work (tokens), then fewest requests, then most free KV pages."""
+    return (c.queued_tokens, c.requests, -c.free_ratio)
 
 
 @register_policy("round_robin")
 class RoundRobin(Policy):
-    def __init__(self) -> None:
+    def __init__(self, cfg: RouteConfig) -> None:
+        super().__init__(cfg)
         self._next = 0
 
-    def pick(self, candidates, inflight):
+    def pick(self, candidates):
         assert candidates
         worker = candidates[self._next % len(candidates)]
         self._next += 1
@@ -57,15 +75,9 @@ class RoundRobin(Policy):
 
 @register_policy("least_load")
 class LeastLoad(Policy):
-    """Fewest queued + running requests (reported load plus this router's own in-flight count, which
-    covers the requests sent since the last heartbeat), then most free KV pages, then list order."""
+    """The least queued prefill work in tokens (reported, or this router's own since, whichever is
+    larger), then the fewest queued + running requests, then the most free KV pages, then list order."""
 
-    def pick(self, candidates, inflight):
+    def pick(self, candidates):
         assert candidates
-
-        def score(w: worker_pb2.WorkerInfo) -> tuple[int, float]:
-            load = w.load
-            free = load.free_pages / load.total_pages if load.total_pages else 0.0
-            return (load.running + load.waiting + inflight.get(w.worker_id, 0), -free)
-
-        return min(candidates, key=score)
+        return min(candidates, key=least_load_key)

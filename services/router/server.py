@@ -33,12 +33,12 @@ def registry_from_config(config: RouterConfig) -> WorkerRegistry:
         from services.common.k8s_registry import KubernetesRegistry, pod_namespace
 
         return KubernetesRegistry(namespace=config.k8s_namespace or pod_namespace(), selector=config.k8s_selector,
-                                  api_server=config.k8s_api_server)
+                                  api_server=config.k8s_api_server, channel=config.auth.channel)
     if config.discovery_kind == "redis":
         return create_registry("redis", url=config.redis_url, prefix=config.registry_prefix)
     return create_registry(
         "static", prefill=config.prefill, decode=config.decode, colocated=config.colocated,
-        model=config.model, probe_s=config.probe_s,
+        model=config.model, probe_s=config.probe_s, channel=config.auth.channel,
     )
 
 
@@ -53,7 +53,7 @@ class RouterServer:
         self.config = config
         self.registry = registry if registry is not None else registry_from_config(config)
         self.metrics = RouterMetrics()
-        self.channels = ChannelPool(close_grace_s=max(config.request_timeout_s, 1.0))
+        self.channels = ChannelPool(close_grace_s=max(config.request_timeout_s, 1.0), channel=config.auth.channel)
         self.health = health.aio.HealthServicer()
         self.servicer = GenerationServicer(config, self.registry, self.channels, self.metrics)
         self.port: int | None = None
@@ -77,11 +77,13 @@ class RouterServer:
         self.registry.add_listener(self._on_workers_changed)
         server = grpc.aio.server(
             options=(
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", self.config.limits.max_request_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            )
+            ),
+            interceptors=[self.config.auth.server_interceptor({GENERATION_SERVICE}, self.config.api_key)],
         )
+        self.config.auth.announce("router")
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -126,6 +128,7 @@ class RouterServer:
         self.channels.retain(w.grpc_addr for w in self.registry.all_workers())
         if self.servicer.breakers is not None:
             self.servicer.breakers.retain(self.registry.all_workers())
+        self.servicer.planner.retain(w.worker_id for w in self.registry.all_workers())
         await self._set_health(self.can_route())
 
 

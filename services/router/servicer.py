@@ -13,8 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -30,10 +29,11 @@ from services.common.grpc_errors import (
 from services.common.registry import ROLE_NAMES, WorkerRegistry
 from services.router.admission import Admission
 from services.router.breaker import Breakers
+from services.router.cache_view import PromptKey
 from services.router.channels import ChannelPool
 from services.router.config import RouterConfig
 from services.router.metrics import RouterMetrics
-from services.router.policy import make_policy
+from services.router.planner import RoutePlan, RoutePlanner, prompt_key
 from services.router.validation import validate_request
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -79,15 +79,18 @@ class RouteError(Exception):
 class _Relay:
     """Writes worker chunks to the client; remembers whether anything was sent (no retry after that)."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, started: float, metrics: RouterMetrics):
+    def __init__(self, context: grpc.aio.ServicerContext, started: float, metrics: RouterMetrics,
+                 on_first: Callable[[], None] = lambda: None):
         self.context = context
         self.started = started
         self.metrics = metrics
+        self.on_first = on_first  # the prompt was prefilled (the planner stops counting it as queued)
         self.sent = 0
 
     async def send(self, msg: generation_pb2.GenerateResponse) -> None:
         if self.sent == 0:
             self.metrics.ttft.observe(time.monotonic() - self.started)
+            self.on_first()
         self.sent += 1
         await self.context.write(msg)
 
@@ -106,10 +109,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.registry = registry
         self.channels = channels
         self.metrics = metrics
-        self._policies = {role: make_policy(config.policy) for role in config.roles}
+        self.planner = RoutePlanner(config.policy, config.route, config.roles,
+                                    on_route=lambda route: metrics.prefill_route.labels(route).inc())
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
             config.enable_priority_scheduling, config.low_priority_values_first))
-        self._worker_inflight: Counter[str] = Counter()
         self.breakers = Breakers(config.cb_failure_threshold, config.cb_timeout_s) if config.circuit_breaker else None
 
     # ---- public RPCs -------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         started = time.monotonic()
         try:
-            validate_request(request)  # before queueing: a bad request never waits for a slot
+            validate_request(request, self.config.limits)  # before queueing: a bad request never waits
             await asyncio.wait_for(self.admission.acquire(request.priority),
                                    self._timeout(self._deadline(context, started)))
         except TandemError as e:
@@ -192,32 +195,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise ModelNotFound(f"model {model!r} is not served; available: {', '.join(served)}")
         return [w for w in workers if w.worker_id not in exclude]
 
-    def _pick(self, model: str, failed: set[str], avoid: set[str]) -> list[worker_pb2.WorkerInfo]:
-        """One worker per role of the mode, never a failed one, preferably not one in `avoid`."""
-        picked = []
+    def _pick(self, model: str, key: PromptKey, failed: set[str], avoid: set[str]) -> RoutePlan:
+        """Workers for every role of the mode (planner.py), never a failed one, preferably not one in `avoid`."""
+        usable = {}
         for role in self.config.roles:
             candidates = self._candidates(role, model, failed | avoid) or self._candidates(role, model, failed)
             if not candidates:
                 raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no other {ROLE_NAMES[role]} worker to retry on")
             if self.breakers is not None:
                 candidates = self.breakers.healthy(candidates)
-            picked.append(self._policies[role].pick(candidates, self._worker_inflight))
-        return picked
+            usable[role] = candidates
+        return self.planner.plan(key, usable)
 
     async def _route(self, request, rid: str, context, deadline: float | None, started: float) -> int:
-        relay = _Relay(context, started, self.metrics)
         failed: set[str] = set()
-        workers = self._pick(request.model, failed, set())
+        key = prompt_key(request)
+        plan = self._pick(request.model, key, failed, set())
+        relay = _Relay(context, started, self.metrics, on_first=lambda: self.planner.first_token(plan))
         attempt = 0
         while True:
-            current = workers
-            for w in current:
-                self._worker_inflight[w.worker_id] += 1
+            current = plan
+            self.planner.begin(current)
             try:
                 if self.config.mode == "colocated":
-                    await self._colocated(request, rid, current[0], relay, deadline)
+                    await self._colocated(request, rid, current.decode, relay, deadline)
                 else:
-                    await self._disagg(request, rid, current[0], current[1], relay, deadline)
+                    await self._disagg(request, rid, current.prefill, current.decode, relay, deadline)
                 self._outcome(current, None)
                 return relay.sent
             except RouteError as e:
@@ -233,23 +236,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     raise
                 failed.add(e.worker_id)
                 try:  # never the worker that failed, preferably neither of the pair
-                    workers = self._pick(request.model, failed, {w.worker_id for w in current})
+                    plan = self._pick(request.model, key, failed, {w.worker_id for w in current.workers})
                 except RouteError:
                     raise e from None  # nothing else to try: report the real failure
                 attempt += 1
                 self.metrics.retries.inc()
-                log.warning("[%s] %s; retrying on %s", rid, e.message, ", ".join(w.worker_id for w in workers))
+                log.warning("[%s] %s; retrying on %s", rid, e.message, ", ".join(w.worker_id for w in plan.workers))
             finally:
-                for w in current:
-                    self._worker_inflight[w.worker_id] -= 1
-                    if not self._worker_inflight[w.worker_id]:
-                        del self._worker_inflight[w.worker_id]
+                self.planner.end(current)
 
-    def _outcome(self, pair: list[worker_pb2.WorkerInfo], err: RouteError | None) -> None:
+    def _outcome(self, plan: RoutePlan, err: RouteError | None) -> None:
         """Feed the circuit breakers: a worker that answered UNAVAILABLE failed; a finished pair worked."""
         if self.breakers is None:
             return
-        for w in pair:
+        for w in plan.workers:
             if err is None:
                 self.breakers.on_success(w)
             elif err.code == grpc.StatusCode.UNAVAILABLE and err.worker_id == w.worker_id:
@@ -260,22 +260,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _timeout(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    async def _disagg(self, request, rid, p: worker_pb2.WorkerInfo, d: worker_pb2.WorkerInfo, relay: _Relay, deadline):
+    async def _disagg(self, request, rid, p: worker_pb2.WorkerInfo | None, d: worker_pb2.WorkerInfo, relay: _Relay,
+                      deadline):
+        """`p` None: D prefills the prompt itself (conditional disaggregation), no room is handed over."""
         room = secrets.randbits(63)
         prompt = {"token_ids": request.token_ids} if request.HasField("token_ids") else {"text": request.text}
-        log.info("[%s] prefill=%s decode=%s room=%d", rid, p.worker_id, d.worker_id, room)
+        log.info("[%s] prefill=%s decode=%s room=%d", rid, p.worker_id if p else "local", d.worker_id, room)
         timeout = self._timeout(deadline)
-        prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
-            worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
-                                      priority=request.priority, **prompt),
-            timeout=timeout,
-        )
+        prefill_call = None
+        if p is not None:
+            prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
+                worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
+                                          priority=request.priority, **prompt),
+                timeout=timeout,
+            )
+            peer = {"prefill_bootstrap_addr": p.bootstrap_addr, "prefill_worker_id": p.worker_id,
+                    "prefill_boot_epoch": p.boot_epoch}
+        else:
+            peer = {"local_prefill": True}
         decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
-            worker_pb2.DecodeRequest(
-                request_id=rid, bootstrap_room=room, sampling=request.sampling,
-                prefill_bootstrap_addr=p.bootstrap_addr, prefill_worker_id=p.worker_id,
-                prefill_boot_epoch=p.boot_epoch, priority=request.priority, **prompt,
-            ),
+            worker_pb2.DecodeRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
+                                     priority=request.priority, **prompt, **peer),
             timeout=timeout,
         )
         prefill_done = asyncio.ensure_future(self._await_prefill(prefill_call, p, room))
@@ -307,13 +312,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             # No-ops for calls that already finished; otherwise the worker sees the cancellation.
             decode_call.cancel()
-            prefill_call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
             _discard(read)
             _discard(prefill_done)
 
     @staticmethod
     async def _await_prefill(call, p: worker_pb2.WorkerInfo, room: int) -> RouteError | None:
-        """The prefill call's outcome as an error to raise, or None when the room's KV was delivered."""
+        """The prefill call's outcome as an error to raise, or None when the room's KV was delivered
+        (always None for a local prefill: no call)."""
+        if call is None:
+            return None
         try:
             resp = await call
         except grpc.aio.AioRpcError as e:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from engine.errors import InvalidRequest
 from services.common.convert import priority_from_pb, sampling_from_pb
+from services.common.limits import RequestLimits
 from tandem.v1 import generation_pb2
 
 
-def validate_request(req: generation_pb2.GenerateRequest) -> None:
-    """Raise InvalidRequest (with `param`) for a request no worker could accept."""
+def validate_request(req: generation_pb2.GenerateRequest, limits: RequestLimits = RequestLimits()) -> None:
+    """Raise InvalidRequest (with `param`) for a request no worker could accept, or over `limits`."""
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("a prompt is required: set text or token_ids", "prompt")
@@ -17,5 +18,11 @@ def validate_request(req: generation_pb2.GenerateRequest) -> None:
         raise InvalidRequest("prompt is empty", "prompt")
     if kind == "token_ids" and not req.token_ids.ids:
         raise InvalidRequest("prompt token_ids is empty", "prompt")
-    sampling_from_pb(req.sampling).validate()
+    if kind == "token_ids":
+        limits.check_prompt_tokens(len(req.token_ids.ids))
+    sampling = sampling_from_pb(req.sampling)
+    sampling.validate()
+    if req.sampling.max_tokens:                  # 0 on the wire: the worker's default, not the client's ask
+        limits.check_max_tokens(sampling.max_tokens)
+    limits.check_stop(sampling.stop)
     priority_from_pb(req)

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from services.worker.faults import FaultConfig
+from services.common.auth import InternalAuth
 
 
 def new_boot_epoch() -> int:
@@ -41,6 +42,8 @@ class WorkerConfig:
     # Identity of this process start, drawn once when the config is built (a restarted container gets
     # a new one): peers check it in the bootstrap handshake.
     boot_epoch: int = field(default_factory=new_boot_epoch)
+    # The internal secret (services/common/auth.py): required of gRPC callers and KV senders.
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
 
     @property
     def id(self) -> str:

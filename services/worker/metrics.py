@@ -30,6 +30,8 @@ STEP_BATCH_SIZE = Histogram("tandem_step_batch_size", "Sequences in one engine s
                             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 STEP_TOKENS = Histogram("tandem_step_tokens", "Tokens run in one engine step (prefill tokens + decode rows)",
                         ["kind"], buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+GRAPH_STEPS = Counter("tandem_graph_steps_total",
+                      "Decode steps run from a captured graph (engine/graph_runner.py); the others run eagerly")
 STEP_TOKENS_TOTAL = Counter("tandem_engine_tokens_total",
                             "Tokens run by engine steps: phase=prefill (prompt chunks), decode (new tokens)",
                             ["phase"])
@@ -70,3 +72,13 @@ def idle_check(engine) -> None:
     except AssertionError as e:
         IDLE_CHECK_FAILURES.inc()
         log.error("idle self-check failed: %s", e)
+
+# Speculative decoding (engine/spec/; exported by services/worker/spec_metrics.py). Names follow
+# vLLM's spec_decode counters; the acceptance length is accepted drafts per verified row.
+SPEC_DRAFT_TOKENS = Counter("tandem_spec_draft_tokens_total", "Draft tokens verified by the target model")
+SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_accepted_tokens_total", "Draft tokens accepted")
+SPEC_VERIFIED_ROWS = Counter("tandem_spec_verified_rows_total", "Request rows that verified drafts (one per step)")
+SPEC_ACCEPT_LENGTH = Histogram(
+    "tandem_spec_accept_length", "Drafts accepted per verified row per step (0..k)",
+    buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32))
+SPEC_ENABLED = Gauge("tandem_spec_enabled", "1 while the adaptive gate lets the decode batch speculate")

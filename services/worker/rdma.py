@@ -35,13 +35,17 @@ def preflight(wcfg: WorkerConfig, sysfs: str = "/sys/class/infiniband") -> None:
 
 
 def transfer_options(wcfg: WorkerConfig, side: str) -> dict:
-    """Extra options for create_sender (`side="sender"`) / create_receiver (`"receiver"`)."""
+    """Extra options for create_sender (`side="sender"`) / create_receiver (`"receiver"`): the
+    handshake secret, and the RDMA requirements."""
+    options: dict = {"secret": wcfg.auth.transfer_key}
+    if side == "sender":
+        options["boot_epoch"] = wcfg.boot_epoch     # receivers bind each room to this instance
     if not wcfg.require_rdma:
-        return {}
+        return options
     if wcfg.transfer_backend == "ucx":
-        return {"require_rdma": True} if side == "sender" else {}
+        return {**options, "require_rdma": True} if side == "sender" else options
     from kvtransfer.backends.ucx_env import UcxSettings
 
     # The user's UCX_TLS wins when it is set (they know their fabric); otherwise RDMA or nothing.
     tls = "" if os.environ.get("UCX_TLS") else RDMA_TLS
-    return {"ucx": UcxSettings.from_env(tls=tls)}
+    return {**options, "ucx": UcxSettings.from_env(tls=tls)}

@@ -36,6 +36,7 @@ from services.worker.metrics_server import start_metrics_server
 from services.worker.peers import PeerMonitor
 from services.worker.profiler import StepProfiler
 from services.worker.rdma import preflight
+from services.worker.spec_metrics import SpecMetrics
 from services.worker.step_stats import StepStats
 from services.worker.watchdog import Watchdog
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -108,9 +109,12 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     watchdog = Watchdog(wcfg.watchdog_timeout_s) if wcfg.watchdog_timeout_s > 0 else None
     faults = wcfg.faults
     guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
-    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, profiler))
+    spec = [SpecMetrics(engine.spec)] if getattr(engine, "spec", None) is not None else []
+    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, *spec, profiler))
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                             interceptors=[wcfg.auth.server_interceptor()])
     parts.add_servicers(server, engine_loop)
     identity = WorkerIdentityServicer(lambda: engine_loop.call(parts.worker.load))
     worker_pb2_grpc.add_WorkerIdentityServicer_to_server(identity, server)
@@ -119,7 +123,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     identity_name = worker_pb2.DESCRIPTOR.services_by_name["WorkerIdentity"].full_name
     reflection.enable_server_reflection(
         [*parts.service_names, identity_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{wcfg.host}:{wcfg.port}")
+    port = wcfg.auth.add_port(server, f"{wcfg.host}:{wcfg.port}")
     if port == 0:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
     addr = f"{wcfg.public_host}:{port}"
@@ -239,6 +243,9 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         return 2
     if wcfg.log_stats_interval_s > 0 and not step_stats.log.isEnabledFor(logging.INFO):
         step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
+    graph_log = logging.getLogger("engine.graph_runner")
+    if not graph_log.isEnabledFor(logging.INFO):
+        graph_log.setLevel(logging.INFO)  # the progress line while decode graphs are captured
     try:
         return asyncio.run(serve_worker(engine_cfg, wcfg))
     except KeyboardInterrupt:

@@ -24,7 +24,7 @@ class StepShape:
     kind: str             # prefill | decode | mixed (a step with both prefill chunks and decode rows)
     num_seqs: int         # batch size: sequences in the step
     prefill_tokens: int   # prompt (or recomputed) tokens run by prefill chunks
-    decode_tokens: int    # decode rows: one new token each
+    decode_tokens: int    # decode rows: one new token each (plus its drafts when speculating)
 
     @property
     def num_tokens(self) -> int:
@@ -33,12 +33,12 @@ class StepShape:
 
 def shape_of(batch) -> StepShape:
     """A `StepBatch`'s shape. A decode row runs one token at or past its fill length (the tokens that
-    needed KV before sampling); anything else is a prefill chunk."""
+    needed KV before sampling), plus its draft tokens when speculating; anything else is a prefill chunk."""
     prefill = decode = 0
     for s in batch.seqs:
         n = len(s.input_ids)
-        if n == 1 and s.prefix_len >= s.req.fill_len:
-            decode += 1
+        if n == 1 + s.num_drafts and s.prefix_len >= s.req.fill_len:
+            decode += n         # a speculative row runs its last token and its drafts
         else:
             prefill += n
     kind = "mixed" if prefill and decode else ("decode" if decode else "prefill")
@@ -71,6 +71,7 @@ class StepStats:
         self.log_interval_s = log_interval_s
         self.clock = clock
         self._seen = None        # the last batch accounted for (a step may run no forward pass)
+        self._graph_steps = 0    # the runner's graph replays accounted for
         self._w = _Window()
 
     def before_step(self) -> None:
@@ -89,6 +90,10 @@ class StepStats:
             metrics.STEP_TOKENS_TOTAL.labels("prefill").inc(shape.prefill_tokens)
         if shape.decode_tokens:
             metrics.STEP_TOKENS_TOTAL.labels("decode").inc(shape.decode_tokens)
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None and graphs.replays > self._graph_steps:
+            metrics.GRAPH_STEPS.inc(graphs.replays - self._graph_steps)
+            self._graph_steps = graphs.replays
         if self.log_interval_s <= 0:
             return
         now = self.clock()

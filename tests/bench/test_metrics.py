@@ -141,3 +141,13 @@ def test_record_json_in_ms_relative_to_start():
     assert d["sent_ms"] == pytest.approx(500)
     assert d["ttft_ms"] == pytest.approx(500) and d["tpot_ms"] == pytest.approx(200)
     assert d["itl_ms"] == pytest.approx([100]) and d["e2e_ms"] == pytest.approx(700)
+
+
+def test_cached_token_ratio_counts_successful_requests_only():
+    a, b = rec(0.0, [0.1, 0.2], 0.2, 2, prompt_len=100), rec(0.0, [0.1], 0.1, 1, prompt_len=300)
+    a.cached_tokens, b.cached_tokens = 80, 0
+    failed = rec(0.0, [], 0.1, 0, prompt_len=1000, error="boom")
+    failed.cached_tokens = 1000
+    m = compute_metrics([a, b, failed], duration_s=1.0)
+    assert m.cached_token_ratio == pytest.approx(0.2)
+    assert "Cached prompt tokens (reported)" in format_summary(m, "x")

@@ -21,17 +21,31 @@ import grpc
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+# The deployments' internal secret, known to the tests so that extra services (a second router or
+# gateway next to a stack) and the tests themselves can reach the workers, as an operator's would.
+INTERNAL_TOKEN = "tandem-e2e-internal-token-0123456789"
+
+
+# What a caller of a worker's internal gRPC sends (the router's client interceptor does the same).
+INTERNAL_METADATA = (("tandem-internal-token", INTERNAL_TOKEN),)
+
+
+def service_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_INTERNAL_TOKEN=INTERNAL_TOKEN)
 
 
 class Stack:
-    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`)."""
+    """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`).
+    Local prefill on decode workers is off unless `args` turn it on: the tests' prompts are short,
+    and they are here to exercise the prefill -> decode transfer.
+    `env`: the launcher's environment (default: this one with the tests' INTERNAL_TOKEN)."""
 
-    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False, env: dict | None = None):
+        env = service_env() if env is None else env
         gateway_port = "0" if gateway else "-1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
-             "--ready-json", *args],
+             "--ready-json", "--local-prefill-max-tokens", "-1", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
             start_new_session=True,
         )
@@ -90,6 +104,12 @@ class Stack:
         text = urllib.request.urlopen(f"http://127.0.0.1:{worker['metrics_port']}/metrics", timeout=5).read().decode()
         return {m.group(1): float(m.group(2))
                 for m in re.finditer(r'tandem_worker_requests_total\{outcome="(\w+)"\} (\S+)', text)}
+
+    def metric(self, worker: dict, name: str) -> float:
+        """One unlabelled sample of a worker's /metrics (0 when absent)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{worker['metrics_port']}/metrics", timeout=5).read().decode()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
 
     def wait_pages_free(self, worker: dict, timeout_s: float = 15.0) -> tuple[float, float]:
         deadline = time.monotonic() + timeout_s
@@ -156,7 +176,7 @@ class Service:
     def __init__(self, *argv: str):
         self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=service_env())
         self.log: deque[str] = deque(maxlen=200)
         self.info: dict | None = None
         self._ready = threading.Event()

@@ -39,7 +39,7 @@ def check(run: dict) -> None:
 
 def test_bench_serve_grpc(stack, tiny_llama, tmp_path):
     check(bench(tmp_path / "grpc.json", "--backend", "tandem-grpc", "--base-url", stack.info["router"],
-                "--model", str(tiny_llama)))
+                "--api-key", API_KEY, "--model", str(tiny_llama)))
 
 
 def test_bench_serve_openai_http(stack, tiny_llama, tmp_path):

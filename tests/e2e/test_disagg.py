@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -109,6 +111,23 @@ def test_overlap_schedule_matches_transformers(tiny_llama, reference, mode):
         stack.close()
 
 
+def test_decode_graphs_match_colocated_and_transformers(tiny_llama, reference, colocated_outputs):
+    # The decode worker runs decode steps from graphs (inductor on CPU) of sizes 1, 2 and 4: the
+    # burst's larger batches run eagerly, its tail from graphs, 3 rows padded to 4. The prefill worker
+    # is given the flag too and ignores it (it never decodes).
+    items, hf_outs = reference
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "shm",
+                  "--enable-graph", "--graph-bs", "1,2,4")
+    try:
+        outs = run_concurrently(stack, items)
+        assert outs == colocated_outputs
+        assert outs == hf_outs
+        assert stack.metric(stack.workers("decode")[0], "tandem_graph_steps_total") > 0
+        assert stack.metric(stack.workers("prefill")[0], "tandem_graph_steps_total") == 0
+    finally:
+        stack.close()
+
+
 def test_bad_request_gets_clear_error(tiny_llama):
     stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
     try:
@@ -179,5 +198,38 @@ def test_sigkill_prefill_worker(tiny_llama):
         # The survivor serves new requests (the dead worker's registry entry expires or is retried around).
         for _ in range(3):
             assert len(stack.generate(list(range(10, 30)), max_tokens=5, ignore_eos=True).token_ids) == 5
+    finally:
+        stack.close()
+
+
+def _router_routes(stack: Stack) -> dict[str, float]:
+    url = f"http://127.0.0.1:{stack.info['router_metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'tandem_router_prefill_route_total\{route="(\w+)"\} (\S+)', text)}
+
+
+def test_local_and_remote_prefill_give_the_same_greedy_tokens(tiny_llama, reference, colocated_outputs):
+    # Prompts whose part not cached on the decode worker is at most 16 tokens are prefilled there (mixed
+    # chunks), the rest on the prefill worker: the same greedy tokens either way, and usage counts the
+    # decode worker's own prefix-cache hit on the local route.
+    items, hf_outs = reference
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "shm",
+                  "--local-prefill-max-tokens", "16", "--policy", "cache_aware")
+    try:
+        stack.generate(items[-1][0], max_tokens=2, ignore_eos=True)  # 27 tokens: remote
+        outs = run_concurrently(stack, items)
+        assert outs == colocated_outputs
+        assert outs == hf_outs
+        routes = _router_routes(stack)
+        assert routes.get("local", 0) >= 7 and routes.get("remote", 0) >= 3, routes
+        # The shared-prefix prompt again: D holds its first 24 tokens (6 pages), so it stays local.
+        again = stack.generate(items[-2][0], max_tokens=8, ignore_eos=True)
+        assert list(again.token_ids) == hf_outs[-2]
+        assert _router_routes(stack)["local"] == routes["local"] + 1
+        assert again.usage.cached_tokens >= 16
+        for w in stack.info["workers"]:
+            free, total = stack.wait_pages_free(w)
+            assert free == total, f"{w['worker_id']} leaked KV pages: {free}/{total}"
     finally:
         stack.close()

@@ -27,7 +27,7 @@ def assert_pages_free(stack):
 def test_sync_generate_and_stream_agree_with_the_gateway(stack, tiny_llama):
     assert stack.info["router_metrics_port"] > 0  # `tandem up --ready-json` reports the router's metrics
     prompt = "the capital of France is"
-    with Client(stack.info["router"], timeout=60) as client:
+    with Client(stack.info["router"], timeout=60, api_key=API_KEY) as client:
         result = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True)
         assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 10
         assert result.usage.completion_tokens == 10 and result.usage.prompt_tokens > 0
@@ -48,7 +48,7 @@ def test_sync_generate_and_stream_agree_with_the_gateway(stack, tiny_llama):
 
 def test_stop_token_id_is_reported_through_router_sdk_and_gateway(stack, tiny_llama):
     prompt = "one two three"
-    with Client(stack.info["router"], timeout=60) as client:
+    with Client(stack.info["router"], timeout=60, api_key=API_KEY) as client:
         ref = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
         tok = ref.token_ids[3]
         cut = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[tok])
@@ -65,7 +65,7 @@ def test_async_generate_stream_and_cancel(stack):
     cancelled = stack.worker_requests(decode).get("cancelled", 0)
 
     async def body():
-        async with AsyncClient(stack.info["router"], timeout=60) as client:
+        async with AsyncClient(stack.info["router"], timeout=60, api_key=API_KEY) as client:
             results = await asyncio.gather(*(client.generate([5, 6, 7 + i], max_tokens=6, temperature=0,
                                                              ignore_eos=True) for i in range(3)))
             assert [len(r.token_ids) for r in results] == [6, 6, 6]
@@ -85,7 +85,7 @@ def test_async_generate_stream_and_cancel(stack):
 def test_sync_cancelled_stream_frees_pages(stack):
     decode = stack.workers("decode")[0]
     cancelled = stack.worker_requests(decode).get("cancelled", 0)
-    with Client(stack.info["router"]) as client:
+    with Client(stack.info["router"], api_key=API_KEY) as client:
         stream = client.stream(list(range(3, 60)), max_tokens=450, ignore_eos=True)
         got = 0
         for chunk in stream:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from tandem.v1 import generation_pb2, generation_pb2_grpc
-from tests.e2e.stack import Service
+from tests.e2e.stack import INTERNAL_METADATA, Service
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +41,7 @@ def generate(stub, n_out: int, prompt_len: int = 24) -> list[int]:
     req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(
         temperature=0, max_tokens=n_out, ignore_eos=True))
     req.token_ids.ids.extend(range(5, 5 + prompt_len))
-    return [t for chunk in stub.Generate(req, timeout=60) for t in chunk.token_ids]
+    return [t for chunk in stub.Generate(req, timeout=60, metadata=INTERNAL_METADATA) for t in chunk.token_ids]
 
 
 def scrape(info) -> str:

@@ -106,10 +106,22 @@ def _deployment_problems(d: dict, role: str) -> list[str]:
             out.append(f"{where}: adds capabilities {sorted(added)} (only IPC_LOCK, only on RDMA workers)")
         if not ((c.get("lifecycle") or {}).get("preStop")):
             out.append(f"{where}: no preStop hook")
+        out += _secret_problems(pod, c, where)
         drain = _flag(c, "--drain-timeout")
         if drain is not None and drain + 5 >= grace:
             out.append(f"{where}: terminationGracePeriodSeconds {grace} leaves no room for --drain-timeout {drain}")
     return out
+
+
+def _secret_problems(pod: dict, c: dict, where: str) -> list[str]:
+    """Every service reads the deployment's internal secret from a mounted Secret (docs/security.md)."""
+    path = next((a.split("=", 1)[1] for a in c.get("args") or () if a.startswith("--internal-token-file=")), None)
+    if path is None:
+        return [f"{where}: no --internal-token-file: internal gRPC would be open to anyone in the cluster"]
+    secrets = {v["name"] for v in pod.get("volumes") or () if "secret" in v}
+    mounted = any(m["name"] in secrets and path.startswith(m["mountPath"].rstrip("/") + "/")
+                  for m in c.get("volumeMounts") or ())
+    return [] if mounted else [f"{where}: --internal-token-file {path} is not in a mounted Secret volume"]
 
 
 def _flag(container: dict, name: str) -> float | None:

@@ -54,8 +54,8 @@ def test_the_renderer_resolves_the_overlays():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "--require-rdma" in c["args"]
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert c["securityContext"]["readOnlyRootFilesystem"] is True          # kept from the base
-    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/cache", "/tmp", "/dev/shm"]
-    assert [v["name"] for v in pod["volumes"]] == ["cache", "tmp", "dshm"]
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/etc/tandem/internal", "/cache", "/tmp", "/dev/shm"]
+    assert [v["name"] for v in pod["volumes"]] == ["internal-token", "cache", "tmp", "dshm"]
     router = by_name(gpu, "Deployment", "tandem-router")["spec"]["template"]["spec"]["containers"][0]
     assert "capabilities" not in router["securityContext"] or "add" not in router["securityContext"]["capabilities"]
 
@@ -105,3 +105,17 @@ def test_the_renderer_refuses_what_it_does_not_implement(k8s_copy):
     with pytest.raises(RenderError, match="commonAnnotations"):
         render(k.parent)
     assert check(k8s_copy, run_checkov=False)["cpu-dev"][0].startswith("render:")
+
+
+def test_every_service_must_read_the_internal_secret_from_a_mounted_secret():
+    objs = render(K8S / "overlays" / "gpu-rdma")
+    decode = by_name(objs, "Deployment", "tandem-decode")["spec"]["template"]["spec"]
+    decode["containers"][0]["args"] = [a for a in decode["containers"][0]["args"]
+                                       if not a.startswith("--internal-token-file")]
+    router = by_name(objs, "Deployment", "tandem-router")["spec"]["template"]["spec"]
+    router["volumes"] = [v for v in router["volumes"] if "secret" not in v]
+    problems = invariants(objs)
+    assert any("tandem-decode container decode: no --internal-token-file" in p for p in problems)
+    assert any("tandem-router container router: --internal-token-file /etc/tandem/internal/token is not in a "
+               "mounted Secret volume" in p for p in problems)
+    assert len([p for p in problems if "internal" in p]) == 2

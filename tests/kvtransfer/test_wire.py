@@ -7,7 +7,7 @@ import torch
 
 from kvtransfer.base import PoolLayout, TransferError
 from kvtransfer.iovec import page_iov, recv_iov, send_iov
-from kvtransfer.wire import Channel, Kind, ReceiverMetadata, ShmInfo
+from kvtransfer.wire import VERSION, Channel, Kind, ReceiverMetadata, ShmInfo
 
 LAYOUT = PoolLayout(2, 64, 4, 2, 8, "bfloat16")
 
@@ -17,7 +17,7 @@ def test_metadata_round_trip():
                             ShmInfo("/dev/shm/tandem-kv-D-1-1-ab", 4096 + 1024, 4096, "00ff", "node-a"))
     data = meta.to_bytes()
     assert ReceiverMetadata.from_bytes(data) == meta
-    assert json.loads(data)["version"] == 1
+    assert json.loads(data)["version"] == VERSION
     plain = ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",))
     assert ReceiverMetadata.from_bytes(plain.to_bytes()) == plain
 

@@ -175,3 +175,35 @@ def test_a_lost_peer_fails_only_its_own_rooms_on_both_sides(pair):
     assert "decode worker d is unreachable" in responses[0].error
     assert not prefill.rooms and prefill.watched_peers() == {}
     prefill.engine.check_idle()
+
+
+def test_local_prefill_on_the_decode_worker_beside_a_transferred_request(pair, tiny_llama):
+    # Conditional disaggregation: one prompt comes from P, two are prefilled by D itself while the
+    # first decodes; the same greedy tokens as the co-located engine, a cancel mid-prefill frees
+    # everything, and usage reports D's own prefix-cache hit on the local route.
+    prefill, decode, peers = pair
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    remote, local = list(range(3, 40)), list(range(3, 27))
+    results, responses = {}, []
+    submit(prefill, decode, 1, remote, params, results, responses)
+    drive(prefill, decode, lambda: results.get("r1"))  # the remote one is decoding
+    for rid, prompt in (("l1", local), ("l2", list(range(50, 90)))):
+        req = decode.engine.make_request(prompt, params, rid)
+        decode.add_local(DecodeRoom(0, req, "", "", results.setdefault(rid, []).append))
+    decode.tick()
+    decode.step()  # l2 got its first chunk (16-token budget) at most
+    decode.cancel("l2")
+    assert "l2" not in decode.streams and not peers.aborted  # nothing to abort on P: no room
+    drive(prefill, decode, lambda: not decode.streams)
+    ref = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama))).generate([remote, local], params)
+    assert [t for o in results["r1"] for t in o.token_ids] == ref[0].token_ids
+    assert [t for o in results["l1"] for t in o.token_ids] == ref[1].token_ids
+    assert results["l1"][-1].usage.cached_tokens == 0
+    # The same local prompt again: D's radix cache holds its full pages now (24 tokens = 6 pages).
+    again = []
+    decode.add_local(DecodeRoom(0, decode.engine.make_request(local, params, "l3"), "", "", again.append))
+    drive(prefill, decode, lambda: not decode.streams)
+    assert [t for o in again for t in o.token_ids] == ref[1].token_ids
+    assert again[-1].usage.cached_tokens == 20  # the last page is recomputed (its logits are needed)
+    prefill.engine.check_idle()
+    decode.engine.check_idle()

@@ -46,14 +46,21 @@ def test_up_forwards_every_engine_flag_to_workers():
 
     values = {"--model": "/m", "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
               "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
-              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5", "--mixed-chunk-ttft-target": "0.5",
-              "--max-queued-requests": "9", "--priority-preemption-threshold": "4", "--num-threads": "1"}
+              "--max-running-requests": "5", "--chunked-prefill-size": "64", "--mixed-chunk-itl-factor": "2.5",
+              "--mixed-chunk-ttft-target": "0.5", "--max-queued-requests": "9", "--priority-preemption-threshold": "4",
+              "--num-threads": "1", "--graph-max-bs": "3", "--graph-bs": "1,3",
+              "--prefill-schedule-policy": "fcfs", "--prefill-max-wait": "0.5",
+              "--speculative-algorithm": "draft", "--speculative-num-draft-tokens": "3",
+              "--speculative-ngram-min": "1", "--speculative-ngram-max": "6", "--speculative-draft-model": "/d"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
-                "--low-priority-values-first", "--enable-overlap-schedule"]
+                "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",
+                "--disable-speculative-adaptive"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
-    assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule"} == set(values) | set(switches), "a new engine flag needs a value here"
+    # Each mutually exclusive pair is covered by one of its two flags.
+    assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule", "--disable-graph"} == \
+        set(values) | set(switches), "a new engine flag needs a value here"
     argv = [x for kv in values.items() for x in kv] + switches
     up = build_parser().parse_args(["up", *argv])
     worker = engine_config_from_args(build_parser().parse_args(["colocated", *_engine_argv(up)]))
@@ -61,3 +68,16 @@ def test_up_forwards_every_engine_flag_to_workers():
     default = dataclasses.asdict(EngineConfig())
     no_flag = {"seed", "init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps"}
     assert all(v != default[k] for k, v in dataclasses.asdict(worker).items() if k not in no_flag), worker
+
+
+def test_up_forwards_the_routing_flags_to_the_router():
+    from services.router.route_config import RouteConfig
+
+    flags = ["--local-prefill-max-tokens", "-1", "--max-prefill-queue-tokens", "100", "--balance-abs-threshold",
+             "3", "--balance-rel-threshold", "2.5", "--prefix-cache-ttl", "7"]
+    args = build_parser().parse_args(["up", "--policy", "cache_aware", *flags])
+    router = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
+                                                                "--policy", args.policy, *_router_argv(args)]))
+    assert router.policy == "cache_aware"
+    assert router.route == RouteConfig(-1, 100, 3, 2.5, 7.0)
+    assert not set(_router_argv(build_parser().parse_args(["up"]))) & set(flags[::2])  # defaults: the router's own

@@ -38,6 +38,10 @@ def test_flags_build_the_config():
         (("--prefill", "a:1"), "--mode disagg needs"),
         (("--mode", "colocated", "--prefill", "a:1", "--decode", "b:1"), "--mode colocated needs"),
         (("--redis-url", "redis://x", "--max-inflight", "0"), "max-inflight"),
+        (("--redis-url", "redis://x", "--local-prefill-max-tokens", "-2"), "local-prefill-max-tokens"),
+        (("--redis-url", "redis://x", "--max-prefill-queue-tokens", "-1"), "max-prefill-queue-tokens"),
+        (("--redis-url", "redis://x", "--balance-rel-threshold", "0.5"), "balance-rel-threshold"),
+        (("--redis-url", "redis://x", "--prefix-cache-ttl", "0"), "prefix-cache-ttl"),
     ],
 )
 def test_bad_flag_combinations(argv, match):

@@ -12,13 +12,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.registry import RedisRegistry, StaticRegistry
 from services.router.config import RouterConfig
+from services.router.route_config import RouteConfig
 from services.router.server import RouterServer
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.services.common.conftest import arun, wait_until
 from tests.services.router.fakes import FakeColocated, FakeDecode, FakePrefill, dead_addr
 
 S = grpc.StatusCode
-BASE = RouterConfig(port=0, drain_timeout_s=0.5)
+# These tests exercise the prefill-worker path: no prompt is prefilled on the decode worker by size.
+BASE = RouterConfig(port=0, drain_timeout_s=0.5, route=RouteConfig(local_prefill_max_tokens=-1))
 
 
 def _req(text="hello", max_tokens=3, **kw) -> generation_pb2.GenerateRequest:
@@ -134,7 +136,7 @@ def test_client_cancel_cancels_both_calls():
             call.cancel()
             await asyncio.wait_for(asyncio.gather(p.cancelled.wait(), d.cancelled.wait()), 2)
             await wait_until(lambda: router.servicer.inflight == 0)
-            assert not router.servicer._worker_inflight
+            assert not router.servicer.planner.inflight
 
     arun(body())
 
@@ -423,3 +425,26 @@ def test_metrics_endpoint_serves_prometheus_text():
             assert "tandem_router_ttft_seconds_bucket" in text
 
     arun(body())
+
+
+def test_short_prompt_is_prefilled_on_the_decode_worker_and_counted():
+    async def main():
+        p, d = FakePrefill(), FakeDecode()
+        config = replace(BASE, route=RouteConfig(local_prefill_max_tokens=64))
+        async with cluster([p], [d], config) as (router, stub):
+            def ids(n, t):
+                req = _req()
+                req.token_ids.ids.extend([t] * n)  # replaces the text (one prompt field)
+                return req
+
+            short, long = await _collect(stub, ids(20, 5)), await _collect(stub, ids(200, 6))
+            assert short and long
+            local, remote = d.requests
+            assert local.local_prefill and not local.prefill_worker_id and list(local.token_ids.ids) == [5] * 20
+            assert not remote.local_prefill and remote.prefill_worker_id == p.addr
+            assert [list(r.token_ids.ids) for r in p.requests] == [[6] * 200]  # P saw only the long one
+            for route in ("local", "remote"):
+                assert _metric(router, "tandem_router_prefill_route_total", route=route) == 1
+            assert not router.servicer.planner.inflight and not router.servicer.planner.inflight_tokens
+
+    arun(main())

@@ -52,6 +52,9 @@ def test_step_kinds():
     assert (mixed.kind, mixed.num_seqs, mixed.prefill_tokens, mixed.decode_tokens) == ("mixed", 2, 7, 1)
     # A one-token last chunk of a prompt is prefill, not decode.
     assert shape_of(StepBatch([prefill_chunk(1, 16, 17)])).kind == "prefill"
+    # A speculative row (last token + 3 drafts) is a decode row running 4 tokens.
+    spec = shape_of(StepBatch([SeqStep(Req(100), [1, 2, 3, 4], 100, sample=True, num_drafts=3), decode_row()]))
+    assert (spec.kind, spec.decode_tokens, spec.prefill_tokens) == ("decode", 5, 0)
 
 
 def _sample(name: str, **labels) -> float:
@@ -110,3 +113,18 @@ def test_interval_zero_logs_nothing(caplog):
         runner.last_batch = StepBatch([decode_row()])
         stats.after_step(1.0)
     assert not caplog.records
+
+
+def test_graph_steps_counter_follows_the_runners_replays():
+    class Graphs:
+        replays = 0
+
+    runner = Runner()
+    runner.graphs = Graphs()
+    stats = StepStats(runner, Load, "w", log_interval_s=0)
+    before = _sample("tandem_graph_steps_total")
+    for replays in (1, 2, 2):   # two decode steps from a graph, then one that ran eagerly
+        runner.graphs.replays = replays
+        runner.last_batch = StepBatch([decode_row()])
+        stats.after_step(0.01)
+    assert _sample("tandem_graph_steps_total") - before == 2

@@ -1,0 +1,57 @@
+"""What a routing decision weighs, per candidate worker: one cost model for every choice the router
+makes (which prefill worker, which decode worker, prefill remotely or on the decode worker).
+
+The unit is prompt tokens to compute before this request's first token: the prefill work already
+queued on the worker plus the part of this prompt its prefix cache does not hold. A prefill worker
+with a cached prefix is cheaper by exactly the tokens it need not compute; a decode worker with one
+receives that many fewer tokens' pages. Load in requests (running + queued + this router's in-flight)
+is the second measure, used to keep workers balanced (`cache_aware`'s thresholds) and to break ties.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A worker as a routing choice for one request."""
+
+    info: worker_pb2.WorkerInfo
+    inflight: int = 0            # requests this router has in flight on it
+    inflight_tokens: int = 0     # prompt tokens this router sent it to prefill whose first token is not back
+    cached_tokens: int = 0       # of this prompt, what the router believes its prefix cache holds
+    prompt_tokens: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prefill work ahead of this request: the worker's last report, or what this router alone
+        sent it since, whichever is larger (the report is up to a heartbeat old; other routers' work
+        shows only in the report)."""
+        return max(self.info.load.prefill_tokens, self.inflight_tokens)
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+    @property
+    def prefill_cost(self) -> int:
+        """Tokens this worker computes before this request's first token if it prefills it."""
+        return self.queued_tokens + self.uncached_tokens
+
+    @property
+    def requests(self) -> int:
+        load = self.info.load
+        return load.running + load.waiting + self.inflight
+
+    @property
+    def free_ratio(self) -> float:
+        load = self.info.load
+        return load.free_pages / load.total_pages if load.total_pages else 0.0

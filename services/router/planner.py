@@ -1,0 +1,134 @@
+"""Per request: which workers, and whether the prompt is prefilled remotely or on the decode worker.
+
+Disaggregated mode, in this order (one cost model, services/router/cost.py):
+1. The decode worker, by policy.
+2. Local prefill when the part of the prompt its prefix cache lacks is at most
+   `--local-prefill-max-tokens`: such a prompt's first token comes sooner from D's own mixed-chunk
+   prefill than through a prefill worker's queue, the bootstrap handshake and a transfer.
+3. Otherwise the prefill worker, by policy; but when every prefill worker is saturated (more than
+   `--max-prefill-queue-tokens` queued) and D would finish this prompt's prefill sooner
+   (`prefill_cost`), local after all.
+`tandem_router_prefill_route_total{route}` counts the outcomes. The planner also keeps this router's
+in-flight accounting per worker (requests, and prompt tokens not yet prefilled) and records every
+routed prompt in the router's view of the workers' prefix caches. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from services.router.cache_view import PrefixCacheView, PromptKey
+from services.router.cost import Candidate
+from services.router.policy import make_policy
+from services.router.route_config import RouteConfig
+from tandem.v1 import worker_pb2
+
+PREFILL, DECODE, COLOCATED = (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE,
+                              worker_pb2.WORKER_ROLE_COLOCATED)
+
+
+@dataclass(eq=False)
+class RoutePlan:
+    """Where one attempt of a request goes."""
+
+    workers: tuple[worker_pb2.WorkerInfo, ...]  # every worker it touches: (P, D), (D,) local, (W,) co-located
+    route: str                                  # "remote" | "local" | "colocated"
+    key: PromptKey
+    prefill_tokens: int = 0                     # charged to the prefilling worker until the first token
+    first_token: bool = False
+
+    @property
+    def prefill(self) -> worker_pb2.WorkerInfo | None:
+        return self.workers[0] if self.route == "remote" else None
+
+    @property
+    def decode(self) -> worker_pb2.WorkerInfo:
+        return self.workers[-1]
+
+    @property
+    def prefilling_worker(self) -> str:
+        return self.workers[0].worker_id
+
+
+class RoutePlanner:
+    def __init__(self, policy: str, cfg: RouteConfig, roles: Sequence[int], on_route=None):
+        self.cfg = cfg
+        self.policies = {role: make_policy(policy, cfg) for role in roles}
+        self.cache = PrefixCacheView(ttl_s=cfg.prefix_cache_ttl_s)
+        self.on_route = on_route                 # called with "remote" / "local" for every disagg plan
+        self.inflight: Counter[str] = Counter()
+        self.inflight_tokens: Counter[str] = Counter()
+
+    def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
+        """`candidates`: the usable workers of every role this mode routes to (each non-empty)."""
+        if COLOCATED in candidates:
+            w = self._pick(COLOCATED, candidates[COLOCATED], key)
+            return RoutePlan((w.info,), "colocated", key, w.uncached_tokens)
+        d = self._pick(DECODE, candidates[DECODE], key)
+        cfg = self.cfg
+        route = "local" if 0 <= d.uncached_tokens <= cfg.local_prefill_max_tokens else "remote"
+        p = None
+        if route == "remote":
+            p = self._pick(PREFILL, candidates[PREFILL], key)
+            if self._saturated(candidates[PREFILL], key) and d.prefill_cost < p.prefill_cost:
+                route = "local"
+        if self.on_route is not None:
+            self.on_route(route)
+        if route == "local":
+            return RoutePlan((d.info,), "local", key, d.uncached_tokens)
+        return RoutePlan((p.info, d.info), "remote", key, p.uncached_tokens)
+
+    def begin(self, plan: RoutePlan) -> None:
+        """The attempt is being sent: count it. A prefill worker caches the prompt as soon as it has
+        sent the KV, so its view is updated now (later prompts with this prefix then follow it)."""
+        for w in plan.workers:
+            self.inflight[w.worker_id] += 1
+        self.inflight_tokens[plan.prefilling_worker] += plan.prefill_tokens
+        if plan.prefill is not None:
+            self.cache.record(plan.prefill.worker_id, plan.key, capacity=plan.prefill.load.total_pages)
+
+    def first_token(self, plan: RoutePlan) -> None:
+        """The prompt is prefilled: its tokens no longer count as queued work."""
+        if not plan.first_token:
+            plan.first_token = True
+            _sub(self.inflight_tokens, plan.prefilling_worker, plan.prefill_tokens)
+
+    def end(self, plan: RoutePlan) -> None:
+        """The attempt is over. A decode (or co-located) worker puts the prompt's pages in its prefix
+        cache only when the request finishes: the router counts them from then on, so that a local
+        prefill is never chosen for a prefix still held by a running request only."""
+        self.first_token(plan)
+        for w in plan.workers:
+            _sub(self.inflight, w.worker_id, 1)
+        self.cache.record(plan.decode.worker_id, plan.key, capacity=plan.decode.load.total_pages)
+
+    def retain(self, worker_ids: Iterable[str]) -> None:
+        """Workers that left the registry: forget what the router believed they cached."""
+        self.cache.retain(worker_ids)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _candidate(self, w: worker_pb2.WorkerInfo, key: PromptKey) -> Candidate:
+        return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id],
+                         self.cache.cached_tokens(w.worker_id, key), key.num_tokens)
+
+    def _pick(self, role: int, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> Candidate:
+        return self.policies[role].pick([self._candidate(w, key) for w in workers])
+
+    def _saturated(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> bool:
+        limit = self.cfg.max_prefill_queue_tokens
+        return limit > 0 and all(self._candidate(w, key).queued_tokens > limit for w in workers)
+
+
+def _sub(counter: Counter[str], key: str, n: int) -> None:
+    counter[key] -= n
+    if counter[key] <= 0:
+        del counter[key]
+
+
+def prompt_key(request) -> PromptKey:
+    """The routing key of a `GenerateRequest`."""
+    if request.HasField("token_ids"):
+        return PromptKey.of(token_ids=request.token_ids.ids)
+    return PromptKey.of(text=request.text)

@@ -1,0 +1,77 @@
+"""How the router weighs cache, load and local prefill: one frozen dataclass and its flags, shared by
+`tandem router` and `tandem up` (which forwards every one of them that was set)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+# Measured (docs/benchmarks.md, "KV-aware routing"): under long-prompt load a prompt of up to 1,024
+# tokens got its first token sooner from the decode worker's own mixed-chunk prefill than through a
+# prefill worker (the crossover lies beyond; Dynamo's max_local_prefill_length is 1,000).
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # -1: never prefill on D by size
+    max_prefill_queue_tokens: int = 16384   # a prefill worker with more queued is saturated; 0: never
+    balance_abs_threshold: int = 32         # cache_aware: load gap (requests) that overrides the cache ...
+    balance_rel_threshold: float = 1.5      # ... when the busiest also has this many times the idlest's
+    prefix_cache_ttl_s: float = 300.0       # the router forgets a routed prefix this long after its last use
+
+    def validate(self) -> None:
+        if self.local_prefill_max_tokens < -1:
+            raise ValueError(f"--local-prefill-max-tokens must be >= -1, got {self.local_prefill_max_tokens}")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError(f"--max-prefill-queue-tokens must be >= 0, got {self.max_prefill_queue_tokens}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.prefix_cache_ttl_s <= 0:
+            raise ValueError(f"--prefix-cache-ttl must be > 0, got {self.prefix_cache_ttl_s}")
+
+
+def add_route_arguments(p: argparse.ArgumentParser) -> None:
+    d = RouteConfig()
+    p.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
+                   help="disagg: a prompt whose part not cached on its decode worker is at most this many tokens "
+                        "is prefilled there (mixed chunks) instead of on a prefill worker; 0: only fully cached "
+                        f"prompts, -1: never by size (default: {d.local_prefill_max_tokens})")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=d.max_prefill_queue_tokens,
+                   help="disagg: a prefill worker with more prompt tokens than this queued is saturated; when all "
+                        "are, a prompt is prefilled on its decode worker if that is sooner "
+                        f"(0: never saturated; default: {d.max_prefill_queue_tokens})")
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="cache_aware: when the busiest worker has more than this many requests over the idlest "
+                        "(and --balance-rel-threshold times as many), pick by load, not cache "
+                        f"(default: {d.balance_abs_threshold})")
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="cache_aware: ... and more than this many times the idlest's requests "
+                        f"(default: {d.balance_rel_threshold})")
+    p.add_argument("--prefix-cache-ttl", type=float, default=d.prefix_cache_ttl_s,
+                   help="seconds after its last use that the router stops counting a routed prefix as cached "
+                        f"on a worker (default: {d.prefix_cache_ttl_s:g})")
+
+
+def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
+    cfg = RouteConfig(
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        prefix_cache_ttl_s=args.prefix_cache_ttl,
+    )
+    cfg.validate()
+    return cfg
+
+
+def route_argv(args: argparse.Namespace) -> list[str]:
+    """The routing flags of `args` that differ from their defaults, as a router command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_route_arguments(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest)
+        if value != action.default:
+            out += [action.option_strings[0], str(value)]
+    return out
