@@ -14,6 +14,8 @@ import time
 import urllib.request
 from collections import deque
 
+from bench.serve.procs import stop_process
+
 UP_PREFIX = "TANDEM_UP "
 RESTARTED_PREFIX = "TANDEM_RESTARTED "
 
@@ -112,13 +114,7 @@ class ChaosStack:
             time.sleep(0.5)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, 60.0)
 
 
 def _name(worker: dict) -> str:

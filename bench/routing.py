@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.serve.procs import stop_process
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +54,7 @@ class Up:
         self.addr = self.info["router"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, 60.0)
 
 
 def shared_prefix(args) -> dict:

@@ -36,14 +36,7 @@ class _Proc:
         return "\n".join(list(self.log)[-n:])
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        # SIGTERM first (graceful), then the whole session: uvicorn waits for open streams forever.
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, timeout_s)
 
     def stop_group(self, timeout_s: float = 20.0, grace_s: float = 5.0) -> None:
         """SIGTERM to the whole session (a server and the workers it forked), then SIGKILL to whatever is left,
@@ -62,6 +55,18 @@ class _Proc:
         deadline = time.monotonic() + 2.0  # SIGKILL is not instant on a busy machine
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """SIGTERM first (graceful), then SIGKILL to the whole session of a child started with
+    `start_new_session`: uvicorn waits for open streams forever."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def _group_alive(pgid: int) -> bool:
