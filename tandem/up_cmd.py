@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disagg: separate prefill and decode workers; colocated: one worker doing both")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
+    p.add_argument("--colocated", "--dp-size", dest="colocated", type=int, default=1, metavar="N",
+                   help="co-located workers (colocated): N data-parallel replicas, each with its own share of "
+                        "the cores, behind the router (like SGLang's --dp-size)")
     p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
     from services.router.policy import policy_names
     from services.router.route_config import add_route_arguments
@@ -144,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
     drain_s = args.drain_timeout if args.drain_timeout is not None else WorkerConfig(role="").drain_timeout_s
     cfg = UpConfig(
-        mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, host=args.host, port=args.port,
+        mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+        num_colocated=args.colocated, host=args.host, port=args.port,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, policy=args.policy,
         worker_args=tuple(_engine_argv(args)), quiet=args.quiet, ready_json=args.ready_json,
         stop_grace_s=drain_s + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
@@ -153,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
         print("error: --prefill and --decode must be >= 1", flush=True)
+        return 2
+    if cfg.mode == "colocated" and cfg.num_colocated < 1:
+        print("error: --colocated must be >= 1", flush=True)
         return 2
     if cfg.max_restarts < 0:
         print("error: --max-restarts must be >= 0", flush=True)

@@ -3,6 +3,7 @@
 Deployments (a registry; each starts on free local ports and is stopped before the next starts, so
 they never share the machine):
     colocated      `tandem up --mode colocated` (one worker does prefill and decode)
+    colocated-dpN  `tandem up --mode colocated --colocated N` (N co-located replicas, cores split between them)
     NpMd, e.g.1p1d `tandem up --mode disagg --prefill N --decode M`
     transformers   `transformers serve MODEL_FOLDER --continuous-batching` (the peer), if it runs here
     vllm           vLLM's CPU backend (`python -m vllm.entrypoints.openai.api_server`) from its own venv,
@@ -34,7 +35,7 @@ from bench.serve.datasets import DatasetConfig, load_tokenizer
 from bench.serve.metrics import DEFAULT_PERCENTILES, SLO
 from bench.serve.procs import ROOT, _Proc
 from bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
-from bench.serve.sweep_report import _DISAGG, _plots, comparison_table, target_checks  # noqa: F401 (sweep.* API)
+from bench.serve.sweep_report import _COLOCATED, _DISAGG, _plots, comparison_table, target_checks  # noqa: F401 (sweep.* API)
 
 log = logging.getLogger(__name__)
 
@@ -351,8 +352,9 @@ def first_http_model(base_url: str, api_key: str | None = None) -> str | None:
 
 
 def make_deployment(name: str, cfg: SweepConfig, echo: Callable[[str], None] = print) -> Deployment:
-    if name == "colocated":
-        return TandemUp(name, ["--mode", "colocated"], cfg)
+    m = _COLOCATED.match(name)
+    if m:
+        return TandemUp(name, ["--mode", "colocated", "--colocated", m.group(1) or "1"], cfg)
     if name == "transformers":
         return TransformersServe(cfg)
     if name == "vllm":
@@ -360,7 +362,8 @@ def make_deployment(name: str, cfg: SweepConfig, echo: Callable[[str], None] = p
     m = _DISAGG.match(name)
     if m:
         return TandemUp(name, ["--mode", "disagg", "--prefill", m.group(1), "--decode", m.group(2)], cfg)
-    raise ValueError(f"unknown deployment {name!r}: use colocated, NpMd (e.g. 1p1d), transformers or vllm")
+    raise ValueError(f"unknown deployment {name!r}: use colocated, colocated-dpN (N co-located replicas), "
+                     "NpMd (e.g. 1p1d), transformers or vllm")
 
 
 def run_sweep(cfg: SweepConfig, echo=print) -> dict:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from bench.serve.sweep import SweepConfig
 
 _DISAGG = re.compile(r"^(\d+)p(\d+)d$")   # deployment names NpMd
+_COLOCATED = re.compile(r"^colocated(?:-dp(\d+))?$")   # colocated, colocated-dpN
 
 
 def _rows(results: dict):
@@ -65,11 +66,13 @@ def vllm_checks(by: dict[str, dict[str, dict]]) -> list[str]:
     for rate, v in by["vllm"].items():
         parts = [f"rate {rate}: vllm goodput {v['goodput']:.2f}"]
         for name in by:
-            if name == "vllm" or rate not in by[name] or not (name == "colocated" or _DISAGG.match(name)):
+            if name == "vllm" or rate not in by[name] or not (_COLOCATED.match(name) or _DISAGG.match(name)):
                 continue
-            g, need = by[name][rate]["goodput"], 1.2 if name == "colocated" else 1.0
+            g, need = by[name][rate]["goodput"], 1.2 if _COLOCATED.match(name) else 1.0
             verdict = ("MISSED: both 0" if g == 0 == v["goodput"] else
                        "met" if g >= 0.98 * need * v["goodput"] else "MISSED")
+            if verdict == "MISSED" and need * v["goodput"] > v["request_throughput"] * 1.02:
+                verdict += ": unreachable, vllm serves the offered load within the SLO"
             parts.append(f"{name} {g:.2f} ({verdict} >= {need:g}x vllm)")
         out.append("; ".join(parts))
     return out

@@ -41,6 +41,7 @@ class UpConfig:
     mode: str = "disagg"                 # disagg | colocated
     num_prefill: int = 1
     num_decode: int = 1
+    num_colocated: int = 1               # co-located workers (data-parallel replicas; --mode colocated)
     host: str = "127.0.0.1"
     port: int = 50051                    # router's public gRPC port (0: any free port)
     redis_url: str | None = None         # None: embedded redis-server
@@ -75,10 +76,17 @@ def _printer(quiet: bool):
     return on_line
 
 
+def worker_roles(cfg: UpConfig) -> list[tuple[str, int]]:
+    """(role, count) for every kind of worker this deployment starts."""
+    if cfg.mode == "colocated":
+        return [("colocated", cfg.num_colocated)]
+    return [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
+
+
 def worker_threads(cfg: UpConfig) -> int:
     """Split the machine's cores between the workers (oversubscribed torch threads spin and crawl)."""
-    workers = 1 if cfg.mode == "colocated" else cfg.num_prefill + cfg.num_decode
-    return max(1, (os.cpu_count() or 1) // workers)
+    workers = sum(n for _, n in worker_roles(cfg))
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 class _Interrupted(Exception):
@@ -148,7 +156,7 @@ def run_up(cfg: UpConfig) -> int:
     sup: Supervisor | None = None
     up = False
     try:
-        roles = [("colocated", 1)] if cfg.mode == "colocated" else [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
+        roles = worker_roles(cfg)
         names = [f"{role}-{i}" for role, n in roles for i in range(n)]
         try:
             plan = plan_cores(cfg.cpu_cores, available_cores(), len(names))

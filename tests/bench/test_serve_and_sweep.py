@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.serve import sweep
+from bench.serve import sweep, sweep_report
 from bench.serve.sweep import DeploymentUnavailable, Endpoint, SweepConfig, make_deployment
 from tandem import bench_cmd
 from tests.bench.fakes import FakeServer, byte_level_bpe
@@ -124,13 +124,30 @@ def test_target_checks_and_table():
     assert "| 1p1d | 2 | 1.00 | 64.0 | 1.40 (140%) | 10 / 20 | 10 / 20 | 40 / 80 | 2.00 | 0 |" in table
 
 
+def test_vllm_targets_say_when_they_exceed_the_offered_load():
+    res = {"deployments": {
+        "colocated-dp2": {"runs": [{"request_rate": "2", "metrics": metrics(1.9)}]},
+        "1p1d": {"runs": [{"request_rate": "2", "metrics": metrics(1.9)}]},
+        "vllm": {"runs": [{"request_rate": "2", "metrics": metrics(1.9)}]},
+    }}
+    for m in (d["runs"][0]["metrics"] for d in res["deployments"].values()):
+        m["request_throughput"] = 1.9
+    line = sweep_report.vllm_checks({n: {r["request_rate"]: r["metrics"] for r in d["runs"]}
+                              for n, d in res["deployments"].items()})[0]
+    assert "colocated-dp2 1.90 (MISSED: unreachable, vllm serves the offered load within the SLO >= 1.2x vllm)" in line
+    assert "1p1d 1.90 (met >= 1x vllm)" in line
+
+
 def test_deployment_registry():
     cfg = SweepConfig(model="m", up_args=("--kv-cache-gb", "0.5"), tandem_backend="tandem-grpc")
     co = make_deployment("colocated", cfg)
     argv = co.argv()
     assert argv[3] == "up" and "--ready-json" in argv
     at = argv.index("--mode")
-    assert argv[at:] == ["--mode", "colocated", "--model", "m", "--dtype", "bfloat16", "--kv-cache-gb", "0.5"]
+    assert argv[at:] == ["--mode", "colocated", "--colocated", "1", "--model", "m", "--dtype", "bfloat16",
+                         "--kv-cache-gb", "0.5"]
+    argv = make_deployment("colocated-dp2", cfg).argv()
+    assert argv[argv.index("--mode"):][:4] == ["--mode", "colocated", "--colocated", "2"]
     argv = make_deployment("2p3d", cfg).argv()
     at = argv.index("--mode")
     assert argv[at:at + 6] == ["--mode", "disagg", "--prefill", "2", "--decode", "3"]
@@ -142,6 +159,7 @@ def test_deployment_registry():
     assert argv[argv.index("--gateway-port") + 1] == "-1"
     http = make_deployment("1p1d", SweepConfig(tandem_backend="openai-http")).argv()
     assert http[http.index("--gateway-port") + 1] == "0"
-    with pytest.raises(ValueError, match="unknown deployment"):
-        make_deployment("3p", cfg)
+    for bad in ("3p", "colocated-dp", "colocated-2"):
+        with pytest.raises(ValueError, match="unknown deployment"):
+            make_deployment(bad, cfg)
     assert math.isinf(bench_cmd._floats("1,inf")[1])

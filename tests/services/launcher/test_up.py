@@ -9,7 +9,7 @@ import time
 import pytest
 
 from services.launcher.procs import Child, stop_all
-from services.launcher.up import _banner, _Interrupted, _wait_ready
+from services.launcher.up import UpConfig, _banner, _Interrupted, _wait_ready, worker_roles, worker_threads
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,3 +57,12 @@ def test_a_child_that_never_gets_ready_is_an_error_after_its_timeout():
             _wait_ready(child, 0.5, threading.Event())
     finally:
         stop_all([child], grace_s=5.0)
+
+
+def test_colocated_replicas_split_the_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert worker_roles(UpConfig(mode="colocated", num_colocated=2)) == [("colocated", 2)]
+    assert worker_threads(UpConfig(mode="colocated", num_colocated=2)) == 2
+    assert worker_threads(UpConfig(mode="colocated")) == 4
+    assert worker_roles(UpConfig(num_prefill=2, num_decode=1)) == [("prefill", 2), ("decode", 1)]
+    assert worker_threads(UpConfig(num_prefill=2, num_decode=1)) == 1
