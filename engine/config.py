@@ -59,6 +59,9 @@ class EngineConfig:
     enable_graph: bool | None = None
     graph_max_bs: int | None = None       # largest captured batch (<= max_running_requests); None: 256 CUDA, 32 CPU
     graph_bs: tuple[int, ...] | None = None   # the sizes to capture (<= graph_max_bs); None: the device's list
+    # bf16 linear layers on CPU from weights reordered once into oneDNN's packed layout
+    # (engine/models/prepack.py); None: wherever oneDNN supports it and decode graphs are off.
+    enable_weight_prepack: bool | None = None
     # Speculative decoding on decode rows (engine/spec/): None (off) | ngram | draft.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4      # drafts proposed per request per step (k)

@@ -15,10 +15,12 @@ import torch
 
 from engine.attention.base import create_backend
 from engine.config import EngineConfig
+from engine.errors import InvalidRequest
 from engine.forward_context import ForwardContext
-from engine.graph_runner import create_graph_runner
+from engine.graph_runner import create_graph_runner, graph_enabled
 from engine.kv_pool import KVPool, KVPoolSpec
 from engine.model_config import ModelConfig
+from engine.models.prepack import prepack_supported
 from engine.models.registry import model_class
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
@@ -120,9 +122,24 @@ class ModelRunner:
         model.rope = type(model.rope)(self.model_cfg.rope, self.model_cfg.head_dim, context_len).to(self.device)
         model.load_weights(iter_weights(self.model_cfg.path, self.dtype))
         model.eval()
+        if self._weight_prepack():
+            log.info("prepacked %d linear layers (oneDNN layout)", model.prepack())
         log.info("loaded %s (%s, %s) in %.1fs", self.model_cfg.path, self.dtype, self.device,
                  time.perf_counter() - t0)
         return model
+
+    def _weight_prepack(self) -> bool:
+        supported = prepack_supported(self.device, self.dtype)
+        want = self.cfg.enable_weight_prepack
+        if want is None:
+            return supported and not graph_enabled(self.cfg, self.device)
+        if want and not supported:
+            raise InvalidRequest("--enable-weight-prepack needs bf16 on a CPU whose oneDNN supports bf16",
+                                 "enable_weight_prepack")
+        if want and graph_enabled(self.cfg, self.device):
+            raise InvalidRequest("--enable-weight-prepack and decode graphs (--enable-graph) do not go together: "
+                                 "the compiled graph manages its own weights", "enable_weight_prepack")
+        return want
 
     # --- one step ----------------------------------------------------------------------------
     def build_context(self, batch: StepBatch) -> ForwardContext:

@@ -63,6 +63,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "on for CUDA, off on CPU (within 7%% of eager on the project's 2-core CPU, not worth the compile; "
             "docs/benchmarks.md)",
             "always run the model eagerly (SGLang's --disable-cuda-graph)", off_aliases=("--disable-cuda-graph",))
+    _on_off(p, "weight-prepack", d.enable_weight_prepack,
+            "bf16 linear layers on CPU multiply by weights reordered once at load into oneDNN's packed layout "
+            "(same results as unpacked; 1.7x faster decode projections on the project's 2-core CPU). Default: on "
+            "where oneDNN supports bf16 on this CPU and decode graphs are off",
+            "multiply by the plain weights (oneDNN reorders them on every call)")
     p.add_argument("--graph-max-bs", type=_positive_int, default=d.graph_max_bs, metavar="N",
                    help="largest decode batch run from a graph (bigger ones run eagerly); default: "
                         "--max-running-requests, at most 256 on CUDA / 32 on CPU")
@@ -183,6 +188,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         priority_preemption_threshold=args.priority_preemption_threshold,
         num_threads=args.num_threads,
         enable_graph=args.enable_graph,
+        enable_weight_prepack=args.enable_weight_prepack,
         graph_max_bs=args.graph_max_bs,
         graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None,
         speculative_algorithm=args.speculative_algorithm,

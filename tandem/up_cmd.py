@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
-from services.router.config import RouterConfig, add_resilience_arguments
 from services.common.limits import RequestLimits, limit_argv
 from services.common.tls import tls_argv, tls_from_args
+from services.router.config import RouterConfig, add_resilience_arguments
 from tandem.engine_args import add_engine_arguments, engine_argv
 from tandem.worker_cmd import add_fault_arguments, add_observability_arguments
 

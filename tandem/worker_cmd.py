@@ -94,7 +94,6 @@ def _cpu_cores(text: str) -> tuple[int, ...] | None:
 
 
 def run(role: str, args: argparse.Namespace) -> int:
-    import sys
 
     from services.common.auth import InternalAuth
     from services.common.tls import tls_from_args

@@ -24,6 +24,7 @@ from engine.forward_context import ForwardContext
 from engine.model_config import ModelConfig
 from engine.models.layers import RMSNorm, SiluAndMul
 from engine.models.logits import compute_logits
+from engine.models.prepack import PackedLinear, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
 
@@ -90,6 +91,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.vocab_projection: PackedLinear | None = None   # set by prepack()
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Returns fp32 logits `[len(ctx.logits_indices), vocab]` for the positions that sample."""
@@ -101,7 +103,15 @@ class LlamaForCausalLM(torch.nn.Module):
         # Only the last position of each sampling sequence needs the (large) vocab projection.
         h = self.norm.forward_fp32((x + residual).index_select(0, ctx.logits_indices))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_logits(h, weight)
+        return compute_logits(h, weight, self.vocab_projection)
+
+    def prepack(self) -> int:
+        """Decoder projections on oneDNN-packed weights (engine/models/prepack.py), and a packed copy
+        of the vocab projection for the logits (the plain weight stays: the embedding and the fp32
+        rescoring of the top candidates read its rows). Returns how many layers were packed."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.vocab_projection = PackedLinear(weight, None)
+        return prepack_linears(self.layers) + 1
 
     # --- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -14,6 +14,8 @@ fp32 scores; the tail of the distribution keeps bf16 precision, which sampling c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -22,11 +24,14 @@ import torch.nn.functional as F
 RESCORE_TOP_K = 16
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits `[S, vocab]` for normalised hidden states `hidden` `[S, d]` (any float dtype)."""
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                   projection: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """fp32 logits `[S, vocab]` for normalised hidden states `hidden` `[S, d]` (any float dtype).
+    `projection`, if given, computes `hidden · weightᵀ` in the weight's dtype (a packed copy of it)."""
     if weight.dtype == torch.float32:
         return F.linear(hidden.float(), weight)
-    logits = F.linear(hidden.to(weight.dtype), weight).float()
+    h = hidden.to(weight.dtype)
+    logits = (F.linear(h, weight) if projection is None else projection(h)).float()
     if logits.shape[0] == 0:
         return logits
     k = min(RESCORE_TOP_K, logits.shape[1])

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class DraftModelProposer:
     def __init__(self, cfg: EngineConfig, target_cfg: ModelConfig, target_runner, context_len: int):
-        from engine.model_runner import ModelRunner   # torch lives there; imported only for this proposer
+        from engine.model_runner import ModelRunner  # torch lives there; imported only for this proposer
 
         path = resolve_model(cfg.speculative_draft_model)
         draft_cfg = ModelConfig.from_pretrained(path)

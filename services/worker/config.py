@@ -7,8 +7,8 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
-from services.worker.faults import FaultConfig
 from services.common.auth import InternalAuth
+from services.worker.faults import FaultConfig
 
 
 def new_boot_epoch() -> int:
