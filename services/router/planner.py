@@ -3,8 +3,12 @@
 Disaggregated mode, in this order (one cost model, services/router/cost.py):
 1. The decode worker, by policy.
 2. Local prefill when the part of the prompt its prefix cache lacks is at most
-   `--local-prefill-max-tokens`: such a prompt's first token comes sooner from D's own mixed-chunk
-   prefill than through a prefill worker's queue, the bootstrap handshake and a transfer.
+   `--local-prefill-max-tokens` and D would start it no later than the best prefill worker: such a
+   prompt's first token comes sooner from D's own mixed-chunk prefill than through a prefill
+   worker's queue, the bootstrap handshake and a transfer. A D that is decoding gives a prefill
+   only part of each step (the mixed-chunk bound), so its cost counts `BUSY_DECODE_SLOWDOWN` times:
+   under load short prompts then go to an idle prefill worker instead of piling onto D while P
+   idles, and stay local when D holds most of the prompt cached or P has a long queue.
 3. Otherwise the prefill worker, by policy; but when every prefill worker is saturated (more than
    `--max-prefill-queue-tokens` queued) and D would finish this prompt's prefill sooner
    (`prefill_cost`), local after all.
@@ -24,6 +28,10 @@ from services.router.cost import Candidate
 from services.router.policy import make_policy
 from services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
+
+# A decode worker with requests running prefills at about 1/(factor-1) of its speed alone, factor being
+# its --mixed-chunk-itl-factor (default 1.8: 0.8 of a decode step per mixed step goes to the chunk).
+BUSY_DECODE_SLOWDOWN = 2.0
 
 PREFILL, DECODE, COLOCATED = (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE,
                               worker_pb2.WORKER_ROLE_COLOCATED)
@@ -67,8 +75,7 @@ class RoutePlanner:
             w = self._pick(COLOCATED, candidates[COLOCATED], key)
             return RoutePlan((w.info,), "colocated", key, w.uncached_tokens)
         d = self._pick(DECODE, candidates[DECODE], key)
-        cfg = self.cfg
-        route = "local" if 0 <= d.uncached_tokens <= cfg.local_prefill_max_tokens else "remote"
+        route = "local" if self._local_sooner(d, candidates[PREFILL], key) else "remote"
         p = None
         if route == "remote":
             p = self._pick(PREFILL, candidates[PREFILL], key)
@@ -115,6 +122,13 @@ class RoutePlanner:
 
     def _pick(self, role: int, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> Candidate:
         return self.policies[role].pick([self._candidate(w, key) for w in workers])
+
+    def _local_sooner(self, d: Candidate, prefill: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> bool:
+        """Short enough for D, and D would start it no later than the least busy prefill worker."""
+        if not 0 <= d.uncached_tokens <= self.cfg.local_prefill_max_tokens:
+            return False
+        local = d.prefill_cost * (BUSY_DECODE_SLOWDOWN if d.requests else 1.0)
+        return local <= min(self._candidate(w, key).prefill_cost for w in prefill)
 
     def _saturated(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> bool:
         limit = self.cfg.max_prefill_queue_tokens

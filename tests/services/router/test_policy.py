@@ -128,6 +128,17 @@ def test_short_or_cached_prompts_are_prefilled_on_the_decode_worker():
     assert not planner.inflight and not planner.inflight_tokens
 
 
+def test_a_busy_decode_worker_leaves_short_prompts_to_an_idle_prefill_worker():
+    planner, routes = _planner(local_prefill_max_tokens=1024)
+    key = PromptKey.of(token_ids=list(range(256)))
+    assert planner.plan(key, {P: [_w("p0")], D: [_w("d0")]}).route == "local"             # both idle
+    busy_d = [_w("d0", running=6)]
+    assert planner.plan(key, {P: [_w("p0")], D: busy_d}).route == "remote"                # P idle: use it
+    assert planner.plan(key, {P: [_w("p0", tokens=300)], D: busy_d}).route == "local"     # 2 x 256 <= 300 + 256
+    assert planner.plan(key, {P: [_w("p0", tokens=200)], D: busy_d}).route == "remote"    # 2 x 256 > 200 + 256
+    assert routes == ["local", "remote", "local", "remote"]
+
+
 def test_saturated_prefill_workers_send_the_prompt_to_the_decode_worker_when_sooner():
     planner, routes = _planner(local_prefill_max_tokens=-1, max_prefill_queue_tokens=4000)
     key = PromptKey.of(token_ids=list(range(1500)))
