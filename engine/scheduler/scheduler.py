@@ -141,9 +141,12 @@ class Scheduler:
     def _ttft_budget(self, decode_rows: int, cap: int) -> int:
         """Chunk tokens per mixed step that would prefill every queued prompt before the oldest one
         still waiting for its first token has waited `mixed_chunk_ttft_target_s`, by the fitted step
-        costs (n steps of k tokens: n·k = queued tokens, n·(decode + c·k) = time left). Under a burst
-        the ITL bound gives way rather than let the queue grow without end. 0 when nothing waits for
-        a first token or the target is off; `cap` once the time left cannot cover the work."""
+        costs (n steps of k tokens: n·k = queued tokens, n·(decode + c·k) = time left). Under load
+        the ITL bound gives way rather than let the queue grow without end. The decode time this
+        plan leaves (`spare`) is floored at half the target: a queue already late is cleared over
+        the next half target in even chunks, not in one step that stalls every running stream (a
+        proportional catch-up: the chunk grows with the queue). 0 when nothing waits for a first
+        token or the target is off."""
         target = self.cfg.mixed_chunk_ttft_target_s
         queued = [*self.prefilling, *self.waiting]
         first = [r.arrival for r in queued if not r.output_ids]
@@ -155,9 +158,7 @@ class Scheduler:
         if decode <= 0 or c <= 0:
             return 0
         tokens = sum(r.fill_len - r.num_computed if r.slot is not None else len(r.all_ids) for r in queued)
-        spare = target - (monotonic() - min(first)) - c * tokens
-        if spare <= decode:
-            return cap
+        spare = max(target - (monotonic() - min(first)) - c * tokens, target / 2)
         return min(cap, math.ceil(tokens * decode / spare))
 
     def _reserved_pages(self, reqs: Iterable[Request]) -> int:
