@@ -36,6 +36,7 @@ from bench.serve.sweep import SweepConfig, TandemUp
 CATEGORIES = (
     ("attention", "engine/attention/"),
     ("linear", "torch/nn/modules/linear.py"),
+    ("linear", "engine/models/prepack.py"),      # PackedLinear (prepacked oneDNN weights)
     ("linear", "engine/models/logits.py"),
     ("norm_rope_act", "engine/models/layers.py"),
     ("norm_rope_act", "engine/models/rope.py"),

@@ -59,8 +59,10 @@ def reference(tiny_llama):
 @pytest.fixture(scope="module")
 def colocated_outputs(tiny_llama, reference):
     items, _ = reference
-    stack = Stack("--mode", "colocated", "--model", str(tiny_llama), *ENGINE)
+    # Two replicas behind the router (`--colocated 2`, SGLang's --dp-size): the same greedy tokens.
+    stack = Stack("--mode", "colocated", "--colocated", "2", "--model", str(tiny_llama), *ENGINE)
     try:
+        assert len(stack.workers("colocated")) == 2
         return run_concurrently(stack, items)
     finally:
         stack.close()
