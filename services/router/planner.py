@@ -29,8 +29,9 @@ from services.router.policy import make_policy
 from services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
-# A decode worker with requests running prefills at about 1/(factor-1) of its speed alone, factor being
-# its --mixed-chunk-itl-factor (default 1.8: 0.8 of a decode step per mixed step goes to the chunk).
+# A decode worker with requests running gives a prefill chunk (F-1)/F of each mixed step, F being its
+# --mixed-chunk-itl-factor: at the default 1.8 that is 0.44 of its time, ~2.25x slower than alone; the
+# router does not know F, and 2 errs towards keeping short prompts local.
 BUSY_DECODE_SLOWDOWN = 2.0
 
 PREFILL, DECODE, COLOCATED = (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE,
