@@ -32,15 +32,14 @@ class StepShape:
 
 
 def shape_of(batch) -> StepShape:
-    """A `StepBatch`'s shape. A decode row runs one token at or past its fill length (the tokens that
-    needed KV before sampling), plus its draft tokens when speculating; anything else is a prefill chunk."""
+    """A `StepBatch`'s shape: the scheduler marks decode rows (`SeqStep.decode`; a speculative one also
+    runs its drafts); anything else is a prefill chunk."""
     prefill = decode = 0
     for s in batch.seqs:
-        n = len(s.input_ids)
-        if n == 1 + s.num_drafts and s.prefix_len >= s.req.fill_len:
-            decode += n         # a speculative row runs its last token and its drafts
+        if s.decode:
+            decode += len(s.input_ids)
         else:
-            prefill += n
+            prefill += len(s.input_ids)
     kind = "mixed" if prefill and decode else ("decode" if decode else "prefill")
     return StepShape(kind, len(batch.seqs), prefill, decode)
 

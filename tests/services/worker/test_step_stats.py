@@ -22,7 +22,7 @@ def prefill_chunk(n: int, start: int = 0, fill: int = 100) -> SeqStep:
 
 
 def decode_row(pos: int = 100, fill: int = 100) -> SeqStep:
-    return SeqStep(Req(fill), [1], pos, sample=True)
+    return SeqStep(Req(fill), [1], pos, sample=True, decode=True)
 
 
 @dataclass
@@ -53,7 +53,7 @@ def test_step_kinds():
     # A one-token last chunk of a prompt is prefill, not decode.
     assert shape_of(StepBatch([prefill_chunk(1, 16, 17)])).kind == "prefill"
     # A speculative row (last token + 3 drafts) is a decode row running 4 tokens.
-    spec = shape_of(StepBatch([SeqStep(Req(100), [1, 2, 3, 4], 100, sample=True, num_drafts=3), decode_row()]))
+    spec = shape_of(StepBatch([SeqStep(Req(100), [1, 2, 3, 4], 100, sample=True, decode=True, num_drafts=3), decode_row()]))
     assert (spec.kind, spec.decode_tokens, spec.prefill_tokens) == ("decode", 5, 0)
 
 
