@@ -73,14 +73,15 @@ class RoutePlanner:
     def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
         """`candidates`: the usable workers of every role this mode routes to (each non-empty)."""
         if COLOCATED in candidates:
-            w = self._pick(COLOCATED, candidates[COLOCATED], key)
+            w = self._pick(COLOCATED, self._candidates(candidates[COLOCATED], key))
             return RoutePlan((w.info,), "colocated", key, w.uncached_tokens)
-        d = self._pick(DECODE, candidates[DECODE], key)
-        route = "local" if self._local_sooner(d, candidates[PREFILL], key) else "remote"
+        d = self._pick(DECODE, self._candidates(candidates[DECODE], key))
+        prefill = self._candidates(candidates[PREFILL], key)   # built once: each looks up the prefix view
+        route = "local" if self._local_sooner(d, prefill) else "remote"
         p = None
         if route == "remote":
-            p = self._pick(PREFILL, candidates[PREFILL], key)
-            if self._saturated(candidates[PREFILL], key) and d.prefill_cost < p.prefill_cost:
+            p = self._pick(PREFILL, prefill)
+            if self._saturated(prefill) and d.prefill_cost < p.prefill_cost:
                 route = "local"
         if self.on_route is not None:
             self.on_route(route)
@@ -121,19 +122,22 @@ class RoutePlanner:
         return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id],
                          self.cache.cached_tokens(w.worker_id, key), key.num_tokens)
 
-    def _pick(self, role: int, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> Candidate:
-        return self.policies[role].pick([self._candidate(w, key) for w in workers])
+    def _candidates(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> list[Candidate]:
+        return [self._candidate(w, key) for w in workers]
 
-    def _local_sooner(self, d: Candidate, prefill: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> bool:
+    def _pick(self, role: int, candidates: list[Candidate]) -> Candidate:
+        return self.policies[role].pick(candidates)
+
+    def _local_sooner(self, d: Candidate, prefill: list[Candidate]) -> bool:
         """Short enough for D, and D would start it no later than the least busy prefill worker."""
         if not 0 <= d.uncached_tokens <= self.cfg.local_prefill_max_tokens:
             return False
         local = d.prefill_cost * (BUSY_DECODE_SLOWDOWN if d.requests else 1.0)
-        return local <= min(self._candidate(w, key).prefill_cost for w in prefill)
+        return local <= min(p.prefill_cost for p in prefill)
 
-    def _saturated(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> bool:
+    def _saturated(self, prefill: list[Candidate]) -> bool:
         limit = self.cfg.max_prefill_queue_tokens
-        return limit > 0 and all(self._candidate(w, key).queued_tokens > limit for w in workers)
+        return limit > 0 and all(p.queued_tokens > limit for p in prefill)
 
 
 def _sub(counter: Counter[str], key: str, n: int) -> None:
