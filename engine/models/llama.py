@@ -102,15 +102,16 @@ class LlamaForCausalLM(torch.nn.Module):
             x, residual = layer(x, residual, ctx, cos_sin)
         # Only the last position of each sampling sequence needs the (large) vocab projection.
         h = self.norm.forward_fp32((x + residual).index_select(0, ctx.logits_indices))
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_logits(h, weight, self.vocab_projection)
+        return compute_logits(h, self._vocab_weight(), self.vocab_projection)
+
+    def _vocab_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def prepack(self) -> int:
         """Decoder projections on oneDNN-packed weights (engine/models/prepack.py), and a packed copy
         of the vocab projection for the logits (the plain weight stays: the embedding and the fp32
         rescoring of the top candidates read its rows). Returns how many layers were packed."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.vocab_projection = PackedLinear(weight, None)
+        self.vocab_projection = PackedLinear(self._vocab_weight(), None)
         return prepack_linears(self.layers) + 1
 
     # --- weights -----------------------------------------------------------------------------

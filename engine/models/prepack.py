@@ -35,9 +35,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
