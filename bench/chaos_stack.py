@@ -7,16 +7,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from collections import deque
 
-from bench.serve.procs import stop_process
+from bench.serve.procs import UP_PREFIX, start_tandem_up
 
-UP_PREFIX = "TANDEM_UP "
 RESTARTED_PREFIX = "TANDEM_RESTARTED "
 
 
@@ -24,47 +20,35 @@ class ChaosStack:
     """`tandem up --ready-json` (2P2D by default); `pids[name]` and `workers[name]` follow restarts."""
 
     def __init__(self, args: list[str], timeout_s: float = 600.0):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--quiet",
-             "--ready-json", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.log: deque[str] = deque(maxlen=2000)
-        self.info: dict = {}
         self.pids: dict[str, int] = {}
         self.workers: dict[str, dict] = {}            # name (prefill-0) -> its latest READY JSON
-        self.restarted: dict[str, threading.Event] = {}
         self.router_metrics_port: int | None = None
+        self.restarted: dict[str, threading.Event] = {}
         self.back_at: dict[str, float] = {}                # name -> when its restarted instance was ready
         self._lock = threading.Lock()
-        ready = threading.Event()
-        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
-        if not ready.wait(timeout_s) or not self.info:
-            self.close()
-            raise RuntimeError("tandem up did not come up:\n" + "\n".join(self.log))
+        self._proc, self.info = start_tandem_up(["--port", "0", "--gateway-port", "0", "--quiet", *args],
+                                                timeout_s, on_line=self._on_line)
 
-    def _pump(self, ready: threading.Event) -> None:
-        for line in self.proc.stdout:
-            line = line.rstrip()
-            self.log.append(line)
-            if line.startswith(UP_PREFIX) and not self.info:
-                self.info = json.loads(line[len(UP_PREFIX):])
-                with self._lock:
-                    self.router_metrics_port = self.info.get("router_metrics_port")
-                    self.pids = dict(self.info["pids"])
-                    self.workers = {_name(w): w for w in self.info["workers"]}
-                ready.set()
-            elif line.startswith(RESTARTED_PREFIX):
-                event = json.loads(line[len(RESTARTED_PREFIX):])
-                with self._lock:
-                    self.pids[event["name"]] = event["pid"]
-                    if event["ready"].get("role") in ("prefill", "decode", "colocated"):
-                        self.workers[event["name"]] = event["ready"]
-                    elif event["name"] == "router":
-                        self.router_metrics_port = event["ready"].get("metrics_port")
-                    self.back_at[event["name"]] = time.monotonic()
-                    self.restarted.setdefault(event["name"], threading.Event()).set()
-        ready.set()
+    def _on_line(self, line: str) -> None:
+        """On the output thread, in order: the summary line, then each restart."""
+        if line.startswith(UP_PREFIX):
+            info = json.loads(line[len(UP_PREFIX):])
+            with self._lock:
+                self.router_metrics_port = info.get("router_metrics_port")
+                self.pids = dict(info["pids"])
+                self.workers = {_name(w): w for w in info["workers"]}
+            return
+        if not line.startswith(RESTARTED_PREFIX):
+            return
+        event = json.loads(line[len(RESTARTED_PREFIX):])
+        with self._lock:
+            self.pids[event["name"]] = event["pid"]
+            if event["ready"].get("role") in ("prefill", "decode", "colocated"):
+                self.workers[event["name"]] = event["ready"]
+            elif event["name"] == "router":
+                self.router_metrics_port = event["ready"].get("metrics_port")
+            self.back_at[event["name"]] = time.monotonic()
+            self.restarted.setdefault(event["name"], threading.Event()).set()
 
     @property
     def gateway(self) -> str:
@@ -114,7 +98,7 @@ class ChaosStack:
             time.sleep(0.5)
 
     def close(self) -> None:
-        stop_process(self.proc, 60.0)
+        self._proc.stop(60.0)
 
 
 def _name(worker: dict) -> str:

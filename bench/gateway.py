@@ -17,11 +17,8 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,37 +26,14 @@ import httpx
 import openai
 from tandem_client import Client
 
+from bench.serve.procs import _Proc, start_tandem_up
+
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
 
 
-def start_stack(model: str, mode: str, timeout_s: float = 600.0) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--quiet", "--ready-json",
-         "--model", model, "--mode", mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    info: dict = {}
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            if line.startswith("TANDEM_UP ") and not info:
-                info.update(json.loads(line[len("TANDEM_UP "):]))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(timeout_s) or not info:
-        proc.kill()
-        raise RuntimeError("tandem up did not come up")
-    return proc, info
-
-
-def stop_stack(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+def start_stack(model: str, mode: str, timeout_s: float = 600.0) -> tuple[_Proc, dict]:
+    return start_tandem_up(["--port", "0", "--gateway-port", "0", "--quiet", "--model", model, "--mode", mode],
+                           timeout_s)
 
 
 def ttft_sdk(client: Client, prompt: str, max_tokens: int) -> float:
@@ -150,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(router, gateway, args.rounds, args.warmup, args.max_tokens)
     finally:
         if proc is not None:
-            stop_stack(proc)
+            proc.stop(30.0)
     report = {"bench": "gateway_ttft", "model": args.model, "mode": args.mode, "rounds": args.rounds,
               "max_tokens": args.max_tokens, "machine": platform.machine(), "cpus": os.cpu_count(), **result}
     args.out.parent.mkdir(parents=True, exist_ok=True)

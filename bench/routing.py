@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.serve.procs import stop_process
+from bench.serve.procs import start_tandem_up
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,26 +35,11 @@ class Up:
     """`tandem up` in the background until `close()`; `addr` is the router's gRPC address."""
 
     def __init__(self, *args: str, timeout_s: float = 600.0):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "-1", "--quiet",
-             "--ready-json", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        self.info = None
-        for line in self.proc.stdout:
-            if "TANDEM_UP " in line:
-                self.info = json.loads(line.split("TANDEM_UP ", 1)[1])
-                break
-            if time.monotonic() > deadline:
-                break
-        if self.info is None:
-            self.close()
-            raise RuntimeError(f"tandem up {' '.join(args)} did not come up")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        self._proc, self.info = start_tandem_up(["--port", "0", "--gateway-port", "-1", "--quiet", *args], timeout_s)
         self.addr = self.info["router"]
 
     def close(self) -> None:
-        stop_process(self.proc, 60.0)
+        self._proc.stop(60.0)
 
 
 def shared_prefix(args) -> dict:

@@ -3,9 +3,11 @@ stopped gracefully and then as a whole process group."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+UP_PREFIX = "TANDEM_UP "      # `tandem up --ready-json`'s summary line
 
 
 class _Proc:
@@ -93,3 +96,33 @@ def _killpg(pgid: int, sig: int) -> bool:
         return False
     except PermissionError:  # only zombies left (macOS reports them so)
         return False
+
+
+class UpFailed(RuntimeError):
+    """`tandem up` exited or timed out before its summary line; the message ends with its output."""
+
+
+def start_tandem_up(args: list[str], timeout_s: float, env: dict[str, str] | None = None,
+                    on_line: Callable[[str], None] | None = None) -> tuple[_Proc, dict]:
+    """`tandem up --ready-json ARGS` as a child in its own session. Returns it and its `TANDEM_UP`
+    summary once everything is ready; raises UpFailed (after stopping it) if it exits or `timeout_s`
+    passes first. `on_line` sees every output line, the summary included."""
+    info: dict = {}
+    ready = threading.Event()
+
+    def pump(line: str) -> None:
+        at = line.find(UP_PREFIX)
+        if at >= 0 and not info:
+            info.update(json.loads(line[at + len(UP_PREFIX):]))
+            ready.set()
+        if on_line is not None:
+            on_line(line)
+
+    argv = [sys.executable, "-m", "tandem.cli", "up", "--ready-json", *args]
+    proc = _Proc(argv, env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"), on_line=pump)
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.5):
+        if proc.proc.poll() is not None or time.monotonic() > deadline:
+            proc.stop()
+            raise UpFailed(f"`tandem up {' '.join(args)}` did not come up:\n{proc.tail()}")
+    return proc, info

@@ -33,7 +33,7 @@ from typing import Protocol
 from bench.serve.backends import BackendConfig, http_url
 from bench.serve.datasets import DatasetConfig, load_tokenizer
 from bench.serve.metrics import DEFAULT_PERCENTILES, SLO
-from bench.serve.procs import ROOT, _Proc
+from bench.serve.procs import ROOT, UpFailed, _Proc, start_tandem_up
 from bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
 from bench.serve.sweep_report import _COLOCATED, _DISAGG, _plots, comparison_table, target_checks  # noqa: F401 (sweep.* API)
 
@@ -113,30 +113,23 @@ class TandemUp:
         self._proc: _Proc | None = None
 
     def argv(self) -> list[str]:
+        return [sys.executable, "-m", "tandem.cli", "up", *self.up_args()]
+
+    def up_args(self) -> list[str]:
         # The gateway only when it is what we measure (its default port 8000 may be taken).
         gateway_port = "0" if self.cfg.tandem_backend == "openai-http" else "-1"
-        return [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--quiet", "--ready-json", "--gateway-port", gateway_port,
+        return ["--port", "0", "--quiet", "--ready-json", "--gateway-port", gateway_port,
                 *self.mode_args, "--model", self.cfg.model, "--dtype", self.cfg.dtype, *self.cfg.up_args]
 
     def describe(self) -> str:
         return "tandem " + " ".join(self.argv()[3:])
 
     def start(self) -> Endpoint:
-        info: dict = {}
-        ready = threading.Event()
-
-        def on_line(line: str) -> None:
-            at = line.find("TANDEM_UP ")
-            if at >= 0 and not info:
-                info.update(json.loads(line[at + len("TANDEM_UP "):]))
-                ready.set()
-
         env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}  # an open gateway
-        self._proc = _Proc(self.argv(), env=dict(env, PYTHONUNBUFFERED="1"), on_line=on_line)
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        while not ready.wait(0.5):
-            if self._proc.proc.poll() is not None or time.monotonic() > deadline:
-                raise DeploymentUnavailable(f"`{self.describe()}` did not come up:\n{self._proc.tail()}")
+        try:
+            self._proc, info = start_tandem_up(self.up_args(), self.cfg.start_timeout_s, env=env)
+        except UpFailed as e:
+            raise DeploymentUnavailable(str(e)) from None
         if self.cfg.tandem_backend == "openai-http":
             if "gateway" not in info:
                 raise DeploymentUnavailable("`tandem up` reported no gateway URL; use --tandem-backend tandem-grpc")
