@@ -62,6 +62,9 @@ class EngineConfig:
     # bf16 linear layers on CPU from weights reordered once into oneDNN's packed layout
     # (engine/models/prepack.py); None: wherever oneDNN supports it and decode graphs are off.
     enable_weight_prepack: bool | None = None
+    # Fused C++ kernels on CPU for decode attention, RMSNorm and RoPE (kernels/cpu); None: on CPU with
+    # decode graphs off, wherever they build (the torch code otherwise).
+    enable_cpu_kernels: bool | None = None
     # Speculative decoding on decode rows (engine/spec/): None (off) | ngram | draft.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4      # drafts proposed per request per step (k)

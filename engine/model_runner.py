@@ -20,6 +20,7 @@ from engine.forward_context import ForwardContext
 from engine.graph_runner import create_graph_runner, graph_enabled
 from engine.kv_pool import KVPool, KVPoolSpec
 from engine.model_config import ModelConfig
+from engine.models.layers import use_cpu_kernels
 from engine.models.prepack import prepack_supported
 from engine.models.registry import model_class
 from engine.sampler import Sampler, SamplingBatch
@@ -84,6 +85,12 @@ class ModelRunner:
         spec = self._pool_spec()
         self.pool = KVPool(spec, self.device, kv_allocator(spec) if kv_allocator else None)
         self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
+        self.cpu_ops = self._cpu_kernels()
+        if self.cpu_ops is not None:
+            use_cpu_kernels(self.model, self.cpu_ops)
+            if hasattr(self.attn, "cpu_ops"):
+                self.attn.cpu_ops = self.cpu_ops
+            log.info("fused CPU kernels on (kernels/cpu: decode attention, RMSNorm, RoPE)")
         self.sampler = Sampler()
         # Decode steps from captured graphs (None: always eager); captures them now.
         self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)
@@ -140,6 +147,24 @@ class ModelRunner:
             raise InvalidRequest("--enable-weight-prepack and decode graphs (--enable-graph) do not go together: "
                                  "the compiled graph manages its own weights", "enable_weight_prepack")
         return want
+
+    def _cpu_kernels(self):
+        """kernels.cpu's module when the fused CPU kernels are to be used, else None."""
+        want = self.cfg.enable_cpu_kernels
+        if want is False:
+            return None
+        if self.device.type != "cpu" or graph_enabled(self.cfg, self.device):
+            if want:
+                raise InvalidRequest("--enable-cpu-kernels needs a CPU device with decode graphs off "
+                                     "(compiled graphs trace the torch code)", "enable_cpu_kernels")
+            return None
+        from kernels.cpu import load
+
+        ops = load()
+        if ops is None and want:
+            raise InvalidRequest("--enable-cpu-kernels: the CPU kernels could not be built here (see the log; "
+                                 "`python -m kernels.cpu -v` shows the compiler's output)", "enable_cpu_kernels")
+        return ops
 
     # --- one step ----------------------------------------------------------------------------
     def build_context(self, batch: StepBatch) -> ForwardContext:

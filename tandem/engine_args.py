@@ -68,6 +68,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "(same results as unpacked; 1.7x faster decode projections on the project's 2-core CPU). Default: on "
             "where oneDNN supports bf16 on this CPU and decode graphs are off",
             "multiply by the plain weights (oneDNN reorders them on every call)")
+    _on_off(p, "cpu-kernels", d.enable_cpu_kernels,
+            "run decode attention (straight from the KV pages), RMSNorm and RoPE on CPU through Tandem's fused "
+            "C++ kernels (kernels/cpu, compiled for this CPU on first use and cached under ~/.cache/tandem). "
+            "Default: on CPU with decode graphs off, wherever they build",
+            "run the torch code for attention, norms and RoPE")
     p.add_argument("--graph-max-bs", type=_positive_int, default=d.graph_max_bs, metavar="N",
                    help="largest decode batch run from a graph (bigger ones run eagerly); default: "
                         "--max-running-requests, at most 256 on CUDA / 32 on CPU")
@@ -189,6 +194,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         enable_graph=args.enable_graph,
         enable_weight_prepack=args.enable_weight_prepack,
+        enable_cpu_kernels=args.enable_cpu_kernels,
         graph_max_bs=args.graph_max_bs,
         graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None,
         speculative_algorithm=args.speculative_algorithm,

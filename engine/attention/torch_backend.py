@@ -18,6 +18,10 @@ Why not one padded SDPA call for the whole batch (the first version): on CPU, bf
 The gather copies whole pages (`index_select` on the page axis), not single slots. All index tensors
 and masks are built once per step in `prepare` and reused by every layer. Mixed batches (decode
 rows next to a prefill chunk) take both paths in one step.
+
+With the fused CPU kernels on (`cpu_ops`, kernels/cpu: the default where they build), decode rows
+skip all of the above: `paged_decode_attention` reads each row's keys and values straight from its
+pages (no gather, no buckets, no padding) and keeps scores and probabilities in fp32.
 """
 
 from __future__ import annotations
@@ -54,9 +58,18 @@ class ExtendSeq:
 
 
 @dataclass
+class KernelRows:
+    """Decode rows for the fused CPU kernel: row i reads `tables[i]`'s pages up to `kv_lens[i]`."""
+    rows: torch.Tensor | None    # [R] token rows, None when they are every row of the step, in order
+    tables: torch.Tensor         # [R, P] int32
+    kv_lens: torch.Tensor        # [R] int64
+
+
+@dataclass
 class TorchAttnMetadata:
     decode: list[DecodeBucket] = field(default_factory=list)
     extend: list[ExtendSeq] = field(default_factory=list)
+    kernel: KernelRows | None = None
 
 
 @register_backend("torch")
@@ -67,6 +80,7 @@ class TorchAttention(AttentionBackend):
         kvh = pool.spec.kv_heads
         group = torch.ones(head_dim, num_heads // kvh, dtype=pool.spec.dtype, device=pool.buffer.device)
         self._block_mask = torch.block_diag(*[group] * kvh)
+        self.cpu_ops = None   # kernels.cpu's module when the fused CPU kernels are on (set by ModelRunner)
 
     def prepare(self, ctx: ForwardContext) -> None:
         device = ctx.input_ids.device
@@ -85,6 +99,12 @@ class TorchAttention(AttentionBackend):
         for i, n in enumerate(ctx.q_lens):
             if n == 1 or (n <= MAX_EXPANDED_EXTEND and ctx.prefix_lens[i] > 0):
                 rows.extend((starts[i] + j, ctx.prefix_lens[i] + j + 1, i) for j in range(n))
+        if rows and self.cpu_ops is not None:
+            md.kernel = KernelRows(
+                rows=None if len(rows) == ctx.input_ids.shape[0] else torch.tensor([r[0] for r in rows], device=device),
+                tables=table.index_select(0, torch.tensor([r[2] for r in rows], device=device)),
+                kv_lens=torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device))
+            rows = []
         for bucket in self._buckets(list(range(len(rows))), [r[1] for r in rows]):
             num_pages = -(-max(rows[r][1] for r in bucket) // ps)
             idx = torch.tensor([rows[r][2] for r in bucket], device=device)
@@ -129,9 +149,14 @@ class TorchAttention(AttentionBackend):
         md: TorchAttnMetadata = ctx.attn_metadata
         self.pool.k_slots(layer)[ctx.out_slots] = k
         self.pool.v_slots(layer)[ctx.out_slots] = v
+        if md.kernel is not None and md.kernel.rows is None:     # every row decodes, in order
+            return self._decode_kernel(layer, q, md.kernel)
         if not md.extend and len(md.decode) == 1 and md.decode[0].rows.shape[0] == q.shape[0]:
             return self._decode(layer, q, md.decode[0])   # pure decode, one bucket: rows are in order
         out = torch.empty_like(q)
+        if md.kernel is not None:
+            rows = md.kernel.rows
+            out.index_copy_(0, rows, self._decode_kernel(layer, q.index_select(0, rows), md.kernel))
         for bucket in md.decode:
             out.index_copy_(0, bucket.rows, self._decode(layer, q.index_select(0, bucket.rows), bucket))
         for seq in md.extend:
@@ -146,6 +171,10 @@ class TorchAttention(AttentionBackend):
         keys = self.pool.k(layer).index_select(0, pages).view(shape).transpose(1, 2)
         values = self.pool.v(layer).index_select(0, pages).view(shape).transpose(1, 2)
         return keys, values
+
+    def _decode_kernel(self, layer: int, q: torch.Tensor, rows: KernelRows) -> torch.Tensor:
+        return self.cpu_ops.paged_decode_attention(q, self.pool.k(layer), self.pool.v(layer), rows.tables,
+                                                   rows.kv_lens, self.scale)
 
     def _decode(self, layer: int, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
         # Scores as K @ Q_blk over the pages' natural [b, L, KVH * D] layout: Q_blk holds each query

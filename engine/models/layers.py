@@ -29,10 +29,17 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_ops = None   # kernels.cpu's module when the fused CPU kernels are on (use_cpu_kernels)
+
+    def _cpu_kernel(self, x: torch.Tensor) -> bool:
+        return (self.cpu_ops is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not x.is_cuda
+                and not torch.compiler.is_compiling())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fused_rms_norm is not None and x.is_cuda:
             return _fused_rms_norm(x, self.weight, self.eps)
+        if self._cpu_kernel(x):
+            return self.cpu_ops.rms_norm(x.contiguous(), None, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(self.weight.dtype)
@@ -48,8 +55,19 @@ class RMSNorm(torch.nn.Module):
         The sum keeps the residual's dtype (fp32 in the decoders) whatever x's dtype is."""
         if _fused_rms_norm is not None and x.is_cuda:
             return _fused_rms_norm(x, self.weight, self.eps, residual)
+        if self._cpu_kernel(x) and residual.dtype == torch.float32 and residual.is_contiguous():
+            return self.cpu_ops.rms_norm(x.contiguous(), residual, self.weight, self.eps), residual  # residual += x
         residual = residual + x
         return self.forward(residual), residual
+
+
+def use_cpu_kernels(model: torch.nn.Module, ops) -> int:
+    """Route `model`'s norms and RoPE through the fused CPU kernels (`kernels.cpu`; None: the torch
+    code). Per model, not global: two engines in one process may differ. Returns the modules set."""
+    mods = [m for m in model.modules() if hasattr(m, "cpu_ops")]
+    for m in mods:
+        m.cpu_ops = ops
+    return len(mods)
 
 
 class SiluAndMul(torch.nn.Module):

@@ -38,6 +38,7 @@ class Attention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.cpu_ops = None   # fused CPU kernels for RoPE (engine.models.layers.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -47,7 +48,7 @@ class Attention(torch.nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k, self.cpu_ops)
         out = ctx.attn.forward(self.layer_id, q, k, v, ctx)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -55,12 +55,16 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; returns rotated copies in the input dtype."""
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+              cpu_ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D]; returns them rotated, in the input dtype. With `cpu_ops` (the
+        fused CPU kernels, kernels.cpu) q and k are rotated in place (bit-identical to the torch code)."""
         cos, sin = cos_sin
         if _fused_rope is not None and q.is_cuda:
             return _fused_rope(q, k, cos.squeeze(1), sin.squeeze(1))
+        if cpu_ops is not None and not q.is_cuda and not torch.compiler.is_compiling():
+            cpu_ops.rope_(q, k, cos.squeeze(1), sin.squeeze(1))
+            return q, k
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

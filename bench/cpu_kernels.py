@@ -1,0 +1,153 @@
+"""The fused CPU kernels (kernels/cpu) against the torch code they replace, on one core.
+
+    python -m bench.cpu_kernels --out bench/results/cpu_kernels.json
+
+Two parts, both in this one process:
+- **ops**: paged decode attention at decode shapes (rows x keys of SmolLM2's 9 query / 3 KV heads,
+  head dim 64, pages scattered over a pool larger than the caches), and RMSNorm + residual and RoPE
+  at 1 / 12 / 256 tokens; median of 50 calls each.
+- **steps**: whole decode steps of the real model (`LLMEngine.step()`, 300-token prompts) at several
+  batch sizes on two engines, one with the kernels and one without, measured alternately; the median
+  of each engine's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine import prompts_of
+from engine.attention.torch_backend import DecodeBucket, TorchAttention
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.models.layers import RMSNorm
+from engine.models.rope import _rotate
+from engine.sampling_params import SamplingParams
+from kernels.cpu import load
+
+HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
+
+
+def median_ms(fn, n: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+class _Pool:
+    """The two attributes of engine.kv_pool.KVPool that TorchAttention reads, over one layer."""
+
+    def __init__(self, k, v):
+        self.spec = dataclasses.make_dataclass("Spec", ["kv_heads", "page_size", "dtype"])(KV_HEADS, PAGE, k.dtype)
+        self.buffer, self._k, self._v = k, k, v
+
+    def k(self, layer):
+        return self._k
+
+    def v(self, layer):
+        return self._v
+
+
+def bench_attention(ops, rows: int, keys: int, pool_pages: int = 8192) -> dict:
+    g = torch.Generator().manual_seed(rows * keys)
+    k = torch.randn(pool_pages, PAGE, KV_HEADS, DIM, generator=g).bfloat16()
+    v = torch.randn(pool_pages, PAGE, KV_HEADS, DIM, generator=g).bfloat16()
+    lens = torch.randint(max(1, keys - keys // 5), keys + 1, (rows,), generator=g)
+    pages = -(-int(lens.max()) // PAGE)
+    tables = torch.randperm(pool_pages, generator=g)[: rows * pages].view(rows, pages).int()
+    q = torch.randn(rows, HEADS, DIM, generator=g).bfloat16()
+    attn = TorchAttention(_Pool(k, v), HEADS, DIM)
+    pos = torch.arange(pages * PAGE)
+    bias = torch.zeros(rows, 1, 1, pages * PAGE).masked_fill_(
+        (pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+    bucket = DecodeBucket(rows=torch.arange(rows), pages=tables.long().reshape(-1), num_pages=pages, bias=bias)
+    torch_ms = median_ms(lambda: attn._decode(0, q, bucket))
+    kernel_ms = median_ms(lambda: ops.paged_decode_attention(q, k, v, tables, lens, attn.scale))
+    return {"op": "decode_attention", "rows": rows, "keys": keys, "torch_ms": torch_ms, "kernel_ms": kernel_ms,
+            "speedup": torch_ms / kernel_ms}
+
+
+def bench_norm_rope(ops, tokens: int) -> list[dict]:
+    g = torch.Generator().manual_seed(tokens)
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    x = torch.randn(tokens, 576, generator=g).bfloat16()
+    residual = torch.randn(tokens, 576, generator=g)
+    qkv = torch.randn(tokens, 960, generator=g).bfloat16()
+    q, kk, _ = qkv.split([576, 192, 192], dim=-1)
+    q, kk = q.view(tokens, HEADS, DIM), kk.view(tokens, KV_HEADS, DIM)
+    cos, sin = torch.randn(tokens, 1, DIM // 2, generator=g), torch.randn(tokens, 1, DIM // 2, generator=g)
+    norm_t = median_ms(lambda: norm.add_forward(x, residual))
+    norm_k = median_ms(lambda: ops.rms_norm(x, residual, norm.weight, 1e-5))
+    rope_t = median_ms(lambda: (_rotate(q, cos, sin), _rotate(kk, cos, sin)))
+    rope_k = median_ms(lambda: ops.rope_(q, kk, cos.squeeze(1), sin.squeeze(1)))
+    return [{"op": "add_rms_norm", "tokens": tokens, "torch_ms": norm_t, "kernel_ms": norm_k, "speedup": norm_t / norm_k},
+            {"op": "rope", "tokens": tokens, "torch_ms": rope_t, "kernel_ms": rope_k, "speedup": rope_t / rope_k}]
+
+
+def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> list[float]:
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for p in prompts_of(batch, prompt_len, engine.model_config.vocab_size, seed=batch):
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
+        engine.step()
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batches", default="1,12,24")
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=40, help="decode steps per batch and engine")
+    ap.add_argument("--repeat", type=int, default=2, help="alternate the two engines this many times per batch")
+    ap.add_argument("--out", default="bench/results/cpu_kernels.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ops = load()
+    if ops is None:
+        raise SystemExit("the CPU kernels could not be built here (python -m kernels.cpu -v)")
+    rows = [bench_attention(ops, r, n) for r, n in [(1, 300), (12, 300), (24, 300), (24, 600), (32, 600)]]
+    for tokens in (1, 12, 256):
+        rows += bench_norm_rope(ops, tokens)
+    for r in rows:
+        print(json.dumps(r))
+    base = EngineConfig(model=args.model, dtype="bfloat16", enable_prefix_cache=False, kv_cache_gb=1.0,
+                        chunked_prefill_size=8192, enable_mixed_chunk=False, num_threads=1,
+                        max_running_requests=max(int(b) for b in args.batches.split(",")))
+    engines = {"torch": LLMEngine(dataclasses.replace(base, enable_cpu_kernels=False)),
+               "kernels": LLMEngine(dataclasses.replace(base, enable_cpu_kernels=True))}
+    steps = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.repeat):
+            for name, engine in engines.items():
+                times[name] += decode_steps(engine, batch, args.prompt_len, args.steps)
+        row = {"batch": batch, "prompt_len": args.prompt_len,
+               **{f"{name}_step_ms": statistics.median(t) * 1e3 for name, t in times.items()}}
+        row["speedup"] = row["torch_step_ms"] / row["kernels_step_ms"]
+        steps.append(row)
+        print(json.dumps(row))
+    out = {"machine": platform.processor() or platform.machine(), "threads": 1, "ops": rows, "steps": steps}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
