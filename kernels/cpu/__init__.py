@@ -32,7 +32,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("ops.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "ops.cpp", HERE / "attention.cpp"]
+HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -58,7 +60,8 @@ def build_key() -> str:
     import torch
 
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    parts = [p.read_bytes() for p in SOURCES + HEADERS]
+    for part in (*parts, " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -82,8 +85,8 @@ def _build(verbose: bool) -> ModuleType | None:
         key = build_key()
         build_dir = cache_dir() / key
         build_dir.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"tandem_cpu_ops_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                  build_directory=str(build_dir), verbose=verbose)
+        return cpp_extension.load(name=f"tandem_cpu_ops_{key}", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                                  build_directory=str(build_dir), extra_include_paths=[str(HERE)], verbose=verbose)
     except Exception as exc:   # no compiler, no ninja, a read-only cache: the torch code still runs
         log.warning("CPU kernels unavailable, using the torch code instead: %s", str(exc).strip()[-500:])
         return None
