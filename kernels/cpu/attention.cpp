@@ -64,6 +64,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
       for (int64_t hh = 0; hh < heads; ++hh) {
         float* sh = scores.data() + hh * len;
         float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < len; ++i) m = sh[i] > m ? sh[i] : m;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -150,6 +151,7 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const at
       for (int64_t hh = 0; hh < heads; ++hh) {
         float* sg = scores.data() + hh * len;
         float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < len; ++i) m = sg[i] > m ? sg[i] : m;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
