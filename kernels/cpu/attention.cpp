@@ -9,51 +9,70 @@ namespace {
 
 // ---- paged decode attention ---------------------------------------------------------------------
 
-// DIM > 0: the head dimension as a compile-time constant (the short dot and axpy loops then unroll
-// fully: with a run-time trip count of 64 their loop control cost more than their arithmetic);
-// DIM == 0: any head dimension.
-template <typename T, int64_t DIM>
-void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& tables, const at::Tensor& kv_lens, at::Tensor& out, double scale) {
-  const int64_t rows = q.size(0), heads = q.size(1), dim = DIM > 0 ? DIM : q.size(2);
-  const int64_t page_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads;
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t slot = kv_heads * dim, page_stride = page_size * slot;
-  const int64_t table_stride = tables.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int64_t* lp = kv_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+// What both kernels read off their arguments (checked by paged_decode_attention).
+template <typename T>
+struct Decode {
+  int64_t rows, heads, dim, page_size, kv_heads, group, q_row, q_head, out_row, out_head, slot, page_stride,
+      table_stride;
+  const T *q, *k, *v;
+  const int32_t* tables;
+  const int64_t* kv_lens;
+  T* out;
+  float scale;
 
-  // One task per query row, all of its heads: each key/value slot (`kv_heads * dim` contiguous values)
-  // is read once, converted to fp32 once, and used by every query head.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * dim), acc(heads * dim), row(slot), scores, inv_sum(heads);
-    std::vector<int64_t> head_kv(heads);
-    for (int64_t hh = 0; hh < heads; ++hh) head_kv[hh] = hh / group;
+  Decode(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables_,
+         const at::Tensor& kv_lens_, at::Tensor& out_, double scale_)
+      : rows(q_.size(0)), heads(q_.size(1)), dim(q_.size(2)), page_size(k_cache.size(1)),
+        kv_heads(k_cache.size(2)), group(heads / kv_heads), q_row(q_.stride(0)), q_head(q_.stride(1)),
+        out_row(out_.stride(0)), out_head(out_.stride(1)), slot(kv_heads * dim), page_stride(page_size * slot),
+        table_stride(tables_.stride(0)), q(q_.data_ptr<T>()), k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()),
+        tables(tables_.data_ptr<int32_t>()), kv_lens(kv_lens_.data_ptr<int64_t>()), out(out_.data_ptr<T>()),
+        scale(static_cast<float>(scale_)) {}
+};
+
+// scores[h * len + i] <- exp(score - max over i) for each head h; inv_sum[h] <- 1 / their sum.
+inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_sum) {
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    float* sh = scores + hh * len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < len; ++i) m = sh[i] > m ? sh[i] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < len; ++i) {
+      sh[i] = fast_exp(sh[i] - m);
+      sum += sh[i];
+    }
+    inv_sum[hh] = 1.f / sum;
+  }
+}
+
+// Any dtype and head dimension (fp16 caches, head dims that are not 64 or 128). One task per query
+// row, all of its heads: each key/value slot (`kv_heads * dim` contiguous values) is read once,
+// converted to fp32 once, and used by every query head.
+template <typename T>
+void decode_attention_loop(const Decode<T>& a) {
+  const int64_t dim = a.dim, group = a.group;
+  at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(a.heads * dim), acc(a.heads * dim), row(a.slot), scores, inv_sum(a.heads);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = lp[r];
-      const int64_t pages = (len + page_size - 1) / page_size;
-      const int32_t* table = tp + r * table_stride;
-      scores.resize(heads * len);
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        const T* src = qp + r * q_row + hh * q_head;
-        for (int64_t d = 0; d < dim; ++d) qf[hh * dim + d] = to_f32(src[d]) * fscale;
+      const int64_t len = a.kv_lens[r], pages = (len + a.page_size - 1) / a.page_size;
+      const int32_t* table = a.tables + r * a.table_stride;
+      scores.resize(a.heads * len);
+      for (int64_t hh = 0; hh < a.heads; ++hh) {
+        const T* src = a.q + r * a.q_row + hh * a.q_head;
+        for (int64_t d = 0; d < dim; ++d) qf[hh * dim + d] = to_f32(src[d]) * a.scale;
       }
       for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = kp + table[pi] * page_stride;
-        const int64_t first = pi * page_size, count = std::min(page_size, len - first);
+        const T* base = a.k + table[pi] * a.page_stride;
+        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
         for (int64_t o = 0; o < count; ++o) {
-          const T* key = base + o * slot;
+          const T* key = base + o * a.slot;
 #pragma omp simd
-          for (int64_t i = 0; i < slot; ++i) row[i] = to_f32(key[i]);
-          for (int64_t hh = 0; hh < heads; ++hh) {   // hh / group without a division per head
+          for (int64_t i = 0; i < a.slot; ++i) row[i] = to_f32(key[i]);
+          for (int64_t hh = 0; hh < a.heads; ++hh) {
             const float* qh = qf.data() + hh * dim;
-            const float* kh = row.data() + head_kv[hh] * dim;
+            const float* kh = row.data() + (hh / group) * dim;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
@@ -61,85 +80,58 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
           }
         }
       }
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        float* sh = scores.data() + hh * len;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < len; ++i) m = sh[i] > m ? sh[i] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < len; ++i) {
-          sh[i] = fast_exp(sh[i] - m);
-          sum += sh[i];
-        }
-        inv_sum[hh] = 1.f / sum;
-      }
+      softmax_rows(scores.data(), a.heads, len, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = vp + table[pi] * page_stride;
-        const int64_t first = pi * page_size, count = std::min(page_size, len - first);
+        const T* base = a.v + table[pi] * a.page_stride;
+        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
         for (int64_t o = 0; o < count; ++o) {
-          const T* value = base + o * slot;
+          const T* value = base + o * a.slot;
 #pragma omp simd
-          for (int64_t i = 0; i < slot; ++i) row[i] = to_f32(value[i]);
-          for (int64_t hh = 0; hh < heads; ++hh) {
+          for (int64_t i = 0; i < a.slot; ++i) row[i] = to_f32(value[i]);
+          for (int64_t hh = 0; hh < a.heads; ++hh) {
             const float p = scores[hh * len + first + o];
-            const float* vh = row.data() + head_kv[hh] * dim;
+            const float* vh = row.data() + (hh / group) * dim;
             float* ah = acc.data() + hh * dim;
 #pragma omp simd
             for (int64_t d = 0; d < dim; ++d) ah[d] += p * vh[d];
           }
         }
       }
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        T* dst = op + r * out.stride(0) + hh * out.stride(1);
+      for (int64_t hh = 0; hh < a.heads; ++hh) {
+        T* dst = a.out + r * a.out_row + hh * a.out_head;
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_f32<T>(acc[hh * dim + d] * inv_sum[hh]);
       }
     }
   });
 }
 
-// The same for bf16/fp32 caches whose head dim is a multiple of 16, written with GCC vector types
-// (one 16-float vector: a zmm register with AVX-512, two ymm with AVX2): each key's head vector is
-// loaded once and dotted with every query head of its group, and the value pass accumulates every
-// head's output in vectors. Measured:
-// about 3x faster than the loop version above at decode shapes (docs/benchmarks.md).
-
-template <typename T, int C>   // C: the head dim in 16-float vectors
-__attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& tables, const at::Tensor& kv_lens, at::Tensor& out, double scale) {
+// bf16/fp32 caches with head dim 16 * C, written with GCC vector types (one 16-float vector: a zmm
+// register with AVX-512, two ymm with AVX2): each key's head vector is loaded once and dotted with
+// every query head of its group, and the value pass accumulates every head's output in vectors.
+// With the head dim a compile-time constant the short loops unroll; ~3x the loop version's speed at
+// decode shapes. Attention is not bit-compared with the torch code (it sums in another order anyway),
+// so it may fuse multiply-adds; the file's -ffp-contract=off keeps RoPE and the norm bit-identical.
+template <typename T, int C>
+__attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const Decode<T>& a) {
   constexpr int64_t dim = 16 * C;
-  const int64_t rows = q.size(0), heads = q.size(1);
-  const int64_t page_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads;
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t slot = kv_heads * dim, page_stride = page_size * slot;
-  const int64_t table_stride = tables.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int64_t* lp = kv_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-
-  // One task per query row: its pages are read front to back, whole slots (every KV head) at a time.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(heads * C), acc(heads * C);
-    std::vector<float> scores, inv_sum(heads);
+  const int64_t group = a.group;
+  at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<v16f> qv(a.heads * C), acc(a.heads * C);
+    std::vector<float> scores, inv_sum(a.heads);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = lp[r], pages = (len + page_size - 1) / page_size;
-      const int32_t* table = tp + r * table_stride;
-      scores.resize(heads * len);
-      for (int64_t hh = 0; hh < heads; ++hh)
-        for (int c = 0; c < C; ++c) qv[hh * C + c] = load16(qp + r * q_row + hh * q_head + 16 * c) * fscale;
+      const int64_t len = a.kv_lens[r], pages = (len + a.page_size - 1) / a.page_size;
+      const int32_t* table = a.tables + r * a.table_stride;
+      scores.resize(a.heads * len);
+      for (int64_t hh = 0; hh < a.heads; ++hh)
+        for (int c = 0; c < C; ++c) qv[hh * C + c] = load16(a.q + r * a.q_row + hh * a.q_head + 16 * c) * a.scale;
       for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = kp + table[pi] * page_stride;
-        const int64_t first = pi * page_size, count = std::min(page_size, len - first);
+        const T* base = a.k + table[pi] * a.page_stride;
+        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
         for (int64_t o = 0; o < count; ++o) {
-          for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t h = 0; h < a.kv_heads; ++h) {
             v16f key[C];
-            for (int c = 0; c < C; ++c) key[c] = load16(base + o * slot + h * dim + 16 * c);
+            for (int c = 0; c < C; ++c) key[c] = load16(base + o * a.slot + h * dim + 16 * c);
             for (int64_t hh = h * group; hh < (h + 1) * group; ++hh) {
               v16f t = qv[hh * C] * key[0];
               for (int c = 1; c < C; ++c) t += qv[hh * C + c] * key[c];
@@ -148,27 +140,15 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const at
           }
         }
       }
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        float* sg = scores.data() + hh * len;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < len; ++i) m = sg[i] > m ? sg[i] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < len; ++i) {
-          sg[i] = fast_exp(sg[i] - m);
-          sum += sg[i];
-        }
-        inv_sum[hh] = 1.f / sum;
-      }
-      for (auto& a : acc) a = v16f{};
+      softmax_rows(scores.data(), a.heads, len, inv_sum.data());
+      for (auto& x : acc) x = v16f{};
       for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = vp + table[pi] * page_stride;
-        const int64_t first = pi * page_size, count = std::min(page_size, len - first);
+        const T* base = a.v + table[pi] * a.page_stride;
+        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
         for (int64_t o = 0; o < count; ++o) {
-          for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t h = 0; h < a.kv_heads; ++h) {
             v16f value[C];
-            for (int c = 0; c < C; ++c) value[c] = load16(base + o * slot + h * dim + 16 * c);
+            for (int c = 0; c < C; ++c) value[c] = load16(base + o * a.slot + h * dim + 16 * c);
             for (int64_t hh = h * group; hh < (h + 1) * group; ++hh) {
               const float p = scores[hh * len + first + o];
               for (int c = 0; c < C; ++c) acc[hh * C + c] += p * value[c];
@@ -176,8 +156,8 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const at
           }
         }
       }
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        T* dst = op + r * out.stride(0) + hh * out.stride(1);
+      for (int64_t hh = 0; hh < a.heads; ++hh) {
+        T* dst = a.out + r * a.out_row + hh * a.out_head;
         for (int c = 0; c < C; ++c) {
           const v16f o = acc[hh * C + c] * inv_sum[hh];
           for (int i = 0; i < 16; ++i) dst[16 * c + i] = from_f32<T>(o[i]);
@@ -186,7 +166,6 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const at
     }
   });
 }
-
 
 }  // namespace
 
@@ -218,18 +197,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(page >= 0 && page < k_cache.size(0), "page ", page, " outside the cache");
     }
   auto out = at::empty(q.sizes(), q.options());
-  const bool vec = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
   dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    const Decode<T> args(q, k_cache, v_cache, tables, kv_lens, out, scale);
     if constexpr (!std::is_same_v<T, c10::Half>) {
-      if (vec && q.size(2) == 64) return decode_attention_vec<T, 4>(q, k_cache, v_cache, tables, kv_lens, out, scale);
-      if (vec && q.size(2) == 128) return decode_attention_vec<T, 8>(q, k_cache, v_cache, tables, kv_lens, out, scale);
+      if (q.size(2) == 64) return decode_attention_vec<T, 4>(args);
+      if (q.size(2) == 128) return decode_attention_vec<T, 8>(args);
     }
-    switch (q.size(2)) {
-      case 64: decode_attention_kernel<T, 64>(q, k_cache, v_cache, tables, kv_lens, out, scale); break;
-      case 128: decode_attention_kernel<T, 128>(q, k_cache, v_cache, tables, kv_lens, out, scale); break;
-      default: decode_attention_kernel<T, 0>(q, k_cache, v_cache, tables, kv_lens, out, scale);
-    }
+    decode_attention_loop<T>(args);
   });
   return out;
 }
