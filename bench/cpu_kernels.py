@@ -3,9 +3,10 @@
     python -m bench.cpu_kernels --out bench/results/cpu_kernels.json
 
 Two parts, both in this one process:
-- **ops**: paged decode attention at decode shapes (rows x keys of SmolLM2's 9 query / 3 KV heads,
-  head dim 64, pages scattered over a pool larger than the caches), and RMSNorm + residual and RoPE
-  at 1 / 12 / 256 tokens; median of 50 calls each.
+- **ops**: one layer's decode attention through the torch backend as a step runs it, with and
+  without the kernel (rows x keys of SmolLM2's 9 query / 3 KV heads, head dim 64, pages in random
+  order: `bench.kernels.make_case`), and RMSNorm + residual and RoPE at 1 / 12 / 256 tokens; median
+  of 50 calls each.
 - **steps**: whole decode steps of the real model (`LLMEngine.step()`, 300-token prompts) at several
   batch sizes on two engines, one with the kernels and one without, measured alternately; the median
   of each engine's steps.
@@ -19,12 +20,15 @@ import json
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from bench.engine import prompts_of
-from engine.attention.torch_backend import DecodeBucket, TorchAttention
+from bench.kernels import decode_context, make_case
+from engine.attention.base import create_backend
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.models.layers import RMSNorm
@@ -46,37 +50,20 @@ def median_ms(fn, n: int = 50) -> float:
     return statistics.median(times) * 1e3
 
 
-class _Pool:
-    """The two attributes of engine.kv_pool.KVPool that TorchAttention reads, over one layer."""
-
-    def __init__(self, k, v):
-        self.spec = dataclasses.make_dataclass("Spec", ["kv_heads", "page_size", "dtype"])(KV_HEADS, PAGE, k.dtype)
-        self.buffer, self._k, self._v = k, k, v
-
-    def k(self, layer):
-        return self._k
-
-    def v(self, layer):
-        return self._v
-
-
-def bench_attention(ops, rows: int, keys: int, pool_pages: int = 8192) -> dict:
-    g = torch.Generator().manual_seed(rows * keys)
-    k = torch.randn(pool_pages, PAGE, KV_HEADS, DIM, generator=g).bfloat16()
-    v = torch.randn(pool_pages, PAGE, KV_HEADS, DIM, generator=g).bfloat16()
-    lens = torch.randint(max(1, keys - keys // 5), keys + 1, (rows,), generator=g)
-    pages = -(-int(lens.max()) // PAGE)
-    tables = torch.randperm(pool_pages, generator=g)[: rows * pages].view(rows, pages).int()
-    q = torch.randn(rows, HEADS, DIM, generator=g).bfloat16()
-    attn = TorchAttention(_Pool(k, v), HEADS, DIM)
-    pos = torch.arange(pages * PAGE)
-    bias = torch.zeros(rows, 1, 1, pages * PAGE).masked_fill_(
-        (pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-    bucket = DecodeBucket(rows=torch.arange(rows), pages=tables.long().reshape(-1), num_pages=pages, bias=bias)
-    torch_ms = median_ms(lambda: attn._decode(0, q, bucket))
-    kernel_ms = median_ms(lambda: ops.paged_decode_attention(q, k, v, tables, lens, attn.scale))
-    return {"op": "decode_attention", "rows": rows, "keys": keys, "torch_ms": torch_ms, "kernel_ms": kernel_ms,
-            "speedup": torch_ms / kernel_ms}
+def bench_attention(ops, rows: int, keys: int) -> dict:
+    """One layer's attention for `rows` decode rows of `keys` keys through the torch backend, as a step
+    runs it (KV write included), without and with the kernel; pages in random order (bench.kernels)."""
+    args = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
+    pool, page_table, q = make_case(rows, keys, args, torch.device("cpu"), seed=rows * keys)
+    times = {}
+    for name, cpu_ops in (("torch", None), ("kernel", ops)):
+        backend = create_backend("torch", pool, HEADS, DIM)
+        backend.cpu_ops = cpu_ops
+        ctx = decode_context(pool, page_table, rows, keys, backend)
+        new_k, new_v = pool.k_slots(0)[ctx.out_slots].clone(), pool.v_slots(0)[ctx.out_slots].clone()
+        times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx))
+    return {"op": "decode_attention", "rows": rows, "keys": keys, "torch_ms": times["torch"],
+            "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
 
 
 def bench_norm_rope(ops, tokens: int) -> list[dict]:
