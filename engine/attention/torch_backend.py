@@ -104,18 +104,8 @@ class TorchAttention(AttentionBackend):
                 rows=None if len(rows) == ctx.input_ids.shape[0] else torch.tensor([r[0] for r in rows], device=device),
                 tables=table.index_select(0, torch.tensor([r[2] for r in rows], device=device)),
                 kv_lens=torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device))
-            rows = []
-        for bucket in self._buckets(list(range(len(rows))), [r[1] for r in rows]):
-            num_pages = -(-max(rows[r][1] for r in bucket) // ps)
-            idx = torch.tensor([rows[r][2] for r in bucket], device=device)
-            kv_pos = torch.arange(num_pages * ps, device=device)
-            lens = torch.tensor([rows[r][1] for r in bucket], device=device)
-            bias = torch.zeros(len(bucket), 1, 1, num_pages * ps, device=device)
-            bias.masked_fill_((kv_pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-            md.decode.append(DecodeBucket(
-                rows=torch.tensor([rows[r][0] for r in bucket], device=device),
-                pages=table.index_select(0, idx)[:, :num_pages].to(torch.int64).reshape(-1),
-                num_pages=num_pages, bias=bias))
+        else:
+            md.decode = self._decode_buckets(rows, table)
         for i, n in enumerate(ctx.q_lens):
             if n == 1 or (n <= MAX_EXPANDED_EXTEND and ctx.prefix_lens[i] > 0):
                 continue
@@ -130,6 +120,23 @@ class TorchAttention(AttentionBackend):
             pages = table[i, :num_pages].to(torch.int64)
             md.extend.append(ExtendSeq(starts[i], n, pages, mask))
         ctx.attn_metadata = md
+
+    def _decode_buckets(self, rows: list[tuple[int, int, int]], table: torch.Tensor) -> list[DecodeBucket]:
+        """Decode rows (token row, kv length, sequence) for the grouped-matmul path, in length buckets."""
+        device, ps = table.device, self.pool.spec.page_size
+        buckets = []
+        for bucket in self._buckets(list(range(len(rows))), [r[1] for r in rows]):
+            num_pages = -(-max(rows[r][1] for r in bucket) // ps)
+            idx = torch.tensor([rows[r][2] for r in bucket], device=device)
+            kv_pos = torch.arange(num_pages * ps, device=device)
+            lens = torch.tensor([rows[r][1] for r in bucket], device=device)
+            bias = torch.zeros(len(bucket), 1, 1, num_pages * ps, device=device)
+            bias.masked_fill_((kv_pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+            buckets.append(DecodeBucket(
+                rows=torch.tensor([rows[r][0] for r in bucket], device=device),
+                pages=table.index_select(0, idx)[:, :num_pages].to(torch.int64).reshape(-1),
+                num_pages=num_pages, bias=bias))
+        return buckets
 
     @staticmethod
     def _buckets(decode: list[int], kv_lens: list[int]) -> list[list[int]]:
