@@ -76,9 +76,6 @@ def load(verbose: bool = False) -> ModuleType | None:
 
 
 def _build(verbose: bool) -> ModuleType | None:
-    if os.environ.get("TANDEM_DISABLE_CPU_KERNELS") == "1":
-        log.info("CPU kernels disabled by TANDEM_DISABLE_CPU_KERNELS=1")
-        return None
     try:
         from torch.utils import cpp_extension
 

@@ -3,8 +3,8 @@
 // Every kernel reads the model dtype (fp32, bf16 or fp16), computes in fp32 and rounds once where
 // the torch code it replaces rounds. Loops are written so that the compiler vectorises them
 // (`omp simd`, contiguous inner loops over the head or hidden dimension, GCC vector types);
-// `exp` is a polynomial (common.h). Attention lives in attention.cpp. Threads: at::parallel_for, i.e. the worker's torch threads.
-
+// `exp` is a polynomial (common.h). Attention lives in attention.cpp. Threads: at::parallel_for,
+// i.e. the worker's torch threads.
 
 #include "common.h"
 
@@ -52,7 +52,6 @@ void rms_norm_kernel(const at::Tensor& x, const c10::optional<at::Tensor>& resid
     }
   });
 }
-
 
 // ---- rotary embedding (rotate-half), in place on q and k -----------------------------------------
 
