@@ -21,7 +21,10 @@ rows next to a prefill chunk) take both paths in one step.
 
 With the fused CPU kernels on (`cpu_ops`, kernels/cpu: the default where they build), decode rows
 skip all of the above: `paged_decode_attention` reads each row's keys and values straight from its
-pages (no gather, no buckets, no padding) and keeps scores and probabilities in fp32.
+pages (no gather, no buckets, no padding) and keeps scores and probabilities in fp32. In bf16 on a
+CPU with AVX512-BF16 (head dim 64 or 128), prefill/extend rows skip SDPA too:
+`paged_extend_attention` reads the sequence's pages (no gather, no mask) and multiplies bf16 pairs
+into fp32 sums, ~2x faster than the fp32 SDPA (2,048 tokens: 38 against 79 ms per layer on one core).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class ExtendSeq:
     num_tokens: int
     pages: torch.Tensor | None   # [P] page ids when a cached prefix must be gathered, else None
     mask: torch.Tensor | None    # [num_tokens, P * page_size] bool (True = attend), with pages
+    table: torch.Tensor | None = None   # [P] int32 page ids for the extend kernel (then no pages/mask)
+    kv_len: int = 0                     # keys in those pages, this chunk's included
 
 
 @dataclass
@@ -106,8 +111,13 @@ class TorchAttention(AttentionBackend):
                 kv_lens=torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device))
         else:
             md.decode = self._decode_buckets(rows, table)
+        extend_kernel = self._extend_kernel()
         for i, n in enumerate(ctx.q_lens):
             if n == 1 or (n <= MAX_EXPANDED_EXTEND and ctx.prefix_lens[i] > 0):
+                continue
+            if extend_kernel:
+                kv_len = ctx.kv_lens[i]
+                md.extend.append(ExtendSeq(starts[i], n, None, None, table[i, :-(-kv_len // ps)], kv_len))
                 continue
             prefix = ctx.prefix_lens[i]
             if prefix == 0:
@@ -120,6 +130,11 @@ class TorchAttention(AttentionBackend):
             pages = table[i, :num_pages].to(torch.int64)
             md.extend.append(ExtendSeq(starts[i], n, pages, mask))
         ctx.attn_metadata = md
+
+    def _extend_kernel(self) -> bool:
+        ops = self.cpu_ops
+        return (ops is not None and self.pool.spec.dtype == torch.bfloat16
+                and ops.extend_attention_supported(self.head_dim))
 
     def _decode_buckets(self, rows: list[tuple[int, int, int]], table: torch.Tensor) -> list[DecodeBucket]:
         """Decode rows (token row, kv length, sequence) for the grouped-matmul path, in length buckets."""
@@ -201,6 +216,9 @@ class TorchAttention(AttentionBackend):
 
     def _extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 seq: ExtendSeq) -> torch.Tensor:
+        if seq.table is not None:
+            return self.cpu_ops.paged_extend_attention(q, self.pool.k(layer), self.pool.v(layer), seq.table,
+                                                       seq.kv_len, self.scale)
         queries = q.transpose(0, 1).unsqueeze(0).float()                       # [1, H, n, D]
         if seq.pages is None:
             keys, values = k.transpose(0, 1).unsqueeze(0).float(), v.transpose(0, 1).unsqueeze(0).float()

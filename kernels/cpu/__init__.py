@@ -33,7 +33,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "ops.cpp", HERE / "attention.cpp"]
+SOURCES = [HERE / "ops.cpp", HERE / "attention.cpp", HERE / "extend.cpp"]
 HEADERS = [HERE / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-std=c++17"]
 

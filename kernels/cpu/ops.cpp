@@ -3,7 +3,7 @@
 // Every kernel reads the model dtype (fp32, bf16 or fp16), computes in fp32 and rounds once where
 // the torch code it replaces rounds. Loops are written so that the compiler vectorises them
 // (`omp simd`, contiguous inner loops over the head or hidden dimension, GCC vector types);
-// `exp` is a polynomial (common.h). Attention lives in attention.cpp. Threads: at::parallel_for,
+// `exp` is a polynomial (common.h). Attention lives in attention.cpp (decode) and extend.cpp (prefill). Threads: at::parallel_for,
 // i.e. the worker's torch threads.
 
 #include "common.h"
@@ -12,6 +12,9 @@ using namespace tandem_cpu;
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& kv_lens, double scale);
+at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& table, int64_t kv_len, double scale);
+bool extend_attention_supported(int64_t dim);
 
 namespace {
 
@@ -119,6 +122,10 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query row per sequence over its KV pages (GQA), fp32 softmax; returns [rows, heads, dim]");
+  m.def("paged_extend_attention", &paged_extend_attention,
+        "causal attention of one sequence's n new tokens over its KV pages, bf16 (AVX512-BF16); [n, heads, dim]");
+  m.def("extend_attention_supported", &extend_attention_supported,
+        "whether paged_extend_attention was built for this CPU and takes this head dim");
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, optionally adding x into the fp32 residual in place first");
   m.def("rope_", &rope_, "rotate-half RoPE applied to q and k in place");
 }

@@ -106,6 +106,60 @@ def test_rope_is_bit_identical_to_the_torch_code(ops, dtype):
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, : 9 * 64].view(7, 9, 64), want_q)    # rotated where it lies
 
+@pytest.fixture(scope="module")
+def extend_ops(ops):
+    if not ops.extend_attention_supported(64):
+        pytest.skip("paged_extend_attention needs AVX512-BF16, which this CPU lacks")
+    return ops
+
+
+def _extend_reference(q, k_cache, v_cache, table, kv_len, scale):
+    """fp32 SDPA of n new tokens (the last n of kv_len) over the first kv_len slots of `table`."""
+    n = q.shape[0]
+    k = k_cache[table.long()].flatten(0, 1)[:kv_len].float().transpose(0, 1)     # [KVH, L, D]
+    v = v_cache[table.long()].flatten(0, 1)[:kv_len].float().transpose(0, 1)
+    mask = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 8, 64)])
+@pytest.mark.parametrize("tokens,prefix", [(1, 0), (5, 0), (40, 0), (300, 0), (17, 23), (64, 300), (33, 1)])
+def test_extend_attention_matches_fp32_sdpa(extend_ops, heads, kv_heads, dim, tokens, prefix):
+    """Prefill (no prefix), a later chunk or a prefix-cache hit (prefix > 0): several 256-key softmax
+    chunks, 16-token blocks with a partial last one, partial pages, pages in shuffled order."""
+    page_size, kv_len = 16, prefix + tokens
+    num_pages = -(-kv_len // page_size) + 3
+    k_cache, v_cache = _cache(num_pages, page_size, kv_heads, dim, torch.bfloat16, seed=tokens)
+    g = torch.Generator().manual_seed(prefix)
+    table = torch.randperm(num_pages, generator=g)[: -(-kv_len // page_size)].int()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)     # a strided view, as the model hands it over
+    got = extend_ops.paged_extend_attention(q, k_cache, v_cache, table, kv_len, dim ** -0.5)
+    assert got.shape == (tokens, heads, dim) and got.dtype == torch.bfloat16
+    ref = _extend_reference(q, k_cache, v_cache, table, kv_len, dim ** -0.5)
+    # Within bf16's rounding of the exact result (scores and probabilities keep ~fp32 precision).
+    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=4e-3)
+
+
+def test_extend_attention_refuses_bad_input(extend_ops):
+    k_cache, v_cache = _cache(4, 4, 1, 64, torch.bfloat16, seed=0)
+    q = torch.randn(3, 2, 64).bfloat16()
+    ok = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="kv_len"):
+        extend_ops.paged_extend_attention(q, k_cache, v_cache, ok, 2, 1.0)     # fewer keys than tokens
+    with pytest.raises(RuntimeError, match="kv_len"):
+        extend_ops.paged_extend_attention(q, k_cache, v_cache, ok, 9, 1.0)     # past the table
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        extend_ops.paged_extend_attention(q, k_cache, v_cache, torch.tensor([0, 7], dtype=torch.int32), 6, 1.0)
+    with pytest.raises(RuntimeError, match="bf16"):
+        extend_ops.paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), ok, 6, 1.0)
+    with pytest.raises(RuntimeError, match="head dim"):
+        extend_ops.paged_extend_attention(q[..., :32], k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
+                                          ok, 6, 1.0)
+    assert not extend_ops.extend_attention_supported(96)
+
 
 def _engine(path, **kw) -> LLMEngine:
     cfg = dict(model=str(path), dtype="float32", kv_cache_gb=0.05, max_running_requests=8, page_size=4)
@@ -133,3 +187,38 @@ def test_kernels_are_the_cpu_default_and_refused_with_graphs(tiny_llama):
     assert _engine(tiny_llama, enable_graph=True, graph_bs=(1,)).runner.cpu_ops is None
     with pytest.raises(InvalidRequest, match="graphs"):
         _engine(tiny_llama, enable_graph=True, graph_bs=(1,), enable_cpu_kernels=True)
+
+
+def test_smollm2_bf16_prefill_runs_the_extend_kernel(extend_ops, smollm2_path):
+    """bf16 SmolLM2 (head dim 64): a chunked prefill and a prefix-cache hit go through
+    paged_extend_attention, and the last position's logits stay within bf16's band of the SDPA path's."""
+    from tests.engine.test_bf16_parity import assert_logits_close
+
+    def last_logits(engine, ids):
+        model, outs = engine.runner.model, []
+        forward = model.forward
+        model.forward = lambda ctx: outs.append(forward(ctx)) or outs[-1]
+        try:
+            engine.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+        finally:
+            model.forward = forward
+        return [o for o in outs if o.shape[0]][-1][-1].float()
+
+    cfg = dict(model=str(smollm2_path), dtype="bfloat16", max_total_tokens=4096, chunked_prefill_size=64)
+    plain = LLMEngine(EngineConfig(**cfg, enable_cpu_kernels=False))
+    fused = LLMEngine(EngineConfig(**cfg, enable_cpu_kernels=True))
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(extend_ops, name)
+            return (lambda *a: calls.append(a[4]) or fn(*a)) if name == "paged_extend_attention" else fn
+
+    fused.runner.attn.cpu_ops = Spy()
+    prompt = random_prompts([150], fused.model_config.vocab_size, seed=5)[0]
+    for ids in (prompt, prompt + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]):
+        assert_logits_close(last_logits(fused, ids), last_logits(plain, ids))
+    layers = fused.model_config.num_layers
+    # 150 tokens in chunks of 64 (kv_len 64, 128, 150), then the 20 added ones over the cached prefix.
+    assert sorted(set(calls)) == [64, 128, 150, 170] and len(calls) == 4 * layers
+    fused.check_idle()
