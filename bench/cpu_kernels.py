@@ -5,8 +5,9 @@
 Two parts, both in this one process:
 - **ops**: one layer's decode attention through the torch backend as a step runs it, with and
   without the kernel (rows x keys of SmolLM2's 9 query / 3 KV heads, head dim 64, pages in random
-  order: `bench.kernels.make_case`), and RMSNorm + residual and RoPE at 1 / 12 / 256 tokens; median
-  of 50 calls each.
+  order: `bench.kernels.make_case`), the same for prefill/extend attention (256-2,048 new tokens,
+  and 256 over a 768-token prefix; where the CPU has AVX512-BF16), and RMSNorm + residual and RoPE
+  at 1 / 12 / 256 tokens; median of 50 calls each (10-30 for extends).
 - **steps**: whole decode steps of the real model (`LLMEngine.step()`, 300-token prompts) at several
   batch sizes on two engines, one with the kernels and one without, measured alternately; the median
   of each engine's steps.
@@ -66,6 +67,31 @@ def bench_attention(ops, rows: int, keys: int) -> dict:
             "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
 
 
+def bench_extend(ops, tokens: int, prefix: int) -> dict:
+    """One layer's prefill/extend attention of `tokens` new tokens over `prefix` cached ones through
+    the torch backend (SDPA in fp32) and with `paged_extend_attention` (bf16 pairs, AVX512-BF16)."""
+    from engine.forward_context import ForwardContext
+
+    args = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
+    pool, page_table, _ = make_case(1, prefix + tokens, args, torch.device("cpu"), seed=tokens + prefix)
+    g = torch.Generator().manual_seed(tokens)
+    q = torch.randn(tokens, HEADS, DIM, generator=g).bfloat16()
+    pos = torch.arange(prefix, prefix + tokens)
+    slots = page_table[0, pos // PAGE].to(torch.int64) * PAGE + pos % PAGE
+    times = {}
+    for name, cpu_ops in (("torch", None), ("kernel", ops)):
+        backend = create_backend("torch", pool, HEADS, DIM)
+        backend.cpu_ops = cpu_ops
+        ctx = ForwardContext(input_ids=torch.zeros(tokens, dtype=torch.int64), positions=pos, out_slots=slots,
+                             logits_indices=torch.tensor([tokens - 1]), page_table=page_table, q_lens=[tokens],
+                             prefix_lens=[prefix], kv_lens=[prefix + tokens], is_decode=False, attn=backend)
+        backend.prepare(ctx)
+        new_k, new_v = pool.k_slots(0)[slots].clone(), pool.v_slots(0)[slots].clone()
+        times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx), n=10 if tokens > 512 else 30)
+    return {"op": "extend_attention", "tokens": tokens, "prefix": prefix, "torch_ms": times["torch"],
+            "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
+
+
 def bench_norm_rope(ops, tokens: int) -> list[dict]:
     g = torch.Generator().manual_seed(tokens)
     norm = RMSNorm(576, 1e-5).bfloat16()
@@ -111,6 +137,8 @@ def main() -> None:
     if ops is None:
         raise SystemExit("the CPU kernels could not be built here (python -m kernels.cpu -v)")
     rows = [bench_attention(ops, r, n) for r, n in [(1, 300), (12, 300), (24, 300), (24, 600), (32, 600)]]
+    if ops.extend_attention_supported(DIM):
+        rows += [bench_extend(ops, n, p) for n, p in [(256, 0), (1024, 0), (2048, 0), (256, 768)]]
     for tokens in (1, 12, 256):
         rows += bench_norm_rope(ops, tokens)
     for r in rows:

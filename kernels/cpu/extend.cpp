@@ -205,15 +205,19 @@ void extend_attention(const Extend& a) {
   at::parallel_for(0, a.kv_heads, 1, [&](int64_t b, int64_t e) {
     for (int64_t h = b; h < e; ++h) pack(a, h, kp.data() + h * kstride, vp.data() + h * vstride);
   });
-  const int64_t blocks = (a.n + kTokens - 1) / kTokens;
-  at::parallel_for(0, a.kv_heads * blocks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t task = b; task < e; ++task) {
-      const int64_t h = task / blocks, blk = blocks - 1 - task % blocks;   // heaviest blocks first
-      const int64_t t0 = blk * kTokens, t1 = std::min(a.n, t0 + kTokens);
-      const uint32_t *k = kp.data() + h * kstride, *v = vp.data() + h * vstride;
-      if (a.dim == 64) extend_block<4>(a, h, t0, t1, k, v);
-      else extend_block<8>(a, h, t0, t1, k, v);
-    }
+  // Causal blocks grow with their position: tasks go heaviest first, dealt to the threads in turn
+  // (parallel_for's contiguous ranges would give one thread all the long blocks).
+  const int64_t blocks = (a.n + kTokens - 1) / kTokens, tasks = a.kv_heads * blocks;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t tid = b; tid < e; ++tid)
+      for (int64_t task = tid; task < tasks; task += threads) {
+        const int64_t h = task % a.kv_heads, blk = blocks - 1 - task / a.kv_heads;
+        const int64_t t0 = blk * kTokens, t1 = std::min(a.n, t0 + kTokens);
+        const uint32_t *k = kp.data() + h * kstride, *v = vp.data() + h * vstride;
+        if (a.dim == 64) extend_block<4>(a, h, t0, t1, k, v);
+        else extend_block<8>(a, h, t0, t1, k, v);
+      }
   });
 }
 
