@@ -7,9 +7,9 @@
 // Shape of the computation (one sequence, one KV head at a time, so the group's query heads share
 // every packed key): keys and values are read from their pages once per KV head into the pair
 // layout `vdpbf16ps` wants (K as [16-key block][dim/2][16], V as [key pair][dim]); query rows are
-// (token, head-of-the-group) pairs; per block of 16 tokens, an online softmax (flash-attention
-// style) runs over chunks of 256 keys: scores in fp32, probabilities rounded to bf16 for the P·V
-// products (as GPU flash attention does), the running max, sum and output in fp32.
+// (token, head-of-the-group) pairs; per block of 32 tokens, an online softmax (flash-attention
+// style) runs over chunks of 256 keys: scores in fp32, each probability split into two bf16 parts
+// (~16 significant bits) for the P·V products, the running max, sum and output in fp32.
 // Causal: token t of an n-token chunk over kv_len keys sees keys [0, kv_len - n + t].
 
 #include "common.h"
@@ -22,8 +22,6 @@
 using namespace tandem_cpu;
 
 namespace {
-
-bool supported_dim(int64_t dim) { return dim == 64 || dim == 128; }
 
 #ifdef TANDEM_EXTEND_BF16
 
@@ -227,7 +225,7 @@ void extend_attention(const Extend& a) {
 
 bool extend_attention_supported(int64_t dim) {
 #ifdef TANDEM_EXTEND_BF16
-  return supported_dim(dim);
+  return dim == 64 || dim == 128;   // the P.V tiles hold 4 x 4 or 2 x 8 accumulators
 #else
   (void)dim;
   return false;
@@ -239,7 +237,8 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &table}) check_cpu(*t, "every argument");
   TORCH_CHECK(extend_attention_supported(q.size(-1)),
               "paged_extend_attention needs AVX512-BF16 and a head dim of 64 or 128");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(0) >= 1, "q must be [tokens, heads, dim] with unit stride in dim");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(0) >= 1,
+              "q must be [tokens, heads, dim] with unit stride in dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous [pages, page_size, kv_heads, dim]");
@@ -248,7 +247,8 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_extend_attention is bf16 only");
-  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1 && table.is_contiguous(), "table must be int32 [pages]");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1 && table.is_contiguous(),
+              "table must be int32 [pages]");
   const int64_t page_size = k_cache.size(1);
   TORCH_CHECK(kv_len >= q.size(0) && kv_len <= table.size(0) * page_size, "kv_len ", kv_len, " outside [",
               q.size(0), ", ", table.size(0) * page_size, "]");

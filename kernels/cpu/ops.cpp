@@ -1,10 +1,10 @@
-// Fused CPU kernels for the decode hot path (see kernels/cpu/__init__.py for why and how they load).
+// Fused CPU kernels for the hot path (see kernels/cpu/__init__.py for why and how they load).
 //
 // Every kernel reads the model dtype (fp32, bf16 or fp16), computes in fp32 and rounds once where
 // the torch code it replaces rounds. Loops are written so that the compiler vectorises them
 // (`omp simd`, contiguous inner loops over the head or hidden dimension, GCC vector types);
-// `exp` is a polynomial (common.h). Attention lives in attention.cpp (decode) and extend.cpp (prefill). Threads: at::parallel_for,
-// i.e. the worker's torch threads.
+// `exp` is a polynomial (common.h). Attention lives in attention.cpp (decode) and extend.cpp
+// (prefill, bf16 pairs rather than fp32). Threads: at::parallel_for, i.e. the worker's torch threads.
 
 #include "common.h"
 

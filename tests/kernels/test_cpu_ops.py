@@ -128,7 +128,7 @@ def _extend_reference(q, k_cache, v_cache, table, kv_len, scale):
 @pytest.mark.parametrize("tokens,prefix", [(1, 0), (5, 0), (40, 0), (300, 0), (17, 23), (64, 300), (33, 1)])
 def test_extend_attention_matches_fp32_sdpa(extend_ops, heads, kv_heads, dim, tokens, prefix):
     """Prefill (no prefix), a later chunk or a prefix-cache hit (prefix > 0): several 256-key softmax
-    chunks, 16-token blocks with a partial last one, partial pages, pages in shuffled order."""
+    chunks, 32-token blocks with a partial last one, partial pages, pages in shuffled order."""
     page_size, kv_len = 16, prefix + tokens
     num_pages = -(-kv_len // page_size) + 3
     k_cache, v_cache = _cache(num_pages, page_size, kv_heads, dim, torch.bfloat16, seed=tokens)
