@@ -124,6 +124,9 @@ def test_decode_graphs_match_colocated_and_transformers(tiny_llama, reference, c
         outs = run_concurrently(stack, items)
         assert outs == colocated_outputs
         assert outs == hf_outs
+        # Whether the burst's tail shrinks to 4 rows before its last tokens depends on timing (under
+        # CI load it did not once); a request alone decodes at batch 1, from a graph.
+        assert run_concurrently(stack, items[:1]) == hf_outs[:1]
         assert stack.metric(stack.workers("decode")[0], "tandem_graph_steps_total") > 0
         assert stack.metric(stack.workers("prefill")[0], "tandem_graph_steps_total") == 0
     finally:
