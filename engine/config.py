@@ -37,7 +37,7 @@ class EngineConfig:
     mixed_chunk_itl_factor: float = 1.8
     # ... unless the queued prompts could then not all start before the oldest has waited this long
     # (seconds): the chunk grows to keep up (0: the ITL bound always holds). 1.5 s measured better
-    # than 1 s on the 256/64 sweep (docs/benchmarks.md: ITL p99/p50 <= 2 at every rate, same goodput).
+    # than 1 s on the 256/64 sweep (docs/benchmarks.md: ITL p99/p50 <= 2 at every rate, goodput within 2%).
     mixed_chunk_ttft_target_s: float = 1.5
     enable_prefix_cache: bool = True
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
