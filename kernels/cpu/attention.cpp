@@ -28,6 +28,18 @@ struct Decode {
         table_stride(tables_.stride(0)), q(q_.data_ptr<T>()), k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()),
         tables(tables_.data_ptr<int32_t>()), kv_lens(kv_lens_.data_ptr<int64_t>()), out(out_.data_ptr<T>()),
         scale(static_cast<float>(scale_)) {}
+
+  // fn(slot, j) for each key j < len of row r, in order; `slot` points at its kv_heads * dim values
+  // in `cache` (the K or the V pages).
+  template <typename Fn>
+  void for_each_slot(const T* cache, int64_t r, int64_t len, Fn&& fn) const {
+    const int32_t* table = tables + r * table_stride;
+    for (int64_t first = 0; first < len; first += page_size) {
+      const T* base = cache + table[first / page_size] * page_stride;
+      const int64_t count = std::min(page_size, len - first);
+      for (int64_t o = 0; o < count; ++o) fn(base + o * slot, first + o);
+    }
+  }
 };
 
 // scores[h * len + i] <- exp(score - max over i) for each head h; inv_sum[h] <- 1 / their sum.
@@ -56,48 +68,37 @@ void decode_attention_loop(const Decode<T>& a) {
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(a.heads * dim), acc(a.heads * dim), row(a.slot), scores, inv_sum(a.heads);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = a.kv_lens[r], pages = (len + a.page_size - 1) / a.page_size;
-      const int32_t* table = a.tables + r * a.table_stride;
+      const int64_t len = a.kv_lens[r];
       scores.resize(a.heads * len);
       for (int64_t hh = 0; hh < a.heads; ++hh) {
         const T* src = a.q + r * a.q_row + hh * a.q_head;
         for (int64_t d = 0; d < dim; ++d) qf[hh * dim + d] = to_f32(src[d]) * a.scale;
       }
-      for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = a.k + table[pi] * a.page_stride;
-        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
-        for (int64_t o = 0; o < count; ++o) {
-          const T* key = base + o * a.slot;
+      a.for_each_slot(a.k, r, len, [&](const T* key, int64_t j) {
 #pragma omp simd
-          for (int64_t i = 0; i < a.slot; ++i) row[i] = to_f32(key[i]);
-          for (int64_t hh = 0; hh < a.heads; ++hh) {
-            const float* qh = qf.data() + hh * dim;
-            const float* kh = row.data() + (hh / group) * dim;
-            float s = 0.f;
+        for (int64_t i = 0; i < a.slot; ++i) row[i] = to_f32(key[i]);
+        for (int64_t hh = 0; hh < a.heads; ++hh) {
+          const float* qh = qf.data() + hh * dim;
+          const float* kh = row.data() + (hh / group) * dim;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
-            scores[hh * len + first + o] = s;
-          }
+          for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
+          scores[hh * len + j] = s;
         }
-      }
+      });
       softmax_rows(scores.data(), a.heads, len, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = a.v + table[pi] * a.page_stride;
-        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
-        for (int64_t o = 0; o < count; ++o) {
-          const T* value = base + o * a.slot;
+      a.for_each_slot(a.v, r, len, [&](const T* value, int64_t j) {
 #pragma omp simd
-          for (int64_t i = 0; i < a.slot; ++i) row[i] = to_f32(value[i]);
-          for (int64_t hh = 0; hh < a.heads; ++hh) {
-            const float p = scores[hh * len + first + o];
-            const float* vh = row.data() + (hh / group) * dim;
-            float* ah = acc.data() + hh * dim;
+        for (int64_t i = 0; i < a.slot; ++i) row[i] = to_f32(value[i]);
+        for (int64_t hh = 0; hh < a.heads; ++hh) {
+          const float p = scores[hh * len + j];
+          const float* vh = row.data() + (hh / group) * dim;
+          float* ah = acc.data() + hh * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ah[d] += p * vh[d];
-          }
+          for (int64_t d = 0; d < dim; ++d) ah[d] += p * vh[d];
         }
-      }
+      });
       for (int64_t hh = 0; hh < a.heads; ++hh) {
         T* dst = a.out + r * a.out_row + hh * a.out_head;
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_f32<T>(acc[hh * dim + d] * inv_sum[hh]);
@@ -120,42 +121,33 @@ __attribute__((optimize("fp-contract=fast"))) void decode_attention_vec(const De
     std::vector<v16f> qv(a.heads * C), acc(a.heads * C);
     std::vector<float> scores, inv_sum(a.heads);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = a.kv_lens[r], pages = (len + a.page_size - 1) / a.page_size;
-      const int32_t* table = a.tables + r * a.table_stride;
+      const int64_t len = a.kv_lens[r];
       scores.resize(a.heads * len);
       for (int64_t hh = 0; hh < a.heads; ++hh)
         for (int c = 0; c < C; ++c) qv[hh * C + c] = load16(a.q + r * a.q_row + hh * a.q_head + 16 * c) * a.scale;
-      for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = a.k + table[pi] * a.page_stride;
-        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
-        for (int64_t o = 0; o < count; ++o) {
-          for (int64_t h = 0; h < a.kv_heads; ++h) {
-            v16f key[C];
-            for (int c = 0; c < C; ++c) key[c] = load16(base + o * a.slot + h * dim + 16 * c);
-            for (int64_t hh = h * group; hh < (h + 1) * group; ++hh) {
-              v16f t = qv[hh * C] * key[0];
-              for (int c = 1; c < C; ++c) t += qv[hh * C + c] * key[c];
-              scores[hh * len + first + o] = hsum(t);
-            }
+      a.for_each_slot(a.k, r, len, [&](const T* slot, int64_t j) {
+        for (int64_t h = 0; h < a.kv_heads; ++h) {
+          v16f key[C];
+          for (int c = 0; c < C; ++c) key[c] = load16(slot + h * dim + 16 * c);
+          for (int64_t hh = h * group; hh < (h + 1) * group; ++hh) {
+            v16f t = qv[hh * C] * key[0];
+            for (int c = 1; c < C; ++c) t += qv[hh * C + c] * key[c];
+            scores[hh * len + j] = hsum(t);
           }
         }
-      }
+      });
       softmax_rows(scores.data(), a.heads, len, inv_sum.data());
       for (auto& x : acc) x = v16f{};
-      for (int64_t pi = 0; pi < pages; ++pi) {
-        const T* base = a.v + table[pi] * a.page_stride;
-        const int64_t first = pi * a.page_size, count = std::min(a.page_size, len - first);
-        for (int64_t o = 0; o < count; ++o) {
-          for (int64_t h = 0; h < a.kv_heads; ++h) {
-            v16f value[C];
-            for (int c = 0; c < C; ++c) value[c] = load16(base + o * a.slot + h * dim + 16 * c);
-            for (int64_t hh = h * group; hh < (h + 1) * group; ++hh) {
-              const float p = scores[hh * len + first + o];
-              for (int c = 0; c < C; ++c) acc[hh * C + c] += p * value[c];
-            }
+      a.for_each_slot(a.v, r, len, [&](const T* slot, int64_t j) {
+        for (int64_t h = 0; h < a.kv_heads; ++h) {
+          v16f value[C];
+          for (int c = 0; c < C; ++c) value[c] = load16(slot + h * dim + 16 * c);
+          for (int64_t hh = h * group; hh < (h + 1) * group; ++hh) {
+            const float p = scores[hh * len + j];
+            for (int c = 0; c < C; ++c) acc[hh * C + c] += p * value[c];
           }
         }
-      }
+      });
       for (int64_t hh = 0; hh < a.heads; ++hh) {
         T* dst = a.out + r * a.out_row + hh * a.out_head;
         for (int c = 0; c < C; ++c) {
