@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.engine import prompts_of
-from bench.kernels import decode_context, make_case
+from bench.kernels import decode_context, extend_context, make_case
 from engine.attention.base import create_backend
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -70,23 +70,16 @@ def bench_attention(ops, rows: int, keys: int) -> dict:
 def bench_extend(ops, tokens: int, prefix: int) -> dict:
     """One layer's prefill/extend attention of `tokens` new tokens over `prefix` cached ones through
     the torch backend (SDPA in fp32) and with `paged_extend_attention` (bf16 pairs, AVX512-BF16)."""
-    from engine.forward_context import ForwardContext
-
     args = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
     pool, page_table, _ = make_case(1, prefix + tokens, args, torch.device("cpu"), seed=tokens + prefix)
     g = torch.Generator().manual_seed(tokens)
     q = torch.randn(tokens, HEADS, DIM, generator=g).bfloat16()
-    pos = torch.arange(prefix, prefix + tokens)
-    slots = page_table[0, pos // PAGE].to(torch.int64) * PAGE + pos % PAGE
     times = {}
     for name, cpu_ops in (("torch", None), ("kernel", ops)):
         backend = create_backend("torch", pool, HEADS, DIM)
         backend.cpu_ops = cpu_ops
-        ctx = ForwardContext(input_ids=torch.zeros(tokens, dtype=torch.int64), positions=pos, out_slots=slots,
-                             logits_indices=torch.tensor([tokens - 1]), page_table=page_table, q_lens=[tokens],
-                             prefix_lens=[prefix], kv_lens=[prefix + tokens], is_decode=False, attn=backend)
-        backend.prepare(ctx)
-        new_k, new_v = pool.k_slots(0)[slots].clone(), pool.v_slots(0)[slots].clone()
+        ctx = extend_context(pool, page_table, tokens, prefix, backend)
+        new_k, new_v = pool.k_slots(0)[ctx.out_slots].clone(), pool.v_slots(0)[ctx.out_slots].clone()
         times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx), n=10 if tokens > 512 else 30)
     return {"op": "extend_attention", "tokens": tokens, "prefix": prefix, "torch_ms": times["torch"],
             "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}

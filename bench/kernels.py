@@ -75,6 +75,23 @@ def decode_context(pool, page_table, batch: int, context: int, backend):
     return ctx
 
 
+def extend_context(pool, page_table, tokens: int, prefix: int, backend):
+    """A ForwardContext for sequence 0's `tokens` new tokens after `prefix` cached ones."""
+    from engine.forward_context import ForwardContext
+
+    device = page_table.device
+    ps = pool.spec.page_size
+    pos = torch.arange(prefix, prefix + tokens, device=device)
+    slots = page_table[0, pos // ps].to(torch.int64) * ps + pos % ps
+    ctx = ForwardContext(
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=device), positions=pos, out_slots=slots,
+        logits_indices=torch.tensor([tokens - 1], device=device), page_table=page_table[:1], q_lens=[tokens],
+        prefix_lens=[prefix], kv_lens=[prefix + tokens], is_decode=False, attn=backend,
+    )
+    backend.prepare(ctx)
+    return ctx
+
+
 def bench_case(batch: int, context: int, args, device: torch.device, peak: float | None) -> dict:
     import triton.testing
 
