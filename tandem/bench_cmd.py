@@ -17,6 +17,15 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers or inf, got {text!r}") from None
 
 
+def _priority_mix(text: str) -> tuple[tuple[int, float], ...]:
+    from bench.serve.datasets import parse_priority_mix
+
+    try:
+        return parse_priority_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt"],
@@ -31,6 +40,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts, their lengths and the arrival times")
+    g.add_argument("--priority-mix", type=_priority_mix, default=(),
+                   help="send each request a `priority` drawn from these classes in these proportions, "
+                        "PRIORITY:WEIGHT,... (e.g. 10:1,0:3: a quarter at 10); metrics are also "
+                        "reported per class (the server needs --enable-priority-scheduling to act on them)")
     g = p.add_argument_group("load")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -48,7 +61,8 @@ def _dataset(args: argparse.Namespace, default_prompts: int):
     return DatasetConfig(
         name=args.dataset_name, num_prompts=args.num_prompts or default_prompts, input_len=args.input_len,
         output_len=output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,
-        num_prefix_groups=args.num_prefix_groups, path=args.dataset_path, seed=args.seed)
+        num_prefix_groups=args.num_prefix_groups, path=args.dataset_path, seed=args.seed,
+        priority_mix=args.priority_mix)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -98,12 +98,14 @@ class OpenAIHTTPBackend:
             body["min_tokens"] = req.output_len
         elif mode == "hf-generation-config":
             body["generation_config"] = json.dumps({"min_new_tokens": req.output_len})
+        if req.priority is not None:
+            body["priority"] = req.priority  # Tandem's gateway, vLLM and SGLang all take it here
         body.update(self.cfg.extra_body)
         return body
 
     async def send(self, req: BenchRequest) -> RequestRecord:
         assert self._client is not None, "start() the backend first"
-        rec = RequestRecord(prompt_len=req.prompt_len, output_len=req.output_len)
+        rec = RequestRecord(prompt_len=req.prompt_len, output_len=req.output_len, priority=req.priority)
         events = 0
         usage_tokens: int | None = None
         rec.start = time.perf_counter()
@@ -184,7 +186,7 @@ class TandemGrpcBackend:
 
         sampling = generation_pb2.SamplingParams(max_tokens=req.output_len, temperature=self.cfg.temperature,
                                                  ignore_eos=self.cfg.force_output_len != "off")
-        msg = generation_pb2.GenerateRequest(model=self.cfg.model, sampling=sampling)
+        msg = generation_pb2.GenerateRequest(model=self.cfg.model, sampling=sampling, priority=req.priority or 0)
         if self.cfg.use_token_ids and req.prompt_ids is not None:
             msg.token_ids.ids.extend(req.prompt_ids)
         else:
@@ -195,7 +197,7 @@ class TandemGrpcBackend:
         import grpc
 
         assert self._stub is not None, "start() the backend first"
-        rec = RequestRecord(prompt_len=req.prompt_len, output_len=req.output_len)
+        rec = RequestRecord(prompt_len=req.prompt_len, output_len=req.output_len, priority=req.priority)
         msg = self.request(req)
         rec.start = time.perf_counter()
         try:

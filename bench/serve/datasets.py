@@ -10,6 +10,7 @@ fall back to decode / re-encode / trim until the count is exact.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,9 @@ class DatasetConfig:
     sharegpt_max_prompt_len: int = 1024
     sharegpt_max_total_len: int = 2048
     seed: int = 0
+    # (priority, share) classes: each request gets one priority, in these proportions (exact counts,
+    # shuffled with the seed); () sends none. See parse_priority_mix.
+    priority_mix: tuple[tuple[int, float], ...] = ()
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
@@ -199,7 +203,44 @@ def build_dataset(cfg: DatasetConfig, tok: Tokenizer) -> list[BenchRequest]:
         raise ValueError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(DATASETS)}")
     if cfg.num_prompts < 1:
         raise ValueError("num_prompts must be >= 1")
-    return DATASETS[cfg.name](cfg, tok)
+    return with_priorities(DATASETS[cfg.name](cfg, tok), cfg.priority_mix, cfg.seed)
+
+
+_PRIORITY_SEED_OFFSET = 20_000  # the classes' shuffle does not replay the prompts' random stream
+
+
+def parse_priority_mix(text: str) -> tuple[tuple[int, float], ...]:
+    """'10:1,0:3' -> ((10, 0.25), (0, 0.75)): priority values and their weights, normalised to shares."""
+    pairs: dict[int, float] = {}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        prio, sep, weight = part.partition(":")
+        try:
+            p, w = int(prio), float(weight) if sep else math.nan
+        except ValueError:
+            p, w = 0, math.nan
+        if not (sep and w > 0 and math.isfinite(w)):
+            raise ValueError(f"priority mix entries are PRIORITY:WEIGHT with an integer priority and a "
+                             f"weight > 0, e.g. 10:1,0:3; got {part!r}")
+        if p in pairs:
+            raise ValueError(f"priority {p} appears twice in the priority mix {text!r}")
+        pairs[p] = w
+    total = sum(pairs.values())
+    return tuple((p, w / total) for p, w in pairs.items())
+
+
+def with_priorities(reqs: list[BenchRequest], mix: Sequence[tuple[int, float]], seed: int) -> list[BenchRequest]:
+    """`reqs` with priorities in `mix`'s proportions: exact counts (largest remainder), in an order
+    shuffled with `seed`, so the classes interleave through the arrival schedule."""
+    if not mix:
+        return reqs
+    n = len(reqs)
+    counts = [math.floor(share * n) for _, share in mix]
+    by_rest = sorted(range(len(mix)), key=lambda i: (-(mix[i][1] * n - counts[i]), i))
+    for i in by_rest[:n - sum(counts)]:
+        counts[i] += 1
+    prios = [p for (p, _), k in zip(mix, counts, strict=True) for _ in range(k)]
+    random.Random(seed + _PRIORITY_SEED_OFFSET).shuffle(prios)
+    return [dataclasses.replace(r, priority=p) for r, p in zip(reqs, prios, strict=True)]
 
 
 def describe(reqs: Sequence[BenchRequest]) -> str:

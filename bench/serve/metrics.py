@@ -176,6 +176,31 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: SL
     )
 
 
+def metrics_by_priority(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SLO(),
+                        percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[int, BenchMetrics]:
+    """One `BenchMetrics` per priority class over the same window, most urgent-looking (highest
+    value) first; {} when the workload sent no priorities."""
+    classes = sorted({r.priority for r in records if r.priority is not None}, reverse=True)
+    return {p: compute_metrics([r for r in records if r.priority == p], duration_s, slo, percentiles)
+            for p in classes}
+
+
+def format_priority_summary(by_priority: dict[int, BenchMetrics]) -> str:
+    """A line per class: requests, goodput, TTFT and E2E p50, and TTFT p50 against the last
+    (lowest-valued) class's."""
+    if not by_priority:
+        return ""
+    base = list(by_priority.values())[-1].ttft.percentiles.get("p50", float("nan"))
+    lines = []
+    for p, m in by_priority.items():
+        ttft = m.ttft.percentiles.get("p50", float("nan"))
+        rel = ttft / base if base > 0 else float("nan")
+        lines.append(f"priority {p:>4d}: {m.completed:>4d} ok, {m.failed} failed, goodput {m.goodput:.3f}, "
+                     f"TTFT p50 {ttft:.1f} ms ({rel:.2f}x the lowest class), "
+                     f"E2E p50 {m.e2e.percentiles.get('p50', float('nan')):.1f} ms")
+    return "\n".join(lines)
+
+
 def format_summary(m: BenchMetrics, title: str) -> str:
     """A human-readable block for the terminal."""
     rows = [

@@ -18,6 +18,7 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     prompt_ids: tuple[int, ...] | None = None
+    priority: int | None = None          # sent as the request's `priority` when set (--priority-mix)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class RequestRecord:
     cached_tokens: int = 0               # prompt tokens the server reports as served from its prefix cache
     success: bool = False
     error: str = ""
+    priority: int | None = None          # the request's priority class, if the workload sets one
 
     @property
     def ttft(self) -> float | None:
@@ -65,6 +67,7 @@ class RequestRecord:
             "sent_ms": round((self.start - t0) * ms, 3),
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
+            "priority": self.priority,
             "output_tokens": self.output_tokens,
             "cached_tokens": self.cached_tokens,
             "success": self.success,

@@ -21,7 +21,15 @@ from pathlib import Path
 from bench.serve import plots
 from bench.serve.backends import BackendConfig, make_backend
 from bench.serve.datasets import DatasetConfig, build_dataset, describe, load_tokenizer
-from bench.serve.metrics import DEFAULT_PERCENTILES, SLO, BenchMetrics, compute_metrics, format_summary
+from bench.serve.metrics import (
+    DEFAULT_PERCENTILES,
+    SLO,
+    BenchMetrics,
+    compute_metrics,
+    format_priority_summary,
+    format_summary,
+    metrics_by_priority,
+)
 from bench.serve.runner import LoadConfig, run_load
 
 log = logging.getLogger(__name__)
@@ -53,9 +61,12 @@ class RateRun:
     request_rate: float
     metrics: BenchMetrics
     records: list[dict]                  # RequestRecord.to_dict()
+    by_priority: dict[int, BenchMetrics] = field(default_factory=dict)  # per class (--priority-mix)
 
     def to_dict(self, save_requests: bool) -> dict:
         d = {"request_rate": plots.rate_label(self.request_rate), "metrics": self.metrics.to_dict()}
+        if self.by_priority:
+            d["by_priority"] = {str(p): m.to_dict() for p, m in self.by_priority.items()}
         if save_requests:
             d["requests"] = self.records
         return d
@@ -85,7 +96,10 @@ async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
             conc = f", max concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
             echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}request rate "
                                           f"{plots.rate_label(rate)} req/s, burstiness {cfg.burstiness:g}{conc}"))
-            runs.append(RateRun(rate, metrics, [r.to_dict(result.t0) for r in result.records]))
+            by_priority = metrics_by_priority(result.records, result.duration_s, cfg.slo, cfg.percentiles)
+            if by_priority:
+                echo(format_priority_summary(by_priority))
+            runs.append(RateRun(rate, metrics, [r.to_dict(result.t0) for r in result.records], by_priority))
         return runs
     finally:
         await backend.close()

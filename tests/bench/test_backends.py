@@ -110,6 +110,18 @@ def test_force_output_len_modes(mode, expected):
     assert body["top_k"] == 1
 
 
+def test_priority_is_sent_only_when_the_workload_sets_one():
+    backend = OpenAIHTTPBackend(BackendConfig(base_url="http://x"))
+    assert "priority" not in backend.body(REQ)
+    assert backend.body(BenchRequest(prompt="a", prompt_len=1, output_len=1, priority=-3))["priority"] == -3
+    rec, seen = run_http(sse(completion("a"), "[DONE]"), req=BenchRequest(prompt="a", prompt_len=1, output_len=1,
+                                                                            priority=7))
+    assert seen["body"]["priority"] == 7 and rec.priority == 7
+    grpc_backend = TandemGrpcBackend(BackendConfig(base_url="127.0.0.1:1"))
+    assert grpc_backend.request(BenchRequest(prompt="a", prompt_len=1, output_len=1, priority=5)).priority == 5
+    assert grpc_backend.request(REQ).priority == 0
+
+
 def test_chat_endpoint():
     chunks = sse({"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [{"delta": {"content": "hi"}}]},
                  {"choices": [{"delta": {"content": " there"}}]}, {"choices": [{"delta": {}, "finish_reason": "length"}]},

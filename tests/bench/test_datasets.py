@@ -96,3 +96,29 @@ def test_load_tokenizer_from_file_and_folder(tok, tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     for where in (tmp_path, tmp_path / "tokenizer.json"):
         assert load_tokenizer(str(where)).get_vocab_size() == tok.get_vocab_size()
+
+
+def test_priority_mix_parses_weights_into_shares():
+    from bench.serve.datasets import parse_priority_mix
+
+    assert parse_priority_mix("10:1,0:3") == ((10, 0.25), (0, 0.75))
+    assert parse_priority_mix(" -5:2 ") == ((-5, 1.0),)
+    assert parse_priority_mix("") == ()
+    for bad in ("10", "x:1", "10:0", "10:-1", "10:nan", "1:1,1:2", "1.5:1"):
+        with pytest.raises(ValueError, match="priority"):
+            parse_priority_mix(bad)
+
+
+def test_priority_mix_exact_counts_shuffled_and_deterministic(tok):
+    from bench.serve.datasets import parse_priority_mix
+
+    cfg = DatasetConfig(name="random", num_prompts=10, input_len=8, output_len=2, seed=4,
+                        priority_mix=parse_priority_mix("10:1,0:2"))
+    reqs = build_dataset(cfg, tok)
+    prios = [r.priority for r in reqs]
+    assert sorted(prios).count(10) == 3 and prios.count(0) == 7   # 10/3 = 3.33 and 6.67 -> 3 and 7
+    assert prios != sorted(prios, reverse=True)                   # interleaved, not the high class first
+    assert [r.priority for r in build_dataset(cfg, tok)] == prios
+    plain = build_dataset(DatasetConfig(name="random", num_prompts=10, input_len=8, output_len=2, seed=4), tok)
+    assert [r.prompt_ids for r in plain] == [r.prompt_ids for r in reqs]   # same prompts, priorities added
+    assert all(r.priority is None for r in plain)

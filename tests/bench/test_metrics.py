@@ -5,7 +5,15 @@ import random
 import numpy as np
 import pytest
 
-from bench.serve.metrics import SLO, LatencyStats, compute_metrics, format_summary, percentile
+from bench.serve.metrics import (
+    SLO,
+    LatencyStats,
+    compute_metrics,
+    format_priority_summary,
+    format_summary,
+    metrics_by_priority,
+    percentile,
+)
 from bench.serve.records import RequestRecord
 
 
@@ -151,3 +159,18 @@ def test_cached_token_ratio_counts_successful_requests_only():
     m = compute_metrics([a, b, failed], duration_s=1.0)
     assert m.cached_token_ratio == pytest.approx(0.2)
     assert "Cached prompt tokens (reported)" in format_summary(m, "x")
+
+
+def test_metrics_by_priority_class_over_the_same_window():
+    recs = records()
+    assert metrics_by_priority(recs, 4.0) == {} and format_priority_summary({}) == ""
+    for r, p in zip(recs, (0, 10, 0, 10), strict=True):
+        r.priority = p
+    by = metrics_by_priority(recs, 4.0, SLO(ttft=0.25))
+    assert list(by) == [10, 0]                           # highest value first
+    assert by[10].completed == 1 and by[10].failed == 1 and by[10].ttft.percentiles["p50"] == pytest.approx(500)
+    assert by[0].completed == 2 and by[0].ttft.percentiles["p50"] == pytest.approx(150)
+    assert by[0].good_requests == 2 and by[0].goodput == pytest.approx(0.5)   # A and C (100, 200 ms) within 250 ms
+    assert by[10].duration_s == by[0].duration_s == 4.0
+    text = format_priority_summary(by)
+    assert "priority   10" in text and "3.33x the lowest class" in text and "1.00x" in text

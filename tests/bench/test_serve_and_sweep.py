@@ -50,6 +50,24 @@ def test_serve_command_writes_json_and_plots(tokenizer_dir, tmp_path):
     assert out.with_suffix(".cdf.png").stat().st_size > 0 and out.with_suffix(".rates.png").stat().st_size > 0
 
 
+def test_serve_command_sends_a_priority_mix_and_reports_each_class(tokenizer_dir, tmp_path, capsys):
+    out = tmp_path / "prio.json"
+    with FakeServer(gap=0.001) as fake:
+        rc = cli("serve", "--backend", "tandem-grpc", "--base-url", f"127.0.0.1:{fake.port}",
+                 "--model", str(tokenizer_dir), "--num-prompts", "8", "--input-len", "6", "--output-len", "2",
+                 "--num-warmups", "0", "--priority-mix", "9:1,0:3", "--out", str(out), "--no-progress", "--no-plot")
+        sent = sorted(r.priority for r in fake.servicer.requests)
+    assert rc == 0 and sent == [0] * 6 + [9] * 2
+    run = json.loads(out.read_text())["runs"][0]
+    assert list(run["by_priority"]) == ["9", "0"]
+    assert run["by_priority"]["9"]["completed"] == 2 and run["by_priority"]["0"]["completed"] == 6
+    assert sorted(r["priority"] for r in run["requests"]) == sent
+    assert "priority    9:    2 ok" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli("serve", "--priority-mix", "9:0", "--model", str(tokenizer_dir))
+    assert exit_.value.code == 2 and "weight > 0" in capsys.readouterr().err
+
+
 def test_serve_command_reports_failures(tokenizer_dir, tmp_path, capsys):
     rc = cli("serve", "--backend", "tandem-grpc", "--base-url", "127.0.0.1:9", "--model", str(tokenizer_dir),
              "--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--num-warmups", "0", "--no-progress",
