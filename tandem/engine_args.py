@@ -36,8 +36,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound a mixed step's prefill chunk so that the step takes at most this many times a "
                         "decode step, from measured step times (0: only --chunked-prefill-size bounds it)")
     p.add_argument("--mixed-chunk-ttft-target", type=float, default=d.mixed_chunk_ttft_target_s,
-                   help="seconds: when the queued prompts could not all start before the oldest has waited this "
-                        "long, a mixed step's chunk grows beyond the ITL bound to keep up (0: never)")
+                   help="seconds: a mixed step's chunk grows beyond the ITL bound just enough for every queued "
+                        "prompt to get its first token within this long of its arrival; a prompt that no longer "
+                        "can is finished in the next step (0: never)")
     _on_off(p, "overlap-schedule", d.enable_overlap_schedule,
             "plan and prepare step N+1 while step N's forward pass runs (default: on for CUDA, off for CPU, "
             "where both would share the same cores)",

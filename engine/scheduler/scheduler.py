@@ -139,27 +139,32 @@ class Scheduler:
                 self.running.append(req)
 
     def _ttft_budget(self, decode_rows: int, cap: int) -> int:
-        """Chunk tokens per mixed step that would prefill every queued prompt before the oldest one
-        still waiting for its first token has waited `mixed_chunk_ttft_target_s`, by the fitted step
-        costs (n steps of k tokens: n·k = queued tokens, n·(decode + c·k) = time left). Under load
-        the ITL bound gives way rather than let the queue grow without end. The decode time this
-        plan leaves (`spare`) is floored at half the target: a queue already late is cleared over
-        the next half target in even chunks, not in one step that stalls every running stream (a
-        proportional catch-up: the chunk grows with the queue). 0 when nothing waits for a first
-        token or the target is off."""
+        """Chunk tokens per mixed step that give every queued prompt its first token within
+        `mixed_chunk_ttft_target_s` of its arrival, by the fitted step costs (0 when nothing waits
+        for a first token, or the target is off). Prompts are taken in the order the budget serves
+        them (`prefill_order`): the i-th is done once the `T_i` tokens of those before it and its
+        own are computed, in n steps of k tokens with n·k = T_i and n·(decode + c·k) = `left_i`,
+        the time it has left; so k ≥ T_i·decode / (left_i − c·T_i), and the chunk is the largest
+        such k over the queue. Under load the ITL bound gives way before a prompt misses the
+        target. A prompt that cannot make it any more (not even in one step) is finished in this
+        step with everything ahead of it, as without mixed chunks, which keeps its lateness as
+        small as it can be; the prompts behind it keep their own deadlines."""
         target = self.cfg.mixed_chunk_ttft_target_s
-        queued = [*self.prefilling, *self.waiting]
-        first = [r.arrival for r in queued if not r.output_ids]
-        coef = self.cost.coefficients() if target and first else None
+        coef = self.cost.coefficients() if target and (self.prefilling or self.waiting) else None
         if coef is None:
             return 0
         a, b, c = coef
         decode = a + b * decode_rows
         if decode <= 0 or c <= 0:
             return 0
-        tokens = sum(r.fill_len - r.num_computed if r.slot is not None else len(r.all_ids) for r in queued)
-        spare = max(target - (monotonic() - min(first)) - c * tokens, target / 2)
-        return min(cap, math.ceil(tokens * decode / spare))
+        now, need, done = monotonic(), 0, 0
+        for r in self.prefill_order.order(self.prefilling, self.waiting, self.policy, now):
+            done += r.fill_len - r.num_computed if r.slot is not None else len(r.all_ids)
+            if r.output_ids:
+                continue  # retracted after its first token: no TTFT left to keep
+            left = r.arrival + target - now - c * done
+            need = max(need, done if left <= decode else math.ceil(done * decode / left))
+        return min(cap, need)
 
     def _reserved_pages(self, reqs: Iterable[Request]) -> int:
         ps = self.cfg.page_size

@@ -148,14 +148,18 @@ def test_ttft_target_grows_the_chunk_when_the_queue_would_miss_it(monkeypatch):
     (k,) = [len(q.input_ids) for q in b.seqs if q.req.rid == "young"]
     assert 5 <= k <= 7      # (the ridge-regularised fit is within a few % of the pinned costs)
     finish_step(s, b)
-    now[0] += 0.2           # past the target, and a burst of 200 tokens more: the queue is cleared over
-    burst = req("burst", 200)   # the next half target (100 ms) in even chunks, never in one stalling step
+    now[0] += 0.2           # young is past the target: it is finished in this step, as it would be
+    burst = req("burst", 100)   # without mixed chunks; a prompt arriving now keeps its own deadline
     burst.arrival = now[0]
     s.add(burst)
     pinned(s)
     b = s.schedule()
-    chunk = sum(len(q.input_ids) for q in b.seqs if q.req.rid in ("young", "burst"))
-    assert 23 <= chunk <= 27    # ceil(249 tokens x 10 ms / 100 ms), far below the cap of 63
+    assert {q.req.rid: len(q.input_ids) for q in b.seqs if q.req.rid != "a"} == {"young": 60 - 5 - k}
+    finish_step(s, b)
+    pinned(s)
+    b = s.schedule()        # 100 tokens (100 ms) by its deadline 200 ms away: 100 ms for the decode
+    (k,) = [len(q.input_ids) for q in b.seqs if q.req.rid == "burst"]   # parts, 10-15 ms each (one or
+    assert 10 <= k <= 16    # two rows in the fit): 10-15 tokens a step, not one stalling step of 100
 
 
 def test_ttft_target_off_keeps_the_itl_bound(monkeypatch):
