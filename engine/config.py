@@ -32,12 +32,14 @@ class EngineConfig:
     chunked_prefill_size: int = 2048      # max tokens per step: prefill chunks + (mixed) decode rows
     # A step may carry prefill chunks beside one token of every running request (SGLang's mixed
     # chunk); the chunk is then also bounded so that the step takes at most `mixed_chunk_itl_factor`
-    # x a pure decode step (0: no bound beyond chunked_prefill_size).
+    # x a pure decode step (0: no bound beyond chunked_prefill_size). 1.5 measured better than 1.8
+    # on the 256/64 load (docs/benchmarks.md): decode steps alone already spread to ~1.7x their
+    # median at p98 on a shared core, so 1.8x mixed steps put ITL p99/p50 above 2.
     enable_mixed_chunk: bool = True
-    mixed_chunk_itl_factor: float = 1.8
-    # ... unless the queued prompts could then not all start before the oldest has waited this long
-    # (seconds): the chunk grows to keep up (0: the ITL bound always holds). 1.5 s measured better
-    # than 1 s on the 256/64 sweep (docs/benchmarks.md: ITL p99/p50 <= 2 at every rate, goodput within 2%).
+    mixed_chunk_itl_factor: float = 1.5
+    # ... unless a queued prompt could then not get its first token within this many seconds of its
+    # arrival: the chunk grows just enough for every queued prompt to make it, and a prompt that no
+    # longer can is finished in the next step (0: the ITL bound always holds).
     mixed_chunk_ttft_target_s: float = 1.5
     enable_prefix_cache: bool = True
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
