@@ -51,38 +51,37 @@ def median_ms(fn, n: int = 50) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_attention(ops, rows: int, keys: int) -> dict:
-    """One layer's attention for `rows` decode rows of `keys` keys through the torch backend, as a step
-    runs it (KV write included), without and with the kernel; pages in random order (bench.kernels)."""
-    args = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
-    pool, page_table, q = make_case(rows, keys, args, torch.device("cpu"), seed=rows * keys)
+CASE = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
+
+
+def time_backends(ops, pool, q, make_ctx, n: int = 50) -> dict:
+    """One layer's attention through the torch backend as a step runs it (KV write included), without
+    and with the kernels; `make_ctx(backend)` builds the step's ForwardContext."""
     times = {}
     for name, cpu_ops in (("torch", None), ("kernel", ops)):
         backend = create_backend("torch", pool, HEADS, DIM)
         backend.cpu_ops = cpu_ops
-        ctx = decode_context(pool, page_table, rows, keys, backend)
+        ctx = make_ctx(backend)
         new_k, new_v = pool.k_slots(0)[ctx.out_slots].clone(), pool.v_slots(0)[ctx.out_slots].clone()
-        times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx))
-    return {"op": "decode_attention", "rows": rows, "keys": keys, "torch_ms": times["torch"],
-            "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
+        times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx), n)
+    return {"torch_ms": times["torch"], "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
+
+
+def bench_attention(ops, rows: int, keys: int) -> dict:
+    """Decode attention for `rows` rows of `keys` keys; pages in random order (bench.kernels)."""
+    pool, page_table, q = make_case(rows, keys, CASE, torch.device("cpu"), seed=rows * keys)
+    times = time_backends(ops, pool, q, lambda backend: decode_context(pool, page_table, rows, keys, backend))
+    return {"op": "decode_attention", "rows": rows, "keys": keys, **times}
 
 
 def bench_extend(ops, tokens: int, prefix: int) -> dict:
-    """One layer's prefill/extend attention of `tokens` new tokens over `prefix` cached ones through
-    the torch backend (SDPA in fp32) and with `paged_extend_attention` (bf16 pairs, AVX512-BF16)."""
-    args = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
-    pool, page_table, _ = make_case(1, prefix + tokens, args, torch.device("cpu"), seed=tokens + prefix)
-    g = torch.Generator().manual_seed(tokens)
-    q = torch.randn(tokens, HEADS, DIM, generator=g).bfloat16()
-    times = {}
-    for name, cpu_ops in (("torch", None), ("kernel", ops)):
-        backend = create_backend("torch", pool, HEADS, DIM)
-        backend.cpu_ops = cpu_ops
-        ctx = extend_context(pool, page_table, tokens, prefix, backend)
-        new_k, new_v = pool.k_slots(0)[ctx.out_slots].clone(), pool.v_slots(0)[ctx.out_slots].clone()
-        times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx), n=10 if tokens > 512 else 30)
-    return {"op": "extend_attention", "tokens": tokens, "prefix": prefix, "torch_ms": times["torch"],
-            "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
+    """Prefill/extend attention of `tokens` new tokens over `prefix` cached ones: SDPA in fp32 against
+    `paged_extend_attention` (bf16 pairs, AVX512-BF16)."""
+    pool, page_table, _ = make_case(1, prefix + tokens, CASE, torch.device("cpu"), seed=tokens + prefix)
+    q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    times = time_backends(ops, pool, q, lambda backend: extend_context(pool, page_table, tokens, prefix, backend),
+                          n=10 if tokens > 512 else 30)
+    return {"op": "extend_attention", "tokens": tokens, "prefix": prefix, **times}
 
 
 def bench_norm_rope(ops, tokens: int) -> list[dict]:
