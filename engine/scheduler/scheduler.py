@@ -111,11 +111,12 @@ class Scheduler:
             decode = self._schedule_decode()
             cap = self.cfg.chunked_prefill_size - len(decode.seqs)
             budget = self.cost.prefill_budget(self.cfg.mixed_chunk_itl_factor, len(decode.seqs), self.cfg.page_size, cap)
-            budget = max(budget, self._ttft_budget(len(decode.seqs), cap))
-            prefill = self._schedule_prefill(budget)
+            queue = self._prefill_queue()
+            budget = max(budget, self._ttft_budget(queue, len(decode.seqs), cap))
+            prefill = self._schedule_prefill(queue, budget)
             batch = StepBatch((prefill.seqs if prefill else []) + decode.seqs)
         else:
-            batch = self._schedule_prefill(self.cfg.chunked_prefill_size)
+            batch = self._schedule_prefill(self._prefill_queue(), self.cfg.chunked_prefill_size)
             if batch is None and self.running:
                 batch = self._schedule_decode()
         if batch is None or not batch.seqs:
@@ -138,19 +139,23 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
 
-    def _ttft_budget(self, decode_rows: int, cap: int) -> int:
+    def _prefill_queue(self) -> list[Request]:
+        """Prefilling and waiting requests in the order they are offered a step's prefill budget."""
+        return self.prefill_order.order(self.prefilling, self.waiting, self.policy, monotonic())
+
+    def _ttft_budget(self, queue: list[Request], decode_rows: int, cap: int) -> int:
         """Chunk tokens per mixed step that give every queued prompt its first token within
         `mixed_chunk_ttft_target_s` of its arrival, by the fitted step costs (0 when nothing waits
-        for a first token, or the target is off). Prompts are taken in the order the budget serves
-        them (`prefill_order`): the i-th is done once the `T_i` tokens of those before it and its
-        own are computed, in n steps of k tokens with n·k = T_i and n·(decode + c·k) = `left_i`,
+        for a first token, or the target is off). Prompts are taken in `queue`, the order the budget
+        serves them: the i-th is done once the `T_i` tokens of those before it and its own are
+        computed, in n steps of k tokens with n·k = T_i and n·(decode + c·k) = `left_i`,
         the time it has left; so k ≥ T_i·decode / (left_i − c·T_i), and the chunk is the largest
         such k over the queue. Under load the ITL bound gives way before a prompt misses the
         target. A prompt that cannot make it any more (not even in one step) is finished in this
         step with everything ahead of it, as without mixed chunks, which keeps its lateness as
         small as it can be; the prompts behind it keep their own deadlines."""
         target = self.cfg.mixed_chunk_ttft_target_s
-        coef = self.cost.coefficients() if target and (self.prefilling or self.waiting) else None
+        coef = self.cost.coefficients() if target and queue else None
         if coef is None:
             return 0
         a, b, c = coef
@@ -158,7 +163,7 @@ class Scheduler:
         if decode <= 0 or c <= 0:
             return 0
         now, need, done = monotonic(), 0, 0
-        for r in self.prefill_order.order(self.prefilling, self.waiting, self.policy, now):
+        for r in queue:
             done += r.fill_len - r.num_computed if r.slot is not None else len(r.all_ids)
             if r.output_ids:
                 continue  # retracted after its first token: no TTFT left to keep
@@ -170,10 +175,10 @@ class Scheduler:
         ps = self.cfg.page_size
         return sum(pages_for(int(r.remaining_tokens * self.new_token_ratio), ps) for r in reqs)
 
-    def _schedule_prefill(self, budget: int) -> StepBatch | None:
+    def _schedule_prefill(self, queue: list[Request], budget: int) -> StepBatch | None:
         seqs: list[SeqStep] = []
         admitting = True  # after one waiting request did not fit, admit none behind it this step
-        for req in self.prefill_order.order(self.prefilling, self.waiting, self.policy, monotonic()):
+        for req in queue:
             if budget <= 0:
                 break
             if req.status is RequestStatus.WAITING:
