@@ -106,6 +106,7 @@ def test_rope_is_bit_identical_to_the_torch_code(ops, dtype):
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, : 9 * 64].view(7, 9, 64), want_q)    # rotated where it lies
 
+
 @pytest.fixture(scope="module")
 def extend_ops(ops):
     if not ops.extend_attention_supported(64):
