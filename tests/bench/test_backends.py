@@ -63,8 +63,11 @@ def test_completions_stream_timing_and_usage():
     assert seen["body"]["ignore_eos"] is True and seen["body"]["temperature"] == 0.0
     assert rec.success and rec.output_tokens == 3
     assert len(rec.token_times) == 3                 # the finish-only chunk is not a token
-    assert rec.ttft == pytest.approx(0.02, abs=0.015)
-    assert all(x == pytest.approx(0.02, abs=0.015) for x in rec.itl)
+    # The mock server sleeps 20 ms before each chunk, and the client pulls chunks one by one, so no
+    # gap is shorter (5 ms of timer slack); the upper bound only catches a wrong clock (a busy 2-core
+    # machine adds tens of ms: the ±15 ms bound once failed under CI load).
+    assert 0.015 <= rec.ttft < 1.0
+    assert len(rec.itl) == 2 and all(0.015 <= x < 1.0 for x in rec.itl)
     assert rec.e2e >= rec.token_times[-1] - rec.start
 
 
