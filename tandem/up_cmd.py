@@ -94,6 +94,8 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     out += _token_file_flag(args) + tls_argv(args)
     if args.profile_dir is not None:
         out += ["--profile-dir", args.profile_dir]
+    if args.step_trace_dir is not None:
+        out += ["--step-trace-dir", args.step_trace_dir]
     out += ["--peer-probe-interval", str(args.peer_probe_interval)]
     if args.fault_inject:
         out += ["--fault-inject", args.fault_inject]

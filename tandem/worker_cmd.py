@@ -62,6 +62,10 @@ def add_observability_arguments(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="where `POST /profile?steps=N` on the metrics port writes torch.profiler Chrome traces "
                         "(default: $TANDEM_CACHE_DIR/profiles, else ~/.cache/tandem/profiles)")
+    p.add_argument("--step-trace-dir", default=None, metavar="DIR",
+                   help="append one JSON line per forward pass (end time, kind, decode rows, prefill tokens, "
+                        "seconds) to DIR/<worker id>.jsonl; `python -m bench.sched_sim` fits its step costs to "
+                        "these (default: off)")
 
 
 def add_fault_arguments(p: argparse.ArgumentParser, d) -> None:
@@ -119,7 +123,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         watchdog_timeout_s=args.watchdog_timeout,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
         require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,
-        log_stats_interval_s=args.log_stats_interval, faults=faults, peer_probe_s=args.peer_probe_interval,
+        step_trace_dir=args.step_trace_dir, log_stats_interval_s=args.log_stats_interval, faults=faults, peer_probe_s=args.peer_probe_interval,
         auth=auth,
     )
     return run_worker(engine_config_from_args(args), wcfg)

@@ -37,6 +37,7 @@ class WorkerConfig:
     cpu_cores: tuple[int, ...] | None = None  # pin the process to these cores (None: not pinned)
     profile_dir: str | None = None      # where POST /profile writes traces (None: <cache dir>/profiles)
     log_stats_interval_s: float = 5.0   # busy log line period; 0: off
+    step_trace_dir: str | None = None   # one JSON line per step in <dir>/<worker id>.jsonl (None: off)
     faults: FaultConfig = FaultConfig()  # --fault-inject (tests and chaos drills); default: none
     peer_probe_s: float = 1.0           # liveness probe period of the peers a worker has rooms with; 0: off
     # Identity of this process start, drawn once when the config is built (a restarted container gets

@@ -37,7 +37,7 @@ from services.worker.peers import PeerMonitor
 from services.worker.profiler import StepProfiler
 from services.worker.rdma import preflight
 from services.worker.spec_metrics import SpecMetrics
-from services.worker.step_stats import StepStats
+from services.worker.step_stats import StepStats, StepTrace
 from services.worker.watchdog import Watchdog
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -103,7 +103,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     # Model loading takes seconds: run it off the event loop so signals are still handled.
     parts: RoleParts = await asyncio.to_thread(_build_sync, engine_cfg, wcfg, loop)
     engine = parts.engine
-    stats = StepStats(engine.runner, parts.worker.load, wcfg.id, wcfg.log_stats_interval_s)
+    trace = StepTrace(wcfg.step_trace_dir, wcfg.id) if wcfg.step_trace_dir else None
+    stats = StepStats(engine.runner, parts.worker.load, wcfg.id, wcfg.log_stats_interval_s, trace=trace)
     profiler = StepProfiler(wcfg.profile_dir or default_cache_dir() / "profiles", wcfg.id)
     # The watchdog sees a step first, so that everything after it (an injected hang too) is timed.
     watchdog = Watchdog(wcfg.watchdog_timeout_s) if wcfg.watchdog_timeout_s > 0 else None
@@ -172,6 +173,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     if watchdog is not None:
         watchdog.stop()
     parts.close()
+    stats.close()
     log.info("%s %s stopped", wcfg.role, wcfg.id)
     return 1 if engine_loop.failed else 0
 

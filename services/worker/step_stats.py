@@ -1,4 +1,5 @@
-"""What each forward pass did, as Prometheus metrics and a periodic log line while the worker is busy.
+"""What each forward pass did, as Prometheus metrics, a periodic log line while the worker is busy and,
+with `--step-trace-dir`, one JSON line per step (what `bench/sched_sim.py` fits its step costs to).
 
 Runs on the engine thread right after each step (`EngineLoop` observers): the step's wall time comes
 from the loop's perf_counter around it (no device sync is added), its shape from the `StepBatch` the
@@ -7,10 +8,12 @@ model runner last ran. Torch-free.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.worker import metrics
 
@@ -44,6 +47,27 @@ def shape_of(batch) -> StepShape:
     return StepShape(kind, len(batch.seqs), prefill, decode)
 
 
+class StepTrace:
+    """Appends one JSON line per forward pass to `<dir>/<worker id>.jsonl`: `end` (wall-clock seconds,
+    so the traces of several workers line up), `kind`, `decode_tokens` (one per decode row, plus its
+    drafts when speculating), `prefill_tokens`,
+    `seconds`. Line-buffered, so a trace read while the worker runs is whole up to its last step."""
+
+    def __init__(self, directory: str | Path, name: str):
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / f"{name.replace('/', '_')}.jsonl"
+        self._f = self.path.open("a", buffering=1)
+
+    def write(self, shape: StepShape, elapsed_s: float) -> None:
+        line = {"end": round(time.time(), 6), "kind": shape.kind, "decode_tokens": shape.decode_tokens,
+                "prefill_tokens": shape.prefill_tokens, "seconds": round(elapsed_s, 6)}
+        self._f.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
 @dataclass
 class _Window:
     """Steps since the last log line."""
@@ -60,11 +84,12 @@ class StepStats:
     """Engine-thread step observer. `runner` is the model runner (its `last_batch` is the batch its
     latest forward pass ran); `load()` returns the worker's `WorkerLoad` (running, waiting, pages).
     Every `log_interval_s` of busy time one INFO line is logged; a worker with no steps logs nothing
-    (0 turns the line off; the metrics stay)."""
+    (0 turns the line off; the metrics stay). `trace`: also write every step to it."""
 
     def __init__(self, runner, load: Callable[[], object], name: str, log_interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, trace: StepTrace | None = None):
         self.runner = runner
+        self.trace = trace
         self.load = load
         self.name = name
         self.log_interval_s = log_interval_s
@@ -85,6 +110,8 @@ class StepStats:
         metrics.STEP_TIME.labels(shape.kind).observe(elapsed_s)
         metrics.STEP_BATCH_SIZE.labels(shape.kind).observe(shape.num_seqs)
         metrics.STEP_TOKENS.labels(shape.kind).observe(shape.num_tokens)
+        if self.trace is not None:
+            self.trace.write(shape, elapsed_s)
         if shape.prefill_tokens:
             metrics.STEP_TOKENS_TOTAL.labels("prefill").inc(shape.prefill_tokens)
         if shape.decode_tokens:
@@ -106,6 +133,10 @@ class StepStats:
         w.kinds[shape.kind] += 1
         if now - w.start >= self.log_interval_s:
             self._log_window(now)
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
 
     def _log_window(self, now: float) -> None:
         w, self._w = self._w, _Window()

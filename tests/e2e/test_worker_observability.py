@@ -27,7 +27,8 @@ def worker(tiny_llama, tmp_path_factory):
     traces = tmp_path_factory.mktemp("traces")
     svc = Service("tandem.cli", "colocated", "--model", str(tiny_llama), "--dtype", "float32",
                   "--page-size", "4", "--max-total-tokens", "2048", "--port", "0", "--metrics-port", "0",
-                  "--cpu-cores", "0", "--log-stats-interval", str(LOG_EVERY_S), "--profile-dir", str(traces))
+                  "--cpu-cores", "0", "--log-stats-interval", str(LOG_EVERY_S), "--profile-dir", str(traces),
+                  "--step-trace-dir", str(traces / "steps"))
     try:
         info = svc.wait_ready(90)
         channel = grpc.insecure_channel(info["grpc_addr"])
@@ -37,10 +38,10 @@ def worker(tiny_llama, tmp_path_factory):
         svc.close()
 
 
-def generate(stub, n_out: int, prompt_len: int = 24) -> list[int]:
+def generate(stub, n_out: int, prompt_len: int = 24, first: int = 5) -> list[int]:
     req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(
         temperature=0, max_tokens=n_out, ignore_eos=True))
-    req.token_ids.ids.extend(range(5, 5 + prompt_len))
+    req.token_ids.ids.extend(range(first, first + prompt_len))
     return [t for chunk in stub.Generate(req, timeout=60, metadata=INTERNAL_METADATA) for t in chunk.token_ids]
 
 
@@ -90,6 +91,19 @@ def test_step_metrics_after_a_request(worker):
     for gauge in ("tandem_requests_running", "tandem_requests_waiting", "tandem_kv_cache_usage"):
         assert value(after, gauge) >= 0
     assert re.search(r'^vllm:num_requests_running\{model_name=".+"\} ', after, re.M)  # the aliases stay
+
+
+def test_step_trace_has_a_line_per_step(worker):
+    _, info, stub, traces = worker
+    path = traces / "steps" / f"{info['worker_id']}.jsonl"
+    seen = len(path.read_text().splitlines()) if path.exists() else 0
+    assert len(generate(stub, 5, prompt_len=20, first=300)) == 5  # no prefix shared with other tests
+    deadline = time.monotonic() + 5
+    while len(path.read_text().splitlines()) < seen + 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    steps = [json.loads(line) for line in path.read_text().splitlines()[seen:]]
+    assert [(s["kind"], s["prefill_tokens"], s["decode_tokens"]) for s in steps] == [("prefill", 20, 0)] + [("decode", 0, 1)] * 4
+    assert all(s["seconds"] > 0 and abs(s["end"] - time.time()) < 60 for s in steps)
 
 
 def test_busy_log_line_while_busy_and_silence_when_idle(worker):

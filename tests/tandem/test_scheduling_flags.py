@@ -29,10 +29,13 @@ def test_up_forwards_them_to_workers_and_router():
                                                                 *_router_argv(args)]))
     assert (router.max_queued_requests, router.enable_priority_scheduling, router.low_priority_values_first) == \
         (7, True, True)
+    traced = build_parser().parse_args(["colocated", *_engine_argv(build_parser().parse_args(
+        ["up", "--step-trace-dir", "/tmp/steps"]))])
+    assert traced.step_trace_dir == "/tmp/steps"
     # Not given: the router keeps its own default (no queue), the workers theirs.
     default = build_parser().parse_args(["up"])
     assert "--max-queued-requests" not in _router_argv(default)
-    assert "--watchdog-timeout" not in _engine_argv(default)
+    assert "--watchdog-timeout" not in _engine_argv(default) and "--step-trace-dir" not in _engine_argv(default)
 
 
 def test_up_forwards_every_engine_flag_to_workers():

@@ -128,3 +128,28 @@ def test_graph_steps_counter_follows_the_runners_replays():
         runner.last_batch = StepBatch([decode_row()])
         stats.after_step(0.01)
     assert _sample("tandem_graph_steps_total") - before == 2
+
+
+def test_trace_appends_a_json_line_per_step(tmp_path):
+    import json
+
+    from services.worker.step_stats import StepTrace
+
+    runner = Runner()
+    stats = StepStats(runner, Load, "w", log_interval_s=0, trace=StepTrace(tmp_path / "steps", "colocated-0"))
+    runner.last_batch = StepBatch([decode_row(), decode_row(), prefill_chunk(5, 0, 5)])
+    stats.after_step(0.02)
+    stats.after_step(0.02)            # the same batch again (a step without a forward pass): no line
+    runner.last_batch = StepBatch([decode_row()])
+    stats.after_step(0.01)
+    stats.close()
+    lines = [json.loads(x) for x in (tmp_path / "steps" / "colocated-0.jsonl").read_text().splitlines()]
+    assert [(x["kind"], x["decode_tokens"], x["prefill_tokens"], x["seconds"]) for x in lines] == \
+        [("mixed", 2, 5, 0.02), ("decode", 1, 0, 0.01)]
+    assert lines[0]["end"] <= lines[1]["end"]
+    # A restarted worker appends to its file.
+    again = StepStats(runner, Load, "w", log_interval_s=0, trace=StepTrace(tmp_path / "steps", "colocated-0"))
+    runner.last_batch = StepBatch([decode_row()])
+    again.after_step(0.01)
+    again.close()
+    assert len((tmp_path / "steps" / "colocated-0.jsonl").read_text().splitlines()) == 3
