@@ -25,7 +25,7 @@ the two orders are the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from time import monotonic, perf_counter
 
 from engine.config import EngineConfig
@@ -41,8 +41,12 @@ from engine.scheduler.step_cost import StepCostModel
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, num_pages: int, context_len: int):
+    def __init__(self, cfg: EngineConfig, num_pages: int, context_len: int,
+                 clock: Callable[[], float] = monotonic):
+        """`clock`: what request arrivals are on (queue age, TTFT deadlines); a simulation passes its own
+        (bench/sched_sim.py)."""
         self.cfg = cfg
+        self.clock = clock
         self.context_len = context_len
         self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache)
         self.policy = QueuePolicy(cfg.enable_priority_scheduling, cfg.low_priority_values_first,
@@ -141,7 +145,7 @@ class Scheduler:
 
     def _prefill_queue(self) -> list[Request]:
         """Prefilling and waiting requests in the order they are offered a step's prefill budget."""
-        return self.prefill_order.order(self.prefilling, self.waiting, self.policy, monotonic())
+        return self.prefill_order.order(self.prefilling, self.waiting, self.policy, self.clock())
 
     def _ttft_budget(self, queue: list[Request], decode_rows: int, cap: int) -> int:
         """Chunk tokens per mixed step that give every queued prompt its first token within
@@ -162,7 +166,7 @@ class Scheduler:
         decode = a + b * decode_rows
         if decode <= 0 or c <= 0:
             return 0
-        now, need, done = monotonic(), 0, 0
+        now, need, done = self.clock(), 0, 0
         for r in queue:
             done += r.fill_len - r.num_computed if r.slot is not None else len(r.all_ids)
             if r.output_ids:

@@ -15,8 +15,9 @@ from engine.scheduler.step_cost import StepCostModel
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, mixed_chunk_itl_factor=0)
 
 
-def make(num_pages=64, **kw) -> Scheduler:
-    return Scheduler(dataclasses.replace(CFG, **kw), num_pages, 256)
+def make(num_pages=64, clock=None, **kw) -> Scheduler:
+    cfg = dataclasses.replace(CFG, **kw)
+    return Scheduler(cfg, num_pages, 256) if clock is None else Scheduler(cfg, num_pages, 256, clock=clock)
 
 
 def req(rid: str, n: int, max_tokens: int = 4) -> Request:
@@ -127,12 +128,9 @@ def pinned(s: Scheduler) -> None:
         s.cost.observe(10, 1, 0.020)
 
 
-def test_ttft_target_grows_the_chunk_when_the_queue_would_miss_it(monkeypatch):
-    import engine.scheduler.scheduler as sched_mod
-
+def test_ttft_target_grows_the_chunk_when_the_queue_would_miss_it():
     now = [1000.0]
-    monkeypatch.setattr(sched_mod, "monotonic", lambda: now[0])
-    s = make(mixed_chunk_itl_factor=1.5, mixed_chunk_ttft_target_s=0.2, chunked_prefill_size=64)
+    s = make(clock=lambda: now[0], mixed_chunk_itl_factor=1.5, mixed_chunk_ttft_target_s=0.2, chunked_prefill_size=64)
     s.add(req("a", 3, max_tokens=50))
     finish_step(s, s.schedule())
     pinned(s)
@@ -162,11 +160,8 @@ def test_ttft_target_grows_the_chunk_when_the_queue_would_miss_it(monkeypatch):
     assert 10 <= k <= 16    # two rows in the fit): 10-15 tokens a step, not one stalling step of 100
 
 
-def test_ttft_target_off_keeps_the_itl_bound(monkeypatch):
-    import engine.scheduler.scheduler as sched_mod
-
-    monkeypatch.setattr(sched_mod, "monotonic", lambda: 5000.0)
-    s = make(mixed_chunk_itl_factor=1.5, mixed_chunk_ttft_target_s=0)
+def test_ttft_target_off_keeps_the_itl_bound():
+    s = make(clock=lambda: 5000.0, mixed_chunk_itl_factor=1.5, mixed_chunk_ttft_target_s=0)
     s.add(req("a", 3, max_tokens=50))
     finish_step(s, s.schedule())
     pinned(s)
