@@ -194,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", nargs="+", help="step traces (--step-trace-dir folders or .jsonl files) to fit")
     src.add_argument("--step-cost", help="a,b,c in ms instead of a fit (no spread)")
+    p.add_argument("--no-spread", action="store_true",
+                   help="keep the fitted costs but drop their spread: every step takes its fitted time")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help="a scheduler to simulate: engine flags as `tandem up` takes them (repeat; default: default=)")
     p.add_argument("--replay", help="a `tandem bench` result: use its send times and show its measured numbers")
@@ -209,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.trace:
             costs = StepCosts.fit(load_traces(args.trace))
+            if args.no_spread:
+                costs = StepCosts(costs.a, costs.b, costs.c)
         else:
             a, b, c = (float(x) / 1e3 for x in args.step_cost.split(","))
             costs = StepCosts(a, b, c)

@@ -70,3 +70,18 @@ def test_cli_replays_a_result_and_shows_the_measured_numbers(tmp_path, capsys):
     assert "measured" in capsys.readouterr().out
     assert main(["--step-cost", "20,2,1", "--config", "x=--no-such-flag", "--num-prompts", "2"]) == 2
     assert "bad engine flags" in capsys.readouterr().err
+
+
+def test_cli_fits_traces_and_can_drop_the_spread(tmp_path):
+    steps = [{"decode_tokens": r, "prefill_tokens": p, "seconds": FIXED.fitted(r, p) * f}
+             for r, p, f in [(1, 0, 1.0), (4, 0, 1.3), (2, 16, 1.0), (0, 256, 0.9), (3, 32, 1.1), (2, 0, 1.0)] * 5]
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "steps" / "colocated-0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    for extra, spread in (([], True), (["--no-spread"], False)):
+        out = tmp_path / "sim.json"
+        assert main(["--trace", str(tmp_path / "steps"), "--num-prompts", "6", "--request-rates", "4",
+                     "--seeds", "3", "--input-len", "32", "--output-len", "4", "--out", str(out), *extra]) == 0
+        d = json.loads(out.read_text())
+        assert (len(set(d["step_costs"]["decode_residuals"])) > 1) is spread
+        assert [(p["config"], p["rate"], p["arrivals"], p["completed"]) for p in d["points"]] == \
+            [("default", "4", "seed 3", 6)]
