@@ -94,6 +94,10 @@ def _load_role(role: str) -> None:
 async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     _load_role(wcfg.role)
     preflight(wcfg)
+    try:  # before the model loads, so that a bad path fails at once
+        trace = StepTrace(wcfg.step_trace_dir, wcfg.id) if wcfg.step_trace_dir else None
+    except OSError as e:
+        raise SystemExit(f"--step-trace-dir {wcfg.step_trace_dir}: cannot write step traces there: {e}") from None
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -103,7 +107,6 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     # Model loading takes seconds: run it off the event loop so signals are still handled.
     parts: RoleParts = await asyncio.to_thread(_build_sync, engine_cfg, wcfg, loop)
     engine = parts.engine
-    trace = StepTrace(wcfg.step_trace_dir, wcfg.id) if wcfg.step_trace_dir else None
     stats = StepStats(engine.runner, parts.worker.load, wcfg.id, wcfg.log_stats_interval_s, trace=trace)
     profiler = StepProfiler(wcfg.profile_dir or default_cache_dir() / "profiles", wcfg.id)
     # The watchdog sees a step first, so that everything after it (an injected hang too) is timed.

@@ -157,3 +157,17 @@ def test_tandem_up_places_each_worker_and_forwards_the_flags(tiny_llama, tmp_pat
             assert Path(json.loads(resp.read())["path"]).parent == tmp_path
     finally:
         stack.close()
+
+
+def test_an_unwritable_step_trace_dir_stops_the_worker_before_it_loads(tiny_llama, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    svc = Service("tandem.cli", "colocated", "--model", str(tiny_llama), "--dtype", "float32", "--port", "0",
+                  "--metrics-port", "-1", "--step-trace-dir", str(blocker / "steps"))
+    try:
+        assert svc.proc.wait(60) != 0
+        time.sleep(0.2)  # the log pump drains the pipe
+        assert any("--step-trace-dir" in line and "cannot write step traces" in line for line in svc.log), \
+            "\n".join(svc.log)
+    finally:
+        svc.close()
