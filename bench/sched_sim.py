@@ -16,7 +16,8 @@ c·prefill tokens` seconds, fitted by least squares to the traces, times a facto
 fit's own residuals for that kind of step (the spread of a shared box: the other worker's memory
 traffic, the HTTP path); the router sends each request to the worker with the least queued prefill
 work, then the fewest requests, seeing it at once (the real router's view lags up to a heartbeat);
-tokens arrive at the client when their step ends (the real HTTP path adds < 1 ms at the median).
+tokens arrive at the client when their step ends (in a traced dp2 run the client's ITL p50 and p99
+were within 2% of those the workers' step times give).
 Prompts never share a prefix. No forward pass runs and no token means anything.
 """
 
@@ -45,7 +46,7 @@ from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from tandem.engine_args import add_engine_arguments, engine_config_from_args
 
-_KV_PAGES = 1 << 16     # ample: the workloads here never run short of KV (a real worker holds ~60k tokens)
+_KV_PAGES = 1 << 16     # ample: memory pressure (retraction) is not simulated
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,9 @@ def shape_of(batch) -> StepShape:
 class StepTrace:
     """Appends one JSON line per forward pass to `<dir>/<worker id>.jsonl`: `end` (wall-clock seconds,
     so the traces of several workers line up), `kind`, `decode_tokens` (one per decode row, plus its
-    drafts when speculating), `prefill_tokens`,
-    `seconds`. Line-buffered, so a trace read while the worker runs is whole up to its last step."""
+    drafts when speculating), `prefill_tokens`, `seconds`. Line-buffered, so a trace read while the
+    worker runs is whole up to its last step. A write that fails (a full disk) is logged once and
+    ends the trace; serving goes on."""
 
     def __init__(self, directory: str | Path, name: str):
         path = Path(directory)
@@ -60,12 +61,23 @@ class StepTrace:
         self._f = self.path.open("a", buffering=1)
 
     def write(self, shape: StepShape, elapsed_s: float) -> None:
+        if self._f is None:
+            return
         line = {"end": round(time.time(), 6), "kind": shape.kind, "decode_tokens": shape.decode_tokens,
                 "prefill_tokens": shape.prefill_tokens, "seconds": round(elapsed_s, 6)}
-        self._f.write(json.dumps(line) + "\n")
+        try:
+            self._f.write(json.dumps(line) + "\n")
+        except OSError as e:
+            log.error("step trace %s: %s; no more steps are traced", self.path, e)
+            self.close()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            f, self._f = self._f, None
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 @dataclass

@@ -153,3 +153,27 @@ def test_trace_appends_a_json_line_per_step(tmp_path):
     again.after_step(0.01)
     again.close()
     assert len((tmp_path / "steps" / "colocated-0.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_failing_trace_write_is_logged_once_and_ends_the_trace(tmp_path, caplog):
+    from services.worker.step_stats import StepTrace
+
+    class Full:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    trace = StepTrace(tmp_path, "w")
+    trace._f.close()
+    trace._f = Full()
+    runner = Runner()
+    stats = StepStats(runner, Load, "w", log_interval_s=0, trace=trace)
+    with caplog.at_level(logging.ERROR, logger="services.worker.step_stats"):
+        for _ in range(3):
+            runner.last_batch = StepBatch([decode_row()])
+            stats.after_step(0.01)
+    assert [r.getMessage() for r in caplog.records if "step trace" in r.getMessage()] == \
+        [f"step trace {trace.path}: [Errno 28] No space left on device; no more steps are traced"]
+    stats.close()   # closing again is harmless
