@@ -44,6 +44,7 @@ from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.prefill_order import tokens_to_prefill
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.step_cost import StepCostModel
 from tandem.engine_args import add_engine_arguments, engine_config_from_args
 
 _KV_PAGES = 1 << 16     # ample: memory pressure (retraction) is not simulated
@@ -72,15 +73,19 @@ class StepCosts:
         """Least squares over trace lines (`decode_tokens`, `prefill_tokens`, `seconds`)."""
         if len(steps) < 3:
             raise ValueError(f"need at least 3 traced steps to fit step costs, got {len(steps)}")
-        xs = [(1.0, float(s["decode_tokens"]), float(s["prefill_tokens"])) for s in steps]
-        ys = [float(s["seconds"]) for s in steps]
-        a, b, c = _least_squares(xs, ys)
+        model = StepCostModel(decay=1.0, ridge=1e-9)   # the scheduler's own fit, over the whole trace
+        for s in steps:
+            model.observe(s["prefill_tokens"], s["decode_tokens"], s["seconds"])
+        coef = model.coefficients()
+        if coef is None:
+            raise ValueError("the traced steps do not determine the step costs (all of one shape?)")
+        a, b, c = coef
         costs = cls(a, b, c)
         res = {True: [], False: []}
-        for s, y in zip(steps, ys, strict=True):
+        for s in steps:
             f = costs.fitted(s["decode_tokens"], s["prefill_tokens"])
             if f > 0:
-                res[s["prefill_tokens"] > 0].append(y / f)
+                res[s["prefill_tokens"] > 0].append(s["seconds"] / f)
         return cls(a, b, c, tuple(res[False]) or (1.0,), tuple(res[True]) or (1.0,))
 
     def describe(self) -> str:
@@ -90,16 +95,6 @@ class StepCosts:
         return (f"a={self.a * 1e3:.2f} ms, b={self.b * 1e3:.2f} ms/row, c={self.c * 1e3:.3f} ms/prefill token; "
                 f"spread (observed/fitted) p50/p99: decode {q(d, .5):.2f}/{q(d, .99):.2f}, "
                 f"with prefill {q(p, .5):.2f}/{q(p, .99):.2f}")
-
-
-def _least_squares(xs: Sequence[tuple[float, float, float]], ys: Sequence[float]) -> tuple[float, float, float]:
-    from engine.scheduler.step_cost import _solve3
-    ata = [[sum(x[i] * x[j] for x in xs) + (1e-9 if i == j else 0.0) for j in range(3)] for i in range(3)]
-    aty = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(3)]
-    out = _solve3(ata, aty)
-    if out is None:
-        raise ValueError("the traced steps do not determine the step costs (all of one shape?)")
-    return out
 
 
 def load_traces(paths: Iterable[str | Path]) -> list[dict]:

@@ -63,7 +63,7 @@ def add_observability_arguments(p: argparse.ArgumentParser, d) -> None:
                    help="where `POST /profile?steps=N` on the metrics port writes torch.profiler Chrome traces "
                         "(default: $TANDEM_CACHE_DIR/profiles, else ~/.cache/tandem/profiles)")
     p.add_argument("--step-trace-dir", default=None, metavar="DIR",
-                   help="append one JSON line per forward pass (end time, kind, decode rows, prefill tokens, "
+                   help="append one JSON line per forward pass (end time, kind, decode tokens, prefill tokens, "
                         "seconds) to DIR/<worker id>.jsonl; `python -m bench.sched_sim` fits its step costs to "
                         "these (default: off)")
 

@@ -20,6 +20,8 @@ _MIN_STEPS = 4
 
 @dataclass
 class StepCostModel:
+    decay: float = _DECAY   # 1.0: every step weighs the same (a fit to a whole trace, bench/sched_sim.py)
+    ridge: float = _RIDGE
     _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
     steps: int = 0
@@ -31,9 +33,9 @@ class StepCostModel:
             return
         x = (1.0, float(decode_rows), float(prefill_tokens))
         for i in range(3):
-            self._xty[i] = _DECAY * self._xty[i] + x[i] * seconds
+            self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
             for j in range(3):
-                self._xtx[i][j] = _DECAY * self._xtx[i][j] + x[i] * x[j]
+                self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
         self.steps += 1
         self._seen_mixed_or_prefill |= prefill_tokens > 0
         self._seen_decode |= decode_rows > 0
@@ -42,7 +44,7 @@ class StepCostModel:
         """(a, b, c) of the current fit, or None until steps of both kinds were seen."""
         if self.steps < _MIN_STEPS or not (self._seen_decode and self._seen_mixed_or_prefill):
             return None
-        a = [[self._xtx[i][j] + (_RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)]
+        a = [[self._xtx[i][j] + (self.ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
         return _solve3(a, list(self._xty))
 
     def decode_step_s(self, rows: int) -> float | None:
