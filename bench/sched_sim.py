@@ -169,11 +169,11 @@ def engine_config(flags: str) -> EngineConfig:
         raise ValueError(f"bad engine flags {flags!r}: {e}") from None
 
 
-def replay_arrivals(path: str | Path) -> dict[str, list[float]]:
-    """Per request rate, the send times (s) a `tandem bench` result recorded (its first deployment)."""
+def recorded_runs(path: str | Path) -> dict[str, dict]:
+    """Per request rate, the run a `tandem bench` result recorded (its first deployment): its
+    `requests` (send times in `sent_ms`) and measured `metrics`."""
     d = json.loads(Path(path).read_text())
-    dep = next(iter(d["deployments"].values()))
-    return {str(r["request_rate"]): [q["sent_ms"] / 1e3 for q in r["requests"]] for r in dep["runs"]}
+    return {str(r["request_rate"]): r for r in next(iter(d["deployments"].values()))["runs"]}
 
 
 def summary(m: dict) -> dict:
@@ -220,9 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"step costs: {costs.describe()}")
     if args.replay:
-        real = json.loads(Path(args.replay).read_text())
-        real_runs = {str(r["request_rate"]): r for r in next(iter(real["deployments"].values()))["runs"]}
-        points = [(rate, f"replay:{Path(args.replay).name}", times) for rate, times in replay_arrivals(args.replay).items()]
+        real_runs = recorded_runs(args.replay)
+        points = [(rate, f"replay:{Path(args.replay).name}", [q["sent_ms"] / 1e3 for q in run["requests"]])
+                  for rate, run in real_runs.items()]
     else:
         real_runs = {}
         points = [(rate, f"seed {seed}", arrival_offsets(args.num_prompts, float(rate), 1.0, random.Random(seed)))
