@@ -3,10 +3,11 @@
 Internal calls (router -> workers: Prefill, Decode, Generation of co-located workers, WorkerIdentity;
 decode -> prefill: Bootstrap, AbortRoom) carry the deployment's shared secret in the metadata key
 `INTERNAL_TOKEN_KEY`; one server interceptor refuses a call without it (UNAUTHENTICATED) and one
-client interceptor attaches it. The router's public `tandem.v1.Generation` takes an optional API key
-(`authorization: Bearer KEY`, as vLLM's --api-key), or the internal secret (the gateway is internal).
-Health checks stay open for probes. Without a configured secret everything is open, as before, and
-the process says so once at start.
+client interceptor attaches it. The router's public services (`tandem.v1.Generation` and the
+reflection that describes it) take an optional API key (`authorization: Bearer KEY`, as vLLM's
+--api-key), or the internal secret (the gateway is internal). Health checks stay open everywhere,
+API key or not: Kubernetes' gRPC probes send no metadata. Without a configured secret everything is
+open, as before, and the process says so once at start.
 
 The KV transfer handshake (kvtransfer/wire.py) never sees the secret itself: it proves knowledge of
 `transfer_key`, a key derived from it, with an HMAC over a fresh challenge.

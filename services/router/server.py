@@ -23,6 +23,7 @@ from tandem.v1 import generation_pb2, generation_pb2_grpc
 log = logging.getLogger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+PUBLIC_SERVICES = frozenset({GENERATION_SERVICE, reflection.SERVICE_NAME})
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LIVENESS = "liveness"
@@ -81,7 +82,8 @@ class RouterServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ),
-            interceptors=[self.config.auth.server_interceptor({GENERATION_SERVICE}, self.config.api_key)],
+            # Reflection describes the public API: it is as open as that API (or wants the same key).
+            interceptors=[self.config.auth.server_interceptor(PUBLIC_SERVICES, self.config.api_key)],
         )
         self.config.auth.announce("router")
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)

@@ -13,12 +13,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.e2e.stack import API_KEY, INTERNAL_METADATA, Stack, gateway_stack
+from tests.e2e.stack import API_KEY, INTERNAL_METADATA, Service, Stack, gateway_stack
 from tests.services.common.tls_certs import make_ca, make_cert, needs_openssl
+from tests.services.router.reflection_client import call_streaming, describe
 
 pytestmark = pytest.mark.timeout(300)
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+GENERATION = "tandem.v1.Generation"
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +132,35 @@ def test_up_with_mutual_tls_on_internal_grpc(tiny_llama: Path, tmp_path: Path):
                 assert _code(lambda ch=plaintext: _serving(ch)) == grpc.StatusCode.UNAVAILABLE
     finally:
         stack.close()
+
+
+def test_a_generic_client_learns_the_public_api_through_reflection_with_the_api_key(stack):
+    """grpcurl's way, no Tandem stubs: the router's reflection wants the API key as its public API does;
+    with it, the client lists the services, resolves tandem.v1.Generation and generates from JSON.
+    A worker's reflection stays internal."""
+    router, key = stack.info["router"], (("authorization", f"Bearer {API_KEY}"),)
+    for metadata in ((), (("authorization", "Bearer nope"),)):
+        with pytest.raises(grpc.RpcError) as e:
+            describe(router, GENERATION, metadata)
+        assert e.value.code() == UNAUTHENTICATED
+    services, methods = describe(router, GENERATION, key)
+    assert GENERATION in services and {"Generate", "ListModels"} <= set(methods)
+    chunks = call_streaming(router, GENERATION, "Generate",
+                            {"tokenIds": {"ids": [5, 6, 7]}, "sampling": {"maxTokens": 3, "ignoreEos": True}}, key)
+    assert sum(len(c.get("tokenIds", [])) for c in chunks) == 3
+    worker = stack.workers("decode")[0]["grpc_addr"]
+    with pytest.raises(grpc.RpcError) as e:
+        describe(worker, "tandem.v1.DecodeWorker", key)
+    assert e.value.code() == UNAUTHENTICATED
+    assert "tandem.v1.DecodeWorker" in describe(worker, "tandem.v1.DecodeWorker", INTERNAL_METADATA)[0]
+
+
+def test_without_an_api_key_the_routers_reflection_is_open(stack):
+    router = Service("tandem.cli", "router", "--port", "0", "--redis-url", stack.info["redis_url"],
+                     "--metrics-port", "-1")
+    try:
+        addr = router.wait_ready()["grpc_addr"]
+        services, methods = describe(addr, GENERATION)
+        assert GENERATION in services and "Generate" in methods
+    finally:
+        router.close()
