@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Callable
 
@@ -30,13 +31,21 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
 }
 
 
+_SAYS_DEFAULT = re.compile(r"\bdefault:", re.IGNORECASE)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default, unless there is none to show (None, an off flag,
-    an empty list): those options say in their help what leaving them unset means."""
+    """Every option's help ends with its default, once. Not added where the help already says it
+    ("default: ..." in the text: a default decided at start, or a flag that a plain argparse parser
+    shows too), where there is none to show (None, an empty value), nor to on/off switches:
+    "(default: True)" reads backwards on `--disable-X`, so a switch's help says what happens unless
+    it is given."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help or ""
+        text = action.help or ""
+        if (action.default is None or action.default is False or action.default in ("", [])
+                or action.nargs == 0 or _SAYS_DEFAULT.search(text)):
+            return text
         return super()._get_help_string(action)
 
 

@@ -5,23 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from services.common.arg_groups import GENERATION, arg_group
 from tandem.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
-    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: all")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's probability")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
-    p.add_argument("--seed", type=int, default=None,
+    g = arg_group(p, GENERATION)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: all")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
+    g.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: unseeded); see docs/sampling.md for what it guarantees")
-    p.add_argument("--stop", action="append", default=[], help="stop string, not included in the output; repeatable")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--stop", action="append", default=[], help="stop string, not included in the output; repeatable")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def run(args: argparse.Namespace) -> int:

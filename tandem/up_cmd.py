@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from services.common.arg_groups import (
+    DEPLOYMENT,
+    DISAGGREGATION,
+    LIMITS,
+    OBSERVABILITY,
+    RESILIENCE,
+    ROUTING,
+    arg_group,
+)
 from services.common.limits import RequestLimits, limit_argv
 from services.common.tls import tls_argv, tls_from_args
 from services.router.config import RouterConfig, add_resilience_arguments
@@ -13,71 +22,76 @@ from tandem.worker_cmd import add_fault_arguments, add_observability_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.worker.config import WorkerConfig
-
-    add_engine_arguments(p)
-    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
-                   help="disagg: separate prefill and decode workers; colocated: one worker doing both")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
-    p.add_argument("--colocated", "--dp-size", dest="colocated", type=int, default=1, metavar="N",
-                   help="co-located workers (colocated): N data-parallel replicas, each with its own share of "
-                        "the cores, behind the router (like SGLang's --dp-size)")
-    p.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
-    from services.router.policy import policy_names
-    from services.router.route_config import add_route_arguments
-
-    p.add_argument("--policy", default="cache_aware", choices=policy_names(),
-                   help="router policy: round_robin | least_load | cache_aware (default: cache_aware)")
-    add_route_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    p.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    p.add_argument("--bootstrap-timeout", type=float, default=30.0,
-                   help="workers: seconds a request waits for its peer's half of the bootstrap handshake")
-    p.add_argument("--transfer-timeout", type=float, default=30.0,
-                   help="workers: seconds a request's KV transfer may take")
-    p.add_argument("--drain-timeout", type=float, default=None,
-                   help="workers: seconds to finish in-flight work and owed KV transfers on SIGTERM")
-    p.add_argument("--require-rdma", action="store_true",
-                   help="workers: fail at start unless UCX can use RDMA (nixl/ucx backends)")
-    p.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
-                   help="workers: an engine step still running after this long dumps stacks and exits the "
-                        "worker (default: the worker's own; 0: off)")
-    p.add_argument("--gateway-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)")
-    p.add_argument("--api-key", default=None,
-                   help="the HTTP gateway requires `Authorization: Bearer KEY` and the router's gRPC API the metadata "
-                        "`authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset = no key required)")
-    from services.common.auth import add_internal_auth_arguments
-
-    add_internal_auth_arguments(p)
+    from services.common.auth import add_api_key_argument, add_internal_auth_arguments
     from services.common.limits import add_limit_arguments
     from services.common.tls import add_tls_arguments
+    from services.router.policy import policy_names
+    from services.router.route_config import add_route_arguments
+    from services.worker.config import WorkerConfig
 
+    worker, router = WorkerConfig(role=""), RouterConfig()
+    add_engine_arguments(p)
+    where = arg_group(p, DEPLOYMENT)
+    where.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
+                       help="disagg: separate prefill and decode workers; colocated: one worker doing both")
+    where.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg)")
+    where.add_argument("--decode", type=int, default=1, help="decode workers (disagg)")
+    where.add_argument("--colocated", "--dp-size", dest="colocated", type=int, default=1, metavar="N",
+                       help="co-located workers (colocated): N data-parallel replicas, each with its own share of "
+                            "the cores, behind the router (like SGLang's --dp-size)")
+    where.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    where.add_argument("--port", type=int, default=50051, help="router's gRPC port (0: any free port)")
+    where.add_argument("--gateway-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)")
+    where.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    where.add_argument("--cpu-cores", default="auto", metavar="SPEC",
+                       help="CPU placement. auto: give each worker its own share of the cores this process may use "
+                            "(prefill workers first; gateway/router/Redis get a core of their own when there are "
+                            "more cores than workers and at least 3); a core list (0-7): split those instead; one "
+                            "list per worker separated by '|' (0-3|4-7, like VLLM_CPU_OMP_THREADS_BIND); none or "
+                            "nobind: no pinning. A pinned worker runs one torch thread per core unless "
+                            "--num-threads is given")
+    pd = arg_group(p, DISAGGREGATION)
+    pd.add_argument("--transfer-backend", default="auto", help="auto | shm | tcp | nixl | ucx")
+    pd.add_argument("--bootstrap-timeout", type=float, default=30.0,
+                    help="workers: seconds a request waits for its peer's half of the bootstrap handshake")
+    pd.add_argument("--transfer-timeout", type=float, default=30.0,
+                    help="workers: seconds a request's KV transfer may take")
+    pd.add_argument("--require-rdma", action="store_true",
+                    help="workers: fail at start unless UCX can use RDMA (nixl/ucx backends)")
+    arg_group(p, ROUTING).add_argument("--policy", default=router.policy, choices=policy_names(),
+                                       help="router policy: round_robin | least_load | cache_aware")
+    add_route_arguments(p)
+    # None: the worker's (router's) own default, which is what the help shows; only a given value is forwarded.
+    resilience = arg_group(p, RESILIENCE)
+    resilience.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                            help="workers: seconds to finish in-flight work and owed KV transfers on SIGTERM "
+                                 f"(default: {worker.drain_timeout_s:g})")
+    resilience.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
+                            help="workers: an engine step still running after this long dumps stacks and exits "
+                                 f"the worker (0: off; default: {worker.watchdog_timeout_s:g})")
+    resilience.add_argument("--max-restarts", type=int, default=20, metavar="N",
+                            help="restart a worker, the router, the gateway or the embedded Redis that dies, at "
+                                 "most N times each (exponential backoff from 0.5s; each restart is logged with the "
+                                 "exit status); 0: never (a dead router or gateway then stops everything)")
+    add_api_key_argument(p, "the HTTP gateway requires `Authorization: Bearer KEY` and the router's gRPC API (and "
+                            "its reflection) the metadata `authorization: Bearer KEY`")
+    add_internal_auth_arguments(p)
     add_tls_arguments(p)
     add_limit_arguments(p)
-    p.add_argument("--max-inflight", type=int, default=None,
-                   help="router: requests in flight beyond which new ones are refused (HTTP 429; "
-                        "default: the router's own)")
-    p.add_argument("--max-restarts", type=int, default=20, metavar="N",
-                   help="restart a worker, the router, the gateway or the embedded Redis that dies, at most N times "
-                        "each (exponential backoff from 0.5s; each restart is logged with the exit status); 0: "
-                        "never (a dead router or gateway then stops everything)")
-    p.add_argument("--quiet", action="store_true",
-                   help="no banner and no service logs, only the services' readiness lines and errors")
-    p.add_argument("--cpu-cores", default="auto", metavar="SPEC",
-                   help="CPU placement. auto: give each worker its own share of the cores this process may use "
-                        "(prefill workers first; gateway/router/Redis get a core of their own when there are more "
-                        "cores than workers and at least 3); a core list (0-7): split those instead; one list per "
-                        "worker separated by '|' (0-3|4-7, like VLLM_CPU_OMP_THREADS_BIND); none or nobind: no "
-                        "pinning. A pinned worker runs one torch thread per core unless --num-threads is given")
-    add_observability_arguments(p, WorkerConfig(role=""))
-    add_fault_arguments(p, WorkerConfig(role=""))
-    add_resilience_arguments(p, RouterConfig())
-    p.add_argument("--ready-json", action="store_true",
-                   help="once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of "
-                        "router, gateway, workers, metrics ports): for scripts and tests")
+    arg_group(p, LIMITS).add_argument(
+        "--max-inflight", type=int, default=None,
+        help=f"router: requests in flight beyond which new ones are refused (HTTP 429; default: "
+             f"{router.max_inflight})")
+    output = arg_group(p, OBSERVABILITY)
+    output.add_argument("--quiet", action="store_true",
+                        help="no banner and no service logs, only the services' readiness lines and errors")
+    output.add_argument("--ready-json", action="store_true",
+                        help="once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of "
+                             "router, gateway, workers, metrics ports): for scripts and tests")
+    add_observability_arguments(p, worker)
+    add_fault_arguments(p, worker)
+    add_resilience_arguments(p, router)
 
 
 def _engine_argv(args: argparse.Namespace) -> list[str]:

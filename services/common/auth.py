@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
+from services.common.arg_groups import SECURITY, arg_group
 from services.common.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -161,15 +162,16 @@ def load_api_key(value: str | None, environ: Mapping[str, str] | None = None) ->
 
 def add_internal_auth_arguments(p: argparse.ArgumentParser) -> None:
     """The shared-secret flag of every service (workers, router, gateway, `tandem up`)."""
-    p.add_argument("--internal-token-file", default=None, metavar="PATH",
+    g = arg_group(p, SECURITY)
+    g.add_argument("--internal-token-file", default=None, metavar="PATH",
                    help=f"file holding the shared secret that internal gRPC calls and KV transfers must present "
                         f"(default: ${TOKEN_ENV}; neither set: internal endpoints are open; `tandem up` generates "
                         f"one for its children). Health checks and metrics stay open")
 
 
 def add_api_key_argument(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--api-key", default=None,
-                   help=f"{what} (default: ${API_KEY_ENV}; unset = no key required)")
+    g = arg_group(p, SECURITY)
+    g.add_argument("--api-key", default=None, help=f"{what} (default: ${API_KEY_ENV}; unset = no key required)")
 
 
 def _host(peer: str) -> str:

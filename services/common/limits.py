@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
+from services.common.arg_groups import LIMITS, arg_group
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,20 @@ class RequestLimits:
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     """The limit flags of the gateway, the router and `tandem up` (which forwards them to both)."""
     d = RequestLimits()
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="BYTES",
+    g = arg_group(p, LIMITS)
+    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="BYTES",
                    help="largest request: HTTP body on the gateway (413 beyond it), gRPC message on the router "
                         "(RESOURCE_EXHAUSTED), like TGI's --payload-limit")
-    p.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens,
+    g.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens,
                    help="most prompt tokens a request may have (HTTP 400 / INVALID_ARGUMENT beyond it; the router "
                         "counts token-id prompts, text is counted by the gateway and the workers); 0: only the "
                         "model's context length bounds them")
-    p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens,
+    g.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens,
                    help="the largest max_tokens a request may ask for (400 beyond it); 0: only the context length "
                         "bounds it")
-    p.add_argument("--max-stop-sequences", type=int, default=d.max_stop_sequences,
+    g.add_argument("--max-stop-sequences", type=int, default=d.max_stop_sequences,
                    help="most stop strings per request (400 beyond it)")
-    p.add_argument("--max-stop-length", type=int, default=d.max_stop_length,
+    g.add_argument("--max-stop-length", type=int, default=d.max_stop_length,
                    help="most characters in one stop string (400 beyond it)")
 
 

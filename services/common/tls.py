@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.arg_groups import SECURITY, arg_group
+
 
 class TlsConfigError(ValueError):
     """The TLS files are incomplete or unreadable."""
@@ -57,12 +59,13 @@ class TlsFiles:
 
 def add_tls_arguments(p: argparse.ArgumentParser) -> None:
     """Internal mTLS flags of workers, the router and `tandem up` (which forwards them)."""
-    p.add_argument("--tls-cert", default=None, metavar="PEM",
+    g = arg_group(p, SECURITY)
+    g.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="internal gRPC mutual TLS: this process's certificate (with --tls-key and --tls-ca; "
                         "default: none, internal gRPC in plaintext). Not used on public ports")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="internal gRPC mutual TLS: this process's private "
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="internal gRPC mutual TLS: this process's private "
                                                                   "key (default: none)")
-    p.add_argument("--tls-ca", default=None, metavar="PEM",
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="internal gRPC mutual TLS: the CA that signed every internal peer's certificate "
                         "(default: none)")
 

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL, RESILIENCE, SECURITY, arg_group
 from services.common.auth import InternalAuth, add_internal_auth_arguments
 from services.common.limits import RequestLimits, add_limit_arguments
 
@@ -58,19 +59,25 @@ class GatewayConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
-    p.add_argument("--host", default=d.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=d.port, help="HTTP port (0 = pick a free one)")
-    p.add_argument("--router", default=d.router, help="the router's gRPC address host:port")
-    p.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset = no auth)")
-    p.add_argument("--tokenizer", default=None,
-                   help="model folder to load the tokenizer from (default: resolve the served model id)")
-    p.add_argument("--max-inflight", type=int, default=d.max_inflight,
-                   help="requests in flight beyond which new ones get HTTP 429 at once")
-    p.add_argument("--max-n", type=int, default=d.max_n, help="the largest `n` a request may ask for")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
-                   help="seconds per generation (0 = none)")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
-                   help="seconds to let in-flight requests finish on SIGTERM")
+    where = arg_group(p, DEPLOYMENT)
+    where.add_argument("--host", default=d.host, help="address to listen on")
+    where.add_argument("--port", type=int, default=d.port, help="HTTP port (0 = pick a free one)")
+    where.add_argument("--router", default=d.router, help="the router's gRPC address host:port")
+    arg_group(p, MODEL).add_argument(
+        "--tokenizer", default=None,
+        help="model folder to load the tokenizer (and generation_config.json) from (default: resolve the "
+             "served model id)")
+    arg_group(p, SECURITY).add_argument(
+        "--api-key", default=None,
+        help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset = no auth)")
+    limits = arg_group(p, LIMITS)
+    limits.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                        help="requests in flight beyond which new ones get HTTP 429 at once")
+    limits.add_argument("--max-n", type=int, default=d.max_n, help="the largest `n` a request may ask for")
+    timeouts = arg_group(p, RESILIENCE)
+    timeouts.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                          help="seconds per generation (0 = none)")
+    timeouts.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                          help="seconds to let in-flight requests finish on SIGTERM")
     add_internal_auth_arguments(p)
     add_limit_arguments(p)

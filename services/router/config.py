@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.common.arg_groups import (
+    DEPLOYMENT,
+    LIMITS,
+    OBSERVABILITY,
+    RESILIENCE,
+    ROUTING,
+    SCHEDULER,
+    arg_group,
+)
 from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
 from services.common.limits import RequestLimits, add_limit_arguments
 from services.common.tls import add_tls_arguments, tls_from_args
@@ -147,45 +156,56 @@ def _addr_list(values: list[str] | None) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
-    p.add_argument("--host", default=d.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = pick a free one)")
-    p.add_argument("--redis-url", default=None, help="registry, e.g. redis://127.0.0.1:6379/0 or unix:///path/redis.sock")
-    p.add_argument("--discovery", choices=DISCOVERY, default=None,
-                   help="where workers are found: redis, static (--prefill/--decode lists) or k8s "
-                        "(ready EndpointSlices labelled tandem.ai/role; default: redis with --redis-url, else static)")
-    p.add_argument("--k8s-namespace", default=d.k8s_namespace, help="k8s discovery: namespace (default: the pod's)")
-    p.add_argument("--k8s-selector", default=d.k8s_selector, help="k8s discovery: label selector of worker EndpointSlices")
-    p.add_argument("--k8s-api-server", default=None,
-                   help="k8s discovery: API server URL (default: in-cluster service account, then ~/.kube/config)")
-    p.add_argument("--registry-prefix", default=d.registry_prefix, help="key prefix of the Redis registry")
-    p.add_argument("--prefill", action="append", help="static prefill worker addresses host:port, comma separated")
-    p.add_argument("--decode", action="append", help="static decode worker addresses, comma separated")
-    p.add_argument("--colocated", action="append", help="static co-located worker addresses, comma separated")
-    p.add_argument("--model", default=d.model, help="model id of static workers (reported by ListModels)")
-    p.add_argument("--probe-interval", type=float, default=d.probe_s,
-                   help="seconds between gRPC health probes of static workers (0 = never drop them)")
-    p.add_argument("--policy", choices=policy_names(), default=d.policy,
-                   help="how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill "
-                        "work (least_load), or the best prefix-cache match unless loads are imbalanced "
-                        f"(cache_aware) (default: {d.policy})")
+    where = arg_group(p, DEPLOYMENT)
+    where.add_argument("--host", default=d.host, help="address to listen on")
+    where.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = pick a free one)")
+    where.add_argument("--mode", choices=MODES, default=d.mode,
+                       help="route to prefill+decode pairs or to co-located workers")
+    where.add_argument("--redis-url", default=None,
+                       help="registry, e.g. redis://127.0.0.1:6379/0 or unix:///path/redis.sock")
+    where.add_argument("--discovery", choices=DISCOVERY, default=None,
+                       help="where workers are found: redis, static (--prefill/--decode lists) or k8s (ready "
+                            "EndpointSlices labelled tandem.ai/role; default: redis with --redis-url, else static)")
+    where.add_argument("--k8s-namespace", default=d.k8s_namespace,
+                       help="k8s discovery: namespace (default: the pod's)")
+    where.add_argument("--k8s-selector", default=d.k8s_selector,
+                       help="k8s discovery: label selector of worker EndpointSlices")
+    where.add_argument("--k8s-api-server", default=None,
+                       help="k8s discovery: API server URL (default: in-cluster service account, then "
+                            "~/.kube/config)")
+    where.add_argument("--registry-prefix", default=d.registry_prefix, help="key prefix of the Redis registry")
+    where.add_argument("--prefill", action="append", help="static prefill worker addresses host:port, comma separated")
+    where.add_argument("--decode", action="append", help="static decode worker addresses, comma separated")
+    where.add_argument("--colocated", action="append", help="static co-located worker addresses, comma separated")
+    where.add_argument("--model", default=d.model, help="model id of static workers (reported by ListModels)")
+    where.add_argument("--probe-interval", type=float, default=d.probe_s,
+                       help="seconds between gRPC health probes of static workers (0 = never drop them)")
+    arg_group(p, ROUTING).add_argument(
+        "--policy", choices=policy_names(), default=d.policy,
+        help="how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill work "
+             f"(least_load), or the best prefix-cache match unless loads are imbalanced (cache_aware) "
+             f"(default: {d.policy})")
     add_route_arguments(p)
-    p.add_argument("--mode", choices=MODES, default=d.mode, help="route to prefill+decode pairs or to co-located workers")
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = pick free, -1 = off)")
-    p.add_argument("--max-inflight", type=int, default=d.max_inflight,
-                   help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED at once")
-    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                   help="requests beyond --max-inflight that wait for a slot; when full, the one that would "
-                        "be served last (the newcomer unless it outranks someone) gets RESOURCE_EXHAUSTED at "
-                        "once; 0: none wait")
-    p.add_argument("--enable-priority-scheduling", action="store_true",
-                   help="waiting requests are served by `priority`, then arrival (default: arrival only)")
-    p.add_argument("--low-priority-values-first", action="store_true",
-                   help="a lower `priority` value is more urgent (default: a higher one)")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds per request (0 = none)")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
-                   help="seconds to let in-flight requests finish on SIGTERM")
-    add_api_key_argument(p, "tandem.v1.Generation callers must send the gRPC metadata `authorization: Bearer KEY` "
-                            "(or the internal token, as the gateway does)")
+    arg_group(p, OBSERVABILITY).add_argument("--metrics-port", type=int, default=d.metrics_port,
+                                             help="Prometheus port (0 = pick free, -1 = off)")
+    arg_group(p, LIMITS).add_argument("--max-inflight", type=int, default=d.max_inflight,
+                                      help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED at once")
+    queue = arg_group(p, SCHEDULER)
+    queue.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                       help="requests beyond --max-inflight that wait for a slot; when full, the one that would "
+                            "be served last (the newcomer unless it outranks someone) gets RESOURCE_EXHAUSTED at "
+                            "once; 0: none wait")
+    queue.add_argument("--enable-priority-scheduling", action="store_true",
+                       help="waiting requests are served by `priority`, then arrival (default: arrival only)")
+    queue.add_argument("--low-priority-values-first", action="store_true",
+                       help="a lower `priority` value is more urgent (default: a higher one)")
+    timeouts = arg_group(p, RESILIENCE)
+    timeouts.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                          help="seconds per request (0 = none)")
+    timeouts.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                          help="seconds to let in-flight requests finish on SIGTERM")
+    add_api_key_argument(p, "callers of tandem.v1.Generation (and of reflection) must send the gRPC metadata "
+                            "`authorization: Bearer KEY` (or the internal token, as the gateway does)")
     add_internal_auth_arguments(p)
     add_tls_arguments(p)
     add_limit_arguments(p)
@@ -194,13 +214,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_resilience_arguments(p: argparse.ArgumentParser, d: RouterConfig) -> None:
     """Retry and circuit-breaker flags (SGLang router names); `tandem up` takes and forwards them too."""
-    p.add_argument("--retry-max-retries", type=int, default=d.max_retries,
+    g = arg_group(p, RESILIENCE)
+    g.add_argument("--retry-max-retries", type=int, default=d.max_retries,
                    help="a request that fails with UNAVAILABLE before anything reached the client is tried again "
                         "on another (prefill, decode) pair, up to this many times")
-    p.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
+    g.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
                    help="consecutive UNAVAILABLE failures after which a worker's circuit opens (it gets no new "
                         "requests until the timeout passes, unless every worker of its role is open)")
-    p.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_s,
+    g.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_s,
                    help="seconds an opened circuit keeps its worker out; doubles while it keeps failing")
-    p.add_argument("--disable-circuit-breaker", action="store_true",
-                   help="never skip a failing worker (requests are still retried on another pair)")
+    g.add_argument("--disable-circuit-breaker", action="store_true",
+                   help="never skip a failing worker (requests are still retried on another pair; default: a "
+                        "worker's circuit opens after --cb-failure-threshold failures)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.common.arg_groups import ROUTING, arg_group
+
 # Measured (docs/benchmarks.md, "KV-aware routing"): under long-prompt load a prompt of up to 1,024
 # tokens got its first token sooner from the decode worker's own mixed-chunk prefill than through a
 # prefill worker (the crossover lies beyond; Dynamo's max_local_prefill_length is 1,000).
@@ -33,22 +35,23 @@ class RouteConfig:
 
 def add_route_arguments(p: argparse.ArgumentParser) -> None:
     d = RouteConfig()
-    p.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
+    g = arg_group(p, ROUTING)
+    g.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                    help="disagg: a prompt whose part not cached on its decode worker is at most this many tokens "
                         "is prefilled there (mixed chunks) instead of on a prefill worker; 0: only fully cached "
                         f"prompts, -1: never by size (default: {d.local_prefill_max_tokens})")
-    p.add_argument("--max-prefill-queue-tokens", type=int, default=d.max_prefill_queue_tokens,
+    g.add_argument("--max-prefill-queue-tokens", type=int, default=d.max_prefill_queue_tokens,
                    help="disagg: a prefill worker with more prompt tokens than this queued is saturated; when all "
                         "are, a prompt is prefilled on its decode worker if that is sooner "
                         f"(0: never saturated; default: {d.max_prefill_queue_tokens})")
-    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+    g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
                    help="cache_aware: when the busiest worker has more than this many requests over the idlest "
                         "(and --balance-rel-threshold times as many), pick by load, not cache "
                         f"(default: {d.balance_abs_threshold})")
-    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+    g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
                    help="cache_aware: ... and more than this many times the idlest's requests "
                         f"(default: {d.balance_rel_threshold})")
-    p.add_argument("--prefix-cache-ttl", type=float, default=d.prefix_cache_ttl_s,
+    g.add_argument("--prefix-cache-ttl", type=float, default=d.prefix_cache_ttl_s,
                    help="seconds after its last use that the router stops counting a routed prefix as cached "
                         f"on a worker (default: {d.prefix_cache_ttl_s:g})")
 
