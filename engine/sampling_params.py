@@ -16,6 +16,7 @@ from engine.errors import InvalidRequest
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; beyond it the distribution is close to uniform noise
 
 
 def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -61,9 +62,9 @@ class SamplingParams:
         """Raise InvalidRequest (with `param` set to the offending field) if any value is out of range."""
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        if not (0 <= self.temperature <= MAX_TEMPERATURE):   # NaN fails both comparisons
             raise InvalidRequest(
-                f"temperature must be a finite number >= 0, got {self.temperature}", "temperature"
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", "temperature"
             )
         if not (0 < self.top_p <= 1):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")

@@ -15,7 +15,7 @@ def test_defaults_are_valid():
     [
         dict(max_tokens=1),
         dict(temperature=0.0),
-        dict(temperature=2.5),
+        dict(temperature=2.0),
         dict(top_p=1e-6),
         dict(top_k=0),
         dict(top_k=-1),
@@ -42,6 +42,7 @@ def test_edge_values_are_valid(kwargs):
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=math.nan), "temperature"),
         (dict(temperature=math.inf), "temperature"),
+        (dict(temperature=2.01), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.01), "top_p"),
         (dict(top_p=math.nan), "top_p"),

@@ -124,6 +124,8 @@ def test_logprobs_in_both_openai_shapes(fake, tiny_llama):
 
 @pytest.mark.parametrize("endpoint, body, param", [
     ("completions", {"prompt": "a", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "a", "temperature": 2.5}, "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "temperature": 3}, "temperature"),
     ("completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
     ("completions", {"prompt": "a", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "a", "n": 0}, "n"),

@@ -287,11 +287,13 @@ def test_invalid_requests_are_rejected_before_any_worker_is_called():
                     await _collect(stub, req)
                 assert info.value.code() == S.INVALID_ARGUMENT
                 assert ("tandem-error-param", param) in tuple(info.value.trailing_metadata())
-            bad = _req()
-            bad.sampling.top_p = 1.5
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await _collect(stub, bad)
-            assert "top_p" in info.value.details()
+            for field, value in (("top_p", 1.5), ("temperature", 2.5)):
+                bad = _req()
+                setattr(bad.sampling, field, value)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _collect(stub, bad)
+                assert info.value.code() == S.INVALID_ARGUMENT and field in info.value.details()
+                assert ("tandem-error-param", field) in tuple(info.value.trailing_metadata())
             assert p.requests == [] and d.requests == []
 
     arun(body())
