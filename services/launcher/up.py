@@ -339,13 +339,13 @@ def _banner(summary: dict, host: str, auth: str = "") -> str:
             "Try it over HTTP:",
             f"  curl -s {summary['gateway']}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
             "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
-            "\"max_tokens\": 32}'",
+            "\"max_tokens\": 32, \"temperature\": 0}'",
             "or",
         ]
     else:
         lines.append("Try it")
     lines[-1] += " with the gRPC SDK:"
     lines.append("  .venv/bin/python -c \"from tandem_client import Client; "
-                 f"print(Client('{addr}').generate('The capital of France is', max_tokens=16).text)\"")
+                 f"print(Client('{addr}').generate('The capital of France is', max_tokens=16, temperature=0).text)\"")
     lines.append("Ctrl-C stops everything.")
     return "\n".join(lines)

@@ -30,6 +30,8 @@ def test_banner_names_every_endpoint_for_a_person():
                 "Ctrl-C stops everything."):
         assert url in text, url
     assert "{" not in text.splitlines()[0] and "TANDEM_UP" not in text
+    # what a person pastes answers the same every time (greedy)
+    assert '"temperature": 0}' in text and "max_tokens=16, temperature=0)" in text
     no_gateway = _banner({k: v for k, v in SUMMARY.items() if k != "gateway"}, "127.0.0.1")
     assert "HTTP" not in no_gateway and "Try it with the gRPC SDK:" in no_gateway
 
