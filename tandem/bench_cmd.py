@@ -106,7 +106,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="ttft=2s,tpot=150ms", help="goodput SLOs (bare numbers are ms)")
     p.add_argument("--tandem-backend", default="openai-http", choices=["openai-http", "tandem-grpc"],
                    help="how to reach Tandem deployments: its OpenAI HTTP gateway (as the peer) or the router's gRPC API")
-    p.add_argument("--dtype", default="bfloat16", help="for every deployment")
+    p.add_argument("--dtype", default="auto",
+                   help="for every deployment, the peers too; auto: what Tandem picks for the model on this machine")
     p.add_argument("--up-args", default="", help="extra `tandem up` flags, e.g. \"--kv-cache-gb 0.5\"")
     p.add_argument("--peer-kv-cache-gb", type=float, default=1.0,
                    help="transformers serve's KV cache (its CPU default takes 60%% of RAM and crawls)")

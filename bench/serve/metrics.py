@@ -114,6 +114,14 @@ class SLO:
                  if v is not None]
         return ",".join(parts) or "none"
 
+    def describe(self) -> str:
+        """What goodput counts, in words, for a header line."""
+        parts = [f"{k} <= {v * 1e3:g} ms" for k, v in (("TTFT", self.ttft), ("TPOT", self.tpot), ("E2E", self.e2e))
+                 if v is not None]
+        if not parts:
+            return "goodput = completed requests/s (no SLO)"
+        return "goodput = requests/s that completed with " + " and ".join(parts)
+
 
 @dataclass(frozen=True)
 class BenchMetrics:
@@ -201,8 +209,8 @@ def format_priority_summary(by_priority: dict[int, BenchMetrics]) -> str:
     return "\n".join(lines)
 
 
-def format_summary(m: BenchMetrics, title: str) -> str:
-    """A human-readable block for the terminal."""
+def format_summary(m: BenchMetrics, title: str, slo: SLO | None = None) -> str:
+    """A human-readable block for the terminal (`slo`: what goodput counted, said in words)."""
     rows = [
         ("Successful requests", f"{m.completed}"),
         ("Failed requests", f"{m.failed}"),
@@ -210,10 +218,12 @@ def format_summary(m: BenchMetrics, title: str) -> str:
         ("Request throughput (req/s)", f"{m.request_throughput:.3f}"),
         ("Output token throughput (tok/s)", f"{m.output_throughput:.1f}"),
         ("Total token throughput (tok/s)", f"{m.total_token_throughput:.1f}"),
-        (f"Goodput (req/s) [{m.slo}]", f"{m.goodput:.3f} ({m.good_requests} requests)"),
+        ("Goodput (req/s)", f"{m.goodput:.3f} ({m.good_requests} requests)"),
         ("Cached prompt tokens (reported)", f"{m.cached_token_ratio:.1%}"),
     ]
     lines = [f"==== {title} ===="]
+    if slo is not None:
+        lines.append(slo.describe())
     lines += [f"{k:<42s}{v}" for k, v in rows]
     names = list(m.ttft.percentiles)
     lines.append(f"{'(ms)':<8s}{'mean':>10s}" + "".join(f"{n:>10s}" for n in names))

@@ -95,7 +95,8 @@ async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
             metrics = compute_metrics(result.records, result.duration_s, cfg.slo, cfg.percentiles)
             conc = f", max concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
             echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}request rate "
-                                          f"{plots.rate_label(rate)} req/s, burstiness {cfg.burstiness:g}{conc}"))
+                                          f"{plots.rate_label(rate)} req/s, burstiness {cfg.burstiness:g}{conc}",
+                                cfg.slo))
             by_priority = metrics_by_priority(result.records, result.duration_s, cfg.slo, cfg.percentiles)
             if by_priority:
                 echo(format_priority_summary(by_priority))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +36,14 @@ from bench.serve.datasets import DatasetConfig, load_tokenizer
 from bench.serve.metrics import DEFAULT_PERCENTILES, SLO
 from bench.serve.procs import ROOT, UpFailed, _Proc, start_tandem_up
 from bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
-from bench.serve.sweep_report import _COLOCATED, _DISAGG, _plots, comparison_table, target_checks  # noqa: F401 (sweep.* API)
+from bench.serve.sweep_report import (  # noqa: F401 (sweep.* API)
+    _COLOCATED,
+    _DISAGG,
+    _plots,
+    comparison_table,
+    summary_table,
+    target_checks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,7 @@ class SweepConfig:
     slo: SLO = field(default_factory=lambda: SLO(ttft=2.0, tpot=0.150))
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     tandem_backend: str = "openai-http"  # through `tandem up`'s gateway, like the peer; or tandem-grpc
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                  # auto: what Tandem picks for this model here (resolved once, see auto_dtype)
     up_args: tuple[str, ...] = ()        # extra `tandem up` flags (engine flags, transfer backend, ...)
     peer_kv_cache_gb: float = 1.0        # the peer's KV cache, as Tandem's default --kv-cache-gb
     peer_args: tuple[str, ...] = ()      # extra `transformers serve` flags
@@ -344,6 +352,22 @@ def first_http_model(base_url: str, api_key: str | None = None) -> str | None:
 
 
 
+def auto_dtype(model: str) -> str:
+    """The dtype `tandem up --dtype auto` serves `model` in on this machine (engine/model_runner.py's rule,
+    which asks what this device computes fast). The sweep gives it to every deployment, the peers too:
+    their own `auto` would read the checkpoint's dtype (fp32 for the imported SmolLM2) and compare
+    different arithmetic."""
+    import torch
+
+    from engine.model_config import ModelConfig
+    from engine.model_runner import resolve_dtype
+    from engine.model_source import resolve_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = resolve_dtype("auto", ModelConfig.from_pretrained(resolve_model(model)), device)
+    return str(chosen).removeprefix("torch.")
+
+
 def make_deployment(name: str, cfg: SweepConfig, echo: Callable[[str], None] = print) -> Deployment:
     m = _COLOCATED.match(name)
     if m:
@@ -360,9 +384,15 @@ def make_deployment(name: str, cfg: SweepConfig, echo: Callable[[str], None] = p
 
 
 def run_sweep(cfg: SweepConfig, echo=print) -> dict:
-    deployments = [make_deployment(n, cfg, echo) for n in cfg.deployments]  # fail fast on a bad name
+    for n in cfg.deployments:
+        make_deployment(n, cfg, echo)                  # fail fast on a bad name, before resolving the dtype
+    requested = cfg.dtype
+    if cfg.dtype == "auto":
+        cfg = dataclasses.replace(cfg, dtype=auto_dtype(cfg.model))
+        echo(f"--- dtype auto: {cfg.dtype} (what Tandem picks for this model here), for every deployment")
+    deployments = [make_deployment(n, cfg, echo) for n in cfg.deployments]
     with _terminate_as_exit():
-        return _run_sweep(cfg, deployments, echo)
+        return _run_sweep(cfg, deployments, echo, requested)
 
 
 @contextlib.contextmanager
@@ -383,11 +413,12 @@ def _terminate_as_exit():
             signal.signal(sig, h)
 
 
-def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo) -> dict:
+def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_dtype: str) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     results: dict = {
         "tool": "tandem bench sweep", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
-        "config": config_dict(cfg), "deployments": {}, "skipped": {},
+        "config": {**config_dict(cfg), "dtype": requested_dtype}, "dtype": cfg.dtype,   # as asked, as served
+        "deployments": {}, "skipped": {},
     }
     out = Path(cfg.out)
     for dep in deployments:
@@ -423,12 +454,14 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo) -> dict:
         finally:
             dep.close()
         write_json(out, results)  # after each deployment: a later crash keeps what was measured
-    results["table"] = comparison_table(results)
+    results["table"] = comparison_table(results)          # Markdown, for the .md file and docs
+    results["summary"] = summary_table(results, cfg.slo)  # aligned text, for the terminal
     results["targets"] = target_checks(results, cfg)
     write_json(out, results)
-    out.with_suffix(".md").write_text(results["table"] + "\n\n" + "\n".join(results["targets"]) + "\n")
-    echo(results["table"])
-    echo("\n".join(results["targets"]))
+    out.with_suffix(".md").write_text(f"{results['table']}\n\n{cfg.slo.describe()}\n\n"
+                                      + "\n".join(results["targets"]) + "\n")
+    echo(results["summary"])
+    echo("targets:\n" + "\n".join("  " + t for t in results["targets"]))
     for name, why in results["skipped"].items():
         echo(f"skipped {name}: {why.splitlines()[0]}")
     echo(f"results: {out}, table: {out.with_suffix('.md')}")

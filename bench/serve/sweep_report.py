@@ -1,5 +1,5 @@
-"""What `tandem bench sweep` prints and plots from its results: the comparison table, the issues'
-targets checked per rate, and the figures."""
+"""What `tandem bench sweep` prints and plots from its results: an aligned table for the terminal, a
+Markdown table for the .md file, the issues' targets checked per rate (in words), and the figures."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from bench.serve import plots
 from bench.serve.serve import cdf_values
 
 if TYPE_CHECKING:
+    from bench.serve.metrics import SLO
     from bench.serve.sweep import SweepConfig
 
 _DISAGG = re.compile(r"^(\d+)p(\d+)d$")   # deployment names NpMd
@@ -46,6 +47,30 @@ def comparison_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def summary_table(results: dict, slo: SLO) -> str:
+    """The terminal's view of the sweep: the SLO said once, then one aligned row per deployment and rate."""
+    def f(x, digits=0):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+    rows = [("deployment", "rate req/s", "achieved req/s", "goodput req/s", "TTFT p50 ms", "TTFT p99 ms",
+             "TPOT p50 ms", "ITL p99/p50", "failed")]
+    for name, rate, m in _rows(results):
+        total = m["completed"] + m["failed"]
+        good = f"{f(m['goodput'], 2)} ({f(100.0 * m['good_requests'] / total) if total else '-'}%)"
+        ttft, tpot = m["ttft"]["percentiles"], m["tpot"]["percentiles"]
+        rows.append((name, str(rate), f(m["request_throughput"], 2), good, f(ttft.get("p50")),
+                     f(ttft.get("p99")), f(tpot.get("p50")), f(m["itl_p99_over_p50"], 2), str(m["failed"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [slo.describe() + " (the % is of the requests sent)"]
+    for r in rows:
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]))
+    return "\n".join(lines)
+
+
+def _verdict(ok: bool, why: str = "") -> str:
+    return ("met" if ok else "missed") + (f" ({why})" if why else "")
+
+
 def target_checks(results: dict, cfg: SweepConfig) -> list[str]:
     """The issue's targets, per offered rate: 1P1D goodput >= co-located and >= 3x transformers;
     1P1D ITL p99/p50 <= 1.5 at the highest rate (the most prefill-heavy load); then the targets against vLLM."""
@@ -64,16 +89,20 @@ def vllm_checks(by: dict[str, dict[str, dict]]) -> list[str]:
         return []
     out = []
     for rate, v in by["vllm"].items():
-        parts = [f"rate {rate}: vllm goodput {v['goodput']:.2f}"]
+        parts = [f"rate {rate}: vllm goodput {v['goodput']:.2f} req/s"]
         for name in by:
             if name == "vllm" or rate not in by[name] or not (_COLOCATED.match(name) or _DISAGG.match(name)):
                 continue
             g, need = by[name][rate]["goodput"], 1.2 if _COLOCATED.match(name) else 1.0
-            verdict = ("MISSED: both 0" if g == 0 == v["goodput"] else
-                       "met" if g >= 0.98 * need * v["goodput"] else "MISSED")
-            if verdict == "MISSED" and need * v["goodput"] > v["request_throughput"] * 1.02:
-                verdict += ": unreachable, vllm serves the offered load within the SLO"
-            parts.append(f"{name} {g:.2f} ({verdict} >= {need:g}x vllm)")
+            if g == 0 == v["goodput"]:
+                verdict = _verdict(False, "both 0")
+            elif g >= 0.98 * need * v["goodput"]:
+                verdict = _verdict(True)
+            elif need * v["goodput"] > v["request_throughput"] * 1.02:
+                verdict = _verdict(False, "unreachable: vllm serves the offered load within the SLO")
+            else:
+                verdict = _verdict(False)
+            parts.append(f"{name} {g:.2f}, target >= {need:g}x vllm: {verdict}")
         out.append("; ".join(parts))
     return out
 
@@ -81,24 +110,26 @@ def vllm_checks(by: dict[str, dict[str, dict]]) -> list[str]:
 def _disagg_checks(by: dict[str, dict[str, dict]], disagg: str) -> list[str]:
     out = []
     for rate, m in by[disagg].items():
-        parts = [f"rate {rate}: {disagg} goodput {m['goodput']:.2f}"]
+        parts = [f"rate {rate}: {disagg} goodput {m['goodput']:.2f} req/s"]
         if "colocated" in by and rate in by["colocated"]:
             # 2% slack: the same number of good requests over windows a few ms apart is a tie.
             c = by["colocated"][rate]["goodput"]
-            parts.append(f"colocated {c:.2f} ({'met' if m['goodput'] >= 0.98 * c else 'MISSED'} >=)")
+            parts.append(f"target >= colocated ({c:.2f}): {_verdict(m['goodput'] >= 0.98 * c)}")
         if "transformers" in by and rate in by["transformers"]:
             t = by["transformers"][rate]["goodput"]
             if t > 0:
                 ratio = m["goodput"] / t
-                parts.append(f"transformers {t:.2f} ({ratio:.1f}x, {'met' if ratio >= 3 else 'MISSED'} >= 3x)")
+                parts.append(f"target >= 3x transformers ({t:.2f}): {_verdict(ratio >= 3, f'{ratio:.1f}x')}")
             else:
-                parts.append(f"transformers 0.00 ({'met' if m['goodput'] > 0 else 'MISSED: both 0'} >= 3x)")
+                parts.append(f"target >= 3x transformers (0.00): "
+                             f"{_verdict(m['goodput'] > 0, '' if m['goodput'] > 0 else 'both 0')}")
         out.append("; ".join(parts))
     last = list(by[disagg])[-1]
     ratio = by[disagg][last]["itl_p99_over_p50"]
-    verdict = "met" if ratio is not None and ratio <= 1.5 else "MISSED"
-    out.append(f"{disagg} ITL p99/p50 at rate {last}: {ratio:.2f} ({verdict} <= 1.5)"
-               if ratio is not None else f"{disagg} ITL p99/p50 at rate {last}: n/a")
+    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
+        out.append(f"{disagg} at rate {last}: target ITL p99/p50 <= 1.5: not measured")
+    else:
+        out.append(f"{disagg} at rate {last}: target ITL p99/p50 <= 1.5: {_verdict(ratio <= 1.5, f'{ratio:.2f}')}")
     return out
 
 

@@ -99,14 +99,31 @@ class FakeDeployment:
             self.server = None
 
 
-def test_sweep_runs_every_deployment_and_skips_unavailable(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "make_deployment", lambda name, cfg, echo=print: FakeDeployment(name, fail=name == "transformers"))
+def test_sweep_runs_every_deployment_and_skips_unavailable(tokenizer_dir, tmp_path, monkeypatch, capsys):
+    made = []
+
+    def deployment(name, cfg, echo=print):
+        made.append((name, cfg.dtype))
+        return FakeDeployment(name, fail=name == "transformers")
+    monkeypatch.setattr(sweep, "make_deployment", deployment)
+    monkeypatch.setattr(sweep, "auto_dtype", lambda model: "float32")   # what Tandem would pick here
     out = tmp_path / "sweep.json"
     rc = cli("sweep", "--model", str(tokenizer_dir), "--request-rates", "100,inf", "--num-prompts", "4",
              "--input-len", "8", "--output-len", "3", "--num-warmups", "1", "--out", str(out), "--no-progress",
-             "--no-save-requests")
+             "--no-save-requests", "--slo", "ttft=2s,tpot=150ms")
     assert rc == 0
+    assert {dtype for _, dtype in made[-3:]} == {"float32"}        # auto, resolved once, for every deployment
     res = json.loads(out.read_text())
+    assert res["config"]["dtype"] == "auto" and res["dtype"] == "float32"
+    printed = capsys.readouterr().out
+    summary = printed[printed.rindex("goodput = "):printed.index("targets:")].splitlines()
+    assert summary[0] == "goodput = requests/s that completed with TTFT <= 2000 ms and TPOT <= 150 ms " \
+                         "(the % is of the requests sent)"
+    assert summary[1].split() == ["deployment", "rate", "req/s", "achieved", "req/s", "goodput", "req/s", "TTFT",
+                                  "p50", "ms", "TTFT", "p99", "ms", "TPOT", "p50", "ms", "ITL", "p99/p50", "failed"]
+    assert len({len(line) for line in summary[1:]}) == 1 and len(summary) == 2 + 4     # aligned, one row per run
+    assert "[ttft" not in printed and "MISSED" not in printed
+    assert "  1p1d at rate inf: target ITL p99/p50 <= 1.5: " in printed
     assert list(res["deployments"]) == ["colocated", "1p1d"]
     assert res["skipped"] == {"transformers": "not installed here"}
     assert all(len(d["runs"]) == 2 and "requests" not in d["runs"][0] for d in res["deployments"].values())
@@ -134,9 +151,11 @@ def test_target_checks_and_table():
     }}
     res["deployments"]["colocated"]["runs"][0]["metrics"]["goodput"] = 1.01  # within 2%: a tie
     checks = sweep.target_checks(res, SweepConfig())
-    assert "rate 1" in checks[0] and "colocated 1.01 (met >=)" in checks[0] and "5.0x, met" in checks[0]
-    assert "MISSED >=" in checks[1] and "transformers 0.00 (met >= 3x)" in checks[1]
-    assert checks[2] == "1p1d ITL p99/p50 at rate 2: 2.00 (MISSED <= 1.5)"
+    assert checks[0] == ("rate 1: 1p1d goodput 1.00 req/s; target >= colocated (1.01): met; "
+                         "target >= 3x transformers (0.20): met (5.0x)")
+    assert checks[1] == ("rate 2: 1p1d goodput 1.40 req/s; target >= colocated (1.50): missed; "
+                         "target >= 3x transformers (0.00): met")
+    assert checks[2] == "1p1d at rate 2: target ITL p99/p50 <= 1.5: missed (2.00)"
     table = sweep.comparison_table(res)
     assert len(table.splitlines()) == 2 + 6
     assert "| 1p1d | 2 | 1.00 | 64.0 | 1.40 (140%) | 10 / 20 | 10 / 20 | 40 / 80 | 2.00 | 0 |" in table
@@ -152,8 +171,9 @@ def test_vllm_targets_say_when_they_exceed_the_offered_load():
         m["request_throughput"] = 1.9
     line = sweep_report.vllm_checks({n: {r["request_rate"]: r["metrics"] for r in d["runs"]}
                               for n, d in res["deployments"].items()})[0]
-    assert "colocated-dp2 1.90 (MISSED: unreachable, vllm serves the offered load within the SLO >= 1.2x vllm)" in line
-    assert "1p1d 1.90 (met >= 1x vllm)" in line
+    assert ("colocated-dp2 1.90, target >= 1.2x vllm: missed (unreachable: vllm serves the offered load within "
+            "the SLO)") in line
+    assert "1p1d 1.90, target >= 1x vllm: met" in line
 
 
 def test_deployment_registry():
@@ -162,7 +182,7 @@ def test_deployment_registry():
     argv = co.argv()
     assert argv[3] == "up" and "--ready-json" in argv
     at = argv.index("--mode")
-    assert argv[at:] == ["--mode", "colocated", "--colocated", "1", "--model", "m", "--dtype", "bfloat16",
+    assert argv[at:] == ["--mode", "colocated", "--colocated", "1", "--model", "m", "--dtype", "auto",
                          "--kv-cache-gb", "0.5"]
     argv = make_deployment("colocated-dp2", cfg).argv()
     assert argv[argv.index("--mode"):][:4] == ["--mode", "colocated", "--colocated", "2"]

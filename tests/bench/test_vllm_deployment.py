@@ -44,7 +44,7 @@ def alive(pid: int) -> bool:
 
 def test_command_line_and_environment(tmp_path):
     cfg = SweepConfig(model="m", vllm_venv=str(tmp_path / "v"), vllm_kv_cache_gb=3, vllm_max_model_len=1024,
-                      vllm_args=("--max-num-seqs", "64"))
+                      vllm_args=("--max-num-seqs", "64"), dtype="bfloat16")
     dep = make_deployment("vllm", cfg)
     assert isinstance(dep, VllmServe) and dep.name == "vllm"
     assert dep.python() == tmp_path / "v" / "bin" / "python"
@@ -100,8 +100,8 @@ def test_sweep_skips_vllm_with_the_reason(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(sweep.VLLM_VENV_ENV, str(tmp_path / "nowhere"))
     parser = argparse.ArgumentParser()
     bench_cmd.add_arguments(parser)
-    rc = bench_cmd.run(parser.parse_args(["sweep", "--model", str(tok), "--deployments", "vllm",
-                                          "--out", str(tmp_path / "s.json"), "--no-progress"]))
+    rc = bench_cmd.run(parser.parse_args(["sweep", "--model", str(tok), "--deployments", "vllm", "--dtype",
+                                          "bfloat16", "--out", str(tmp_path / "s.json"), "--no-progress"]))
     assert rc == 1                                     # nothing measured
     assert "make vllm-venv" in json.loads((tmp_path / "s.json").read_text())["skipped"]["vllm"]
     assert "skipped vllm: vLLM's venv" in capsys.readouterr().out
@@ -172,9 +172,11 @@ def test_targets_against_vllm():
     res = {"deployments": {"colocated": runs(1.2, 0.5, 0.0), "1p1d": runs(0.99, 1.0, 0.0), "vllm": runs(1.0, 0.5, 0.0)}}
     checks = sweep.target_checks(res, SweepConfig())
     assert checks[-3:] == [
-        "rate 1: vllm goodput 1.00; colocated 1.20 (met >= 1.2x vllm); 1p1d 0.99 (met >= 1x vllm)",
-        "rate 2: vllm goodput 0.50; colocated 0.50 (MISSED >= 1.2x vllm); 1p1d 1.00 (met >= 1x vllm)",
-        "rate 3: vllm goodput 0.00; colocated 0.00 (MISSED: both 0 >= 1.2x vllm); 1p1d 0.00 (MISSED: both 0 >= 1x vllm)"]
+        "rate 1: vllm goodput 1.00 req/s; colocated 1.20, target >= 1.2x vllm: met; 1p1d 0.99, target >= 1x vllm: met",
+        "rate 2: vllm goodput 0.50 req/s; colocated 0.50, target >= 1.2x vllm: missed; "
+        "1p1d 1.00, target >= 1x vllm: met",
+        "rate 3: vllm goodput 0.00 req/s; colocated 0.00, target >= 1.2x vllm: missed (both 0); "
+        "1p1d 0.00, target >= 1x vllm: missed (both 0)"]
     del res["deployments"]["1p1d"]
     assert sweep.target_checks(res, SweepConfig())[0] == "targets: no disaggregated deployment in this sweep"
     assert len(sweep.target_checks(res, SweepConfig())) == 4
@@ -188,7 +190,8 @@ sweep.VllmServe.entrypoint = (sys.argv[1],)
 sweep.VllmServe.stop_grace_s = 0.5
 sweep._http_ok = lambda url: False                           # never ready: SIGTERM arrives while it starts
 sweep.run_sweep(sweep.SweepConfig(model=sys.argv[2], deployments=("vllm",), vllm_venv=sys.argv[3], start_timeout_s=60,
-                                  dataset=DatasetConfig(num_prompts=1, input_len=4, output_len=2), out=sys.argv[4]))
+                                  dataset=DatasetConfig(num_prompts=1, input_len=4, output_len=2), out=sys.argv[4],
+                                  dtype="bfloat16"))
 """
 
 
