@@ -26,6 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
 from engine.errors import InvalidRequest, ResourceExhausted
+from engine.hardware import choose_overlap, detect
 from engine.kv_pool import KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -294,11 +295,11 @@ class LLMEngine:
 
 
 def overlap_enabled(cfg: EngineConfig, device) -> bool:
-    """`enable_overlap_schedule` None means the device's default: on for CUDA, off for CPU, where
-    the forward pass and the scheduler share the same cores (measured: docs/benchmarks.md)."""
+    """`enable_overlap_schedule` None means the device's default (engine/hardware.py): on for CUDA,
+    off for CPU, where the forward pass and the scheduler share the same cores (docs/benchmarks.md)."""
     if cfg.enable_overlap_schedule is not None:
         return cfg.enable_overlap_schedule
-    return device.type == "cuda"
+    return bool(choose_overlap(detect(device)).value)
 
 
 def _needs_history(batch: StepBatch) -> bool:

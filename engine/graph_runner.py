@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.forward_context import ForwardContext
+from engine.hardware import choose_graphs, detect
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +47,12 @@ CUDA_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, *range(32, 257, 8))
 CPU_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
 CUDA_DEFAULT_MAX_BS = 256
 CPU_DEFAULT_MAX_BS = 32
-# `enable_graph=None` (auto): on where it measured faster than eager (docs/benchmarks.md).
-DEFAULT_ON = {"cuda": True, "cpu": False}
-
-
 def graph_enabled(cfg: EngineConfig, device: torch.device) -> bool:
+    """`enable_graph`, or for None the device's default (engine/hardware.py: on where it measured
+    faster than eager, docs/benchmarks.md)."""
     if cfg.enable_graph is not None:
         return cfg.enable_graph
-    return DEFAULT_ON.get(device.type, False)
+    return bool(choose_graphs(detect(device)).value)
 
 
 def capture_sizes(cfg: EngineConfig, device: torch.device) -> list[int]:

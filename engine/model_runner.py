@@ -18,10 +18,11 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.forward_context import ForwardContext
 from engine.graph_runner import create_graph_runner, graph_enabled
+from engine.hardware import Choice, choose_cpu_kernels, choose_weight_prepack, detect
+from engine.hardware import resolve_dtype as choose_dtype
 from engine.kv_pool import KVPool, KVPoolSpec
 from engine.model_config import ModelConfig
 from engine.models.layers import use_cpu_kernels
-from engine.models.prepack import prepack_supported
 from engine.models.registry import model_class
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
@@ -31,9 +32,6 @@ from engine.weights import iter_weights
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,14 +39,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    dtype = _DTYPES.get(model_cfg.torch_dtype, torch.bfloat16)
-    if dtype == torch.float32:
-        dtype = torch.bfloat16  # serving default: half the memory traffic, and fast on AVX512-BF16 CPUs
-    if device.type == "cpu" and dtype == torch.float16:
-        dtype = torch.bfloat16  # fp16 matmuls are slow on CPU
-    return dtype
+    """`--dtype`, or for `auto` what this device computes fast (engine/hardware.py)."""
+    return choose_dtype(name, detect(device), model_cfg.torch_dtype).value
 
 
 @dataclass
@@ -78,7 +70,10 @@ class ModelRunner:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
+        self.hardware = detect(self.device)
+        # The hardware-dependent defaults this runner took, and why (logged; the worker's banner shows them).
+        self.choices: dict[str, Choice] = {"dtype": choose_dtype(cfg.dtype, self.hardware, model_cfg.torch_dtype)}
+        self.dtype = self.choices["dtype"].value
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model = self._load_model(context_len)
@@ -90,7 +85,6 @@ class ModelRunner:
             use_cpu_kernels(self.model, self.cpu_ops)
             if hasattr(self.attn, "cpu_ops"):
                 self.attn.cpu_ops = self.cpu_ops
-            log.info("fused CPU kernels on (kernels/cpu: decode attention, RMSNorm, RoPE)")
         self.sampler = Sampler()
         # Decode steps from captured graphs (None: always eager); captures them now.
         self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)
@@ -104,6 +98,13 @@ class ModelRunner:
         # (start, end) perf_counter of recent forward passes: the gaps between them are the time
         # the model waited for the CPU (bench/overlap.py reads them).
         self.forward_spans: deque[tuple[float, float]] = deque(maxlen=8192)
+        log.info("%s: %s", self.hardware.summary(), self.describe_choices())
+
+    def describe_choices(self) -> str:
+        """One line: each hardware-dependent setting, its value, and why."""
+        def text(v):
+            return str(v).removeprefix("torch.") if not isinstance(v, bool) else ("on" if v else "off")
+        return "; ".join(f"{k} {text(c.value)} ({c.reason})" for k, c in self.choices.items())
 
     @property
     def num_pages(self) -> int:
@@ -136,10 +137,13 @@ class ModelRunner:
         return model
 
     def _weight_prepack(self) -> bool:
-        supported = prepack_supported(self.device, self.dtype)
+        graphs = graph_enabled(self.cfg, self.device)
+        auto = choose_weight_prepack(self.hardware, self.dtype, graphs)
         want = self.cfg.enable_weight_prepack
+        self.choices["weight prepack"] = auto if want is None else Choice(want, "--enable/--disable-weight-prepack")
         if want is None:
-            return supported and not graph_enabled(self.cfg, self.device)
+            return auto.value
+        supported = choose_weight_prepack(self.hardware, self.dtype, graphs=False).value
         if want and not supported:
             raise InvalidRequest("--enable-weight-prepack needs bf16 on a CPU whose oneDNN supports bf16",
                                  "enable_weight_prepack")
@@ -151,9 +155,11 @@ class ModelRunner:
     def _cpu_kernels(self):
         """kernels.cpu's module when the fused CPU kernels are to be used, else None."""
         want = self.cfg.enable_cpu_kernels
+        auto = choose_cpu_kernels(self.hardware, graph_enabled(self.cfg, self.device))
+        self.choices["CPU kernels"] = auto if want is None else Choice(want, "--enable/--disable-cpu-kernels")
         if want is False:
             return None
-        if self.device.type != "cpu" or graph_enabled(self.cfg, self.device):
+        if not auto.value:
             if want:
                 raise InvalidRequest("--enable-cpu-kernels needs a CPU device with decode graphs off "
                                      "(compiled graphs trace the torch code)", "enable_cpu_kernels")
@@ -164,6 +170,8 @@ class ModelRunner:
         if ops is None and want:
             raise InvalidRequest("--enable-cpu-kernels: the CPU kernels could not be built here (see the log; "
                                  "`python -m kernels.cpu -v` shows the compiler's output)", "enable_cpu_kernels")
+        if ops is None:
+            self.choices["CPU kernels"] = Choice(False, "they could not be built here (see the warning above)")
         return ops
 
     # --- one step ----------------------------------------------------------------------------

@@ -21,8 +21,10 @@ import torch
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether `dtype` linears on `device` can be prepacked (engine/hardware.py decides)."""
+    from engine.hardware import choose_weight_prepack, detect
+
+    return bool(choose_weight_prepack(detect(device), dtype, graphs=False).value)
 
 
 class PackedLinear(torch.nn.Module):
