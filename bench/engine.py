@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -132,7 +131,7 @@ def _rss_mb() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what engine/hardware.py picks for this CPU")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--input-lens", default="128,512",
                     help="prompt lengths; each gets a row per batch size (512: the serving workload's context)")
@@ -203,7 +202,7 @@ def main() -> None:
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=getattr(torch, args.dtype)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.runner.dtype).eval()
         bench_hf(hf, 1, 16, 4, vocab)  # warm-up
         for row in rows:
             hf_row = bench_hf(hf, row["batch"], row["input_len"], args.output_len, vocab)
@@ -219,12 +218,13 @@ def main() -> None:
     result = {
         "bench": "engine",
         "model": args.model,
-        "dtype": args.dtype,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "engine_choices": engine.runner.describe_choices(),
         "input_lens": input_lens,
         "output_len": args.output_len,
         "threads": torch.get_num_threads(),
         "startup": startup,
-        "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "machine": {"cpu": engine.runner.hardware.summary(), "torch": torch.__version__},
         "rows": rows,
         "mixed_workload": {"requests": args.mixed_requests, "prompt_len": [32, 256], "output_len": [16, 128],
                            "batch": max_batch, **mixed},
