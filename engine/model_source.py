@@ -10,13 +10,17 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelNotFound
 from engine.gguf_import import IMPORTER_VERSION, MARKER_FILE, import_gguf
+
+log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 
@@ -106,7 +110,11 @@ def _materialize(alias: str, spec: PackagedGguf, cache_dir: Path) -> Path:
     models.mkdir(parents=True, exist_ok=True)
     with open(models / f".{alias}.lock", "w") as lock:
         # Whoever holds the lock imports; the others wait here, then find the folder complete.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process to import %s into %s", alias, dest)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(dest):
             return dest
         # Leftovers of a crashed import or of an older importer version; only a lock holder deletes.
@@ -114,5 +122,8 @@ def _materialize(alias: str, spec: PackagedGguf, cache_dir: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         if dest.exists():
             shutil.rmtree(dest)
+        t0 = time.monotonic()
+        log.warning("importing %s from %s into %s (once per machine; a few seconds)", alias, gguf_path.name, dest)
         import_gguf(gguf_path, dest)
+        log.warning("imported %s in %.1f s", alias, time.monotonic() - t0)
     return dest

@@ -332,6 +332,8 @@ def _banner(summary: dict, host: str, auth: str = "") -> str:
         metrics = f"http://{h}:{w['metrics_port']}/metrics" if w.get("metrics_port", -1) >= 0 else "off"
         lines.append(f"  {w['role']:<9s} worker {w['grpc_addr']}   (metrics {metrics})")
     lines.append(f"  registry          {summary['redis_url']}")
+    for hw in dict.fromkeys((w["hardware"], w["engine_choices"]) for w in workers if w.get("hardware")):
+        lines.append(f"  engine            {hw[0]}: {hw[1]}")
     if summary.get("cpu_placement"):
         lines.append(f"  CPU placement     {summary['cpu_placement']}")
     if "gateway" in summary:

@@ -163,7 +163,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
              "pid": os.getpid(), "boot_epoch": wcfg.boot_epoch,
              "transfer_backend": parts.transfer_backend, "startup_s": round(time.monotonic() - t0, 2),
              "cpu_cores": format_cpu_list(wcfg.cpu_cores) if wcfg.cpu_cores else None,
-             "num_threads": engine_cfg.num_threads}
+             "num_threads": engine_cfg.num_threads, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+             "hardware": engine.runner.hardware.summary(), "engine_choices": engine.runner.describe_choices()}
     print("TANDEM_READY " + json.dumps(ready), flush=True)
     log.info("%s %s serving on %s (metrics :%s)", wcfg.role, wcfg.id, addr, metrics_port)
 
@@ -248,9 +249,12 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         return 2
     if wcfg.log_stats_interval_s > 0 and not step_stats.log.isEnabledFor(logging.INFO):
         step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
-    graph_log = logging.getLogger("engine.graph_runner")
-    if not graph_log.isEnabledFor(logging.INFO):
-        graph_log.setLevel(logging.INFO)  # the progress line while decode graphs are captured
+    # Start-up lines a person waits on: the hardware-dependent settings and the model load
+    # (engine.model_runner), the progress line while decode graphs are captured.
+    for name in ("engine.model_runner", "engine.graph_runner"):
+        start_log = logging.getLogger(name)
+        if not start_log.isEnabledFor(logging.INFO):
+            start_log.setLevel(logging.INFO)
     try:
         return asyncio.run(serve_worker(engine_cfg, wcfg))
     except KeyboardInterrupt:
