@@ -10,7 +10,7 @@ PROMPT  ?= What is the capital of France?
 
 CHECKOV_VENV := $(VENV)/tools/checkov
 
-.PHONY: install proto k8s-check test test-slow test-all run generate bench bench-kvtransfer bench-gateway vllm-venv lint clean
+.PHONY: install proto k8s-check test test-slow test-avx2 test-all run generate bench bench-kvtransfer bench-gateway vllm-venv lint clean
 
 install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) --upgrade pip
@@ -47,6 +47,15 @@ test:
 # pytest exits 5 when a marker selects nothing; that is not a failure here.
 test-slow:
 	$(BIN)/python -m pytest -q -m "slow" tests || [ $$? -eq 5 ]
+
+# The engine and kernel tests once more as on an AVX2-only CPU (no AVX-512, no native bf16), the
+# class of most cloud x86 CPUs before Zen 4 / Sapphire Rapids: torch, oneDNN, MKL and Tandem's own
+# kernels (kernels/cpu/isa.py reads the same variables) are capped to AVX2, so a change that breaks
+# such machines fails here. TANDEM_EXPECT_ISA makes the suite check that the cap took effect.
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 TANDEM_EXPECT_ISA=avx2
+
+test-avx2:
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -m "not slow" tests/engine tests/kernels
 
 test-all:
 	$(BIN)/python -m pytest -q tests
