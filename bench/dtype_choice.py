@@ -69,11 +69,12 @@ def bench_projections(cfg: ModelConfig, repeat: int) -> list[dict]:
         xs = {i: torch.randn(m, i, generator=g) for _, i in projection_shapes(cfg)}
         xb = {i: x.bfloat16() for i, x in xs.items()}
         forms = {
-            "fp32": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
-            "bf16": lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16],
-            "bf16_weights_fp32_compute": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w.float()) for w in bf16],
-            "int8_weight_only": lambda: [torch._weight_int8pack_mm(xs[w.shape[1]], w, s)
-                                         for w, s in zip(int8, scales, strict=True)],
+            "fp32": lambda xs=xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
+            "bf16": lambda xb=xb: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf16],
+            "bf16_weights_fp32_compute": lambda xs=xs: [torch.nn.functional.linear(xs[w.shape[1]], w.float())
+                                                        for w in bf16],
+            "int8_weight_only": lambda xs=xs: [torch._weight_int8pack_mm(xs[w.shape[1]], w, s)
+                                               for w, s in zip(int8, scales, strict=True)],
         }
         ms = {name: _time(fn, repeat) * 1e3 for name, fn in forms.items()}
         row = {"rows": m, "ms": ms, "gflop_s": {k: flops_per_row * m / v / 1e6 for k, v in ms.items()},
