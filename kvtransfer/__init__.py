@@ -7,11 +7,11 @@
 """
 
 from kvtransfer.backends.shm import cleanup_stale_segments
-from kvtransfer.base import KVReceiver, KVSender, PoolLayout, RoomState, RoomStatus, TransferError
+from kvtransfer.base import KVReceiver, KVSender, PoolLayout, Progress, RoomState, RoomStatus, TransferError
 from kvtransfer.registry import create_receiver, create_sender
 from kvtransfer.runs import merge_runs
 
 __all__ = [
-    "KVReceiver", "KVSender", "PoolLayout", "RoomState", "RoomStatus", "TransferError",
+    "KVReceiver", "KVSender", "PoolLayout", "Progress", "RoomState", "RoomStatus", "TransferError",
     "cleanup_stale_segments", "create_receiver", "create_sender", "merge_runs",
 ]

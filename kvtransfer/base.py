@@ -69,6 +69,17 @@ class PoolLayout:
             other.num_layers, other.page_size, other.kv_heads, other.head_dim, other.dtype)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """A prefill worker's report on a room it is still computing (the PROGRESS frame, wire.py)."""
+
+    tokens_done: int                 # prompt tokens whose KV P has computed (prefix-cache hits included)
+    tokens_total: int                # tokens of the prompt
+    queued_ahead: int                # prompt tokens P will compute before this room's next chunk
+    expected_s: float                # P's estimate of the seconds until its next report for this room
+    at: float = 0.0                  # D side: when it arrived (D's time.monotonic())
+
+
 @dataclass
 class RoomStatus:
     state: RoomState
@@ -76,6 +87,7 @@ class RoomStatus:
     error: str = ""
     bytes_moved: int = 0
     seconds: float = 0.0             # first write -> aux received (D) / completed (P)
+    progress: Progress | None = None  # D side: the sender's latest report (None: none arrived)
 
 
 class KVReceiver(ABC):
@@ -146,6 +158,13 @@ class KVSender(ABC):
     @abstractmethod
     def finish(self, peer_id: str, room: int, aux: bytes) -> None:
         """Queue the room's aux record after its writes; when it lands the room is SUCCESS on both sides."""
+
+    @abstractmethod
+    def progress(self, peer_id: str, room: int, progress: Progress) -> None:
+        """Tell the peer how far the room's prefill is (`progress.at` is not sent). Returns at once and
+        never raises: the report travels ahead of queued writes, replaces an unsent one of the same
+        room, and is dropped when the peer does not take reports or its connection is gone (the rooms
+        on a lost connection fail anyway)."""
 
     @abstractmethod
     def status(self, room: int) -> RoomStatus: ...

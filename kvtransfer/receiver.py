@@ -4,6 +4,10 @@ Threads: one accept thread, plus one reader thread per sender connection that ha
 of that connection in order (WRITE payloads are received straight into the pool). Public methods
 only take the room-table lock and send small frames.
 
+Progress: a PROGRESS frame from the room's own sender is kept as the room's latest report (`poll`
+returns it, stamped with its arrival time on this side's clock); D's worker decides what it means
+for the room's deadline. Every backend shares this control connection, so all of them deliver it.
+
 Failure: when a connection ends (EOF, reset, keepalive timeout) every unfinished room bound to it —
 or, if it was that sender's current connection, not yet bound to any — becomes FAILED.
 
@@ -30,7 +34,7 @@ import torch
 from kvtransfer import handshake
 from kvtransfer.backends.shm import Segment
 from kvtransfer.backends.tcp import recv_pages
-from kvtransfer.base import KVReceiver, PoolLayout, RoomState, RoomStatus, TransferError
+from kvtransfer.base import KVReceiver, PoolLayout, Progress, RoomState, RoomStatus, TransferError
 from kvtransfer.wire import (
     HEADER,
     WROTE_BODY,
@@ -40,6 +44,7 @@ from kvtransfer.wire import (
     ReceiverMetadata,
     Timeouts,
     configure,
+    parse_progress,
     serve_until_lost,
 )
 
@@ -74,6 +79,7 @@ class _Room:
     t_first: float | None = None
     t_done: float | None = None
     conn: _Conn | None = None                # the connection that first wrote to it
+    progress: Progress | None = None         # the sender's latest PROGRESS report
 
 
 class Receiver(KVReceiver):
@@ -103,6 +109,7 @@ class Receiver(KVReceiver):
         self._peer_conn: dict[str, _Conn] = {}
         self._tombstones: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._closed = False
+        self.progress_reports = 0            # PROGRESS frames kept (an extra of this implementation)
         try:
             self._listener = socket.create_server((host, 0))
         except OSError as e:
@@ -113,7 +120,7 @@ class Receiver(KVReceiver):
         advertised = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self._meta = ReceiverMetadata(
             worker_id=worker_id, layout=layout, host=advertised, port=port, backends=self._backends,
-            shm=self._segment.info() if self._segment is not None else None)
+            shm=self._segment.info() if self._segment is not None else None, progress=True)
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{worker_id}", daemon=True)
         self._accept_thread.start()
 
@@ -157,7 +164,8 @@ class Receiver(KVReceiver):
             raise KeyError(f"unknown room {room}")
         end = r.t_done if r.state.done else time.monotonic()
         seconds = max(0.0, end - r.t_first) if r.t_first is not None and end is not None else 0.0
-        return RoomStatus(state=r.state, aux=r.aux, error=r.error, bytes_moved=r.bytes, seconds=seconds)
+        return RoomStatus(state=r.state, aux=r.aux, error=r.error, bytes_moved=r.bytes, seconds=seconds,
+                          progress=r.progress)
 
     def abort(self, room: int) -> None:
         with self._lock:
@@ -270,6 +278,8 @@ class Receiver(KVReceiver):
                     self._on_wrote(conn, room, body, payload_len)
                 elif kind == Kind.FINISH:
                     self._on_finish(conn, room, body)
+                elif kind == Kind.PROGRESS:
+                    self._on_progress(conn, room, body)
                 elif kind == Kind.ABORT:
                     self._on_peer_abort(conn, room, body)
                 elif kind == Kind.ABORT_ACK:
@@ -444,6 +454,16 @@ class Receiver(KVReceiver):
             conn.ch.try_send(Kind.DONE, room)
         else:
             conn.ch.try_send(Kind.ABORT, room, why.encode())
+
+    def _on_progress(self, conn: _Conn, room: int, body: bytes) -> None:
+        """Keep the report of a room this sender owns and that still waits; anything else is a report
+        that crossed an abort or a release on the wire, and is dropped without an answer."""
+        progress = parse_progress(body, time.monotonic())
+        with self._lock:
+            r = self._rooms.get(room)
+            if not self._owner_error(conn, r) and not r.state.done:
+                r.progress = progress
+                self.progress_reports += 1
 
     def _on_peer_abort(self, conn: _Conn, room: int, reason: bytes) -> None:
         with self._lock:

@@ -5,6 +5,10 @@ data path â€” bytes on the socket for tcp, copies into D's mapped pool for shm â
 ABORT_ACK frames), and a reader thread for D's replies (DONE -> SUCCESS, ABORT -> FAILED) that also
 notices a dead connection at once (EOF/reset; keepalive for a silent host).
 
+Progress: `progress()` only queues a PROGRESS frame at the head of the peer's queue (the engine step
+never waits on the socket); a report not yet sent is updated in place, so a slow connection holds at
+most one report per room.
+
 Failure: when the connection fails every unfinished room of that peer becomes FAILED and its queue is
 dropped; `connect()` again makes a fresh connection.
 
@@ -30,7 +34,7 @@ import torch
 from kvtransfer import handshake
 from kvtransfer.backends.shm import Segment, ShmPath
 from kvtransfer.backends.tcp import SocketPath
-from kvtransfer.base import KVSender, PoolLayout, RoomState, RoomStatus, TransferError
+from kvtransfer.base import KVSender, PoolLayout, Progress, RoomState, RoomStatus, TransferError
 from kvtransfer.runs import merge_runs
 from kvtransfer.wire import (
     MAX_BODY,
@@ -40,6 +44,7 @@ from kvtransfer.wire import (
     ReceiverMetadata,
     Timeouts,
     configure,
+    progress_body,
     serve_until_lost,
 )
 
@@ -64,6 +69,7 @@ class _Peer:
         self.path = path
         self.cond = threading.Condition(lock)
         self.queue: collections.deque[_Job] = collections.deque()
+        self.reports: dict[int, _Job] = {}       # room -> its PROGRESS job still in `queue`
         self.busy_room: int | None = None
         self.alive = True
         self.error = ""
@@ -171,6 +177,24 @@ class Sender(KVSender):
         if len(aux) > MAX_BODY:
             raise ValueError(f"aux record of {len(aux)} bytes")
         self._enqueue(peer_id, room, _Job(Kind.FINISH, room, body=bytes(aux)), finish=True)
+
+    def progress(self, peer_id: str, room: int, progress: Progress) -> None:
+        body = progress_body(progress)
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            r = self._rooms.get(room)
+            if self._closed or peer is None or not peer.alive or not peer.meta.progress:
+                return
+            if r is not None and (r.state.done or r.peer_id not in (None, peer_id)):
+                return
+            job = peer.reports.get(room)
+            if job is not None:
+                job.body = body
+                return
+            # Ahead of queued writes: a report says P is computing, and must not wait behind a backlog.
+            peer.reports[room] = job = _Job(Kind.PROGRESS, room, body=body)
+            peer.queue.appendleft(job)
+            peer.cond.notify_all()
 
     def status(self, room: int) -> RoomStatus:
         with self._lock:
@@ -342,7 +366,11 @@ class Sender(KVSender):
                     return
                 job = peer.queue.popleft()
                 r = self._rooms.get(job.room)
-                if job.kind in (Kind.WRITE, Kind.FINISH):
+                if job.kind == Kind.PROGRESS:
+                    del peer.reports[job.room]
+                    if r is not None and r.state.done:
+                        continue
+                elif job.kind in (Kind.WRITE, Kind.FINISH):
                     if r is None or r.state.done or r.peer_id != peer.id:
                         continue                        # the room failed or was aborted: skip
                     peer.busy_room = job.room
@@ -400,6 +428,7 @@ class Sender(KVSender):
             peer.alive = False
             peer.error = reason
             peer.queue.clear()
+            peer.reports.clear()
             if self._peers.get(peer.id) is peer:
                 for r in self._rooms.values():
                     if r.peer_id == peer.id:

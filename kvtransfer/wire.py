@@ -15,11 +15,18 @@ of body, then (WRITE only) `payload_len` bytes of page data:
 | DONE      | D->P | - (D marked the room SUCCESS)          | -                                |
 | ABORT     | both | utf-8 reason                           | -                                |
 | ABORT_ACK | P->D | - (P will not touch the room's pages again)                            | - |
+| PROGRESS  | P->D | `<QQQd` tokens done, tokens of the prompt, tokens queued ahead, expected_s (base.Progress) | - |
+
+PROGRESS reports a room P is still computing (so D's transfer timeout can follow P's pace); it is
+sent only to receivers whose metadata has `"progress": true`. It needs no version bump: a receiver
+from before it never advertises the flag (an unknown frame kind would drop the connection), and a
+sender from before it never sends one, so D falls back to its fixed timeout.
 
 Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON:
 `{"version": 2, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
   "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype},
-  "shm": null | {"path": str, "size": int, "offset": int, "nonce": hex str, "hostname": str}}`.
+  "shm": null | {"path": str, "size": int, "offset": int, "nonce": hex str, "hostname": str},
+  "progress": bool}` (absent: false).
 `host:port` is the control socket (always present: even shm sends its control frames over it);
 `backends` lists the data paths the receiver accepts, in its order of preference.
 The opening exchange (CHALLENGE, HELLO, HELLO_ACK) and its proof of the shared secret: handshake.py.
@@ -31,19 +38,21 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import socket
 import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.base import PoolLayout, TransferError
+from kvtransfer.base import PoolLayout, Progress, TransferError
 
 log = logging.getLogger(__name__)
 
 VERSION = 2
 HEADER = struct.Struct("<B3xIQQ")
 WROTE_BODY = struct.Struct("<d")       # followed by the runs, as a WRITE body
+PROGRESS_BODY = struct.Struct("<QQQd")  # tokens done, tokens of the prompt, tokens queued ahead, expected_s
 MAX_BODY = 64 << 20
 
 
@@ -57,6 +66,7 @@ class Kind(enum.IntEnum):
     ABORT = 7
     ABORT_ACK = 8
     CHALLENGE = 9
+    PROGRESS = 10
 
 
 class ProtocolError(TransferError):
@@ -90,12 +100,13 @@ class ReceiverMetadata:
     port: int
     backends: tuple[str, ...]
     shm: ShmInfo | None = None
+    progress: bool = False              # takes PROGRESS frames
 
     def to_bytes(self) -> bytes:
         d = {
             "version": VERSION, "worker_id": self.worker_id, "backends": list(self.backends),
             "host": self.host, "port": self.port, "layout": dataclasses.asdict(self.layout),
-            "shm": dataclasses.asdict(self.shm) if self.shm else None,
+            "shm": dataclasses.asdict(self.shm) if self.shm else None, "progress": self.progress,
         }
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
@@ -108,7 +119,7 @@ class ReceiverMetadata:
             return cls(
                 worker_id=str(d["worker_id"]), layout=PoolLayout(**d["layout"]), host=str(d["host"]),
                 port=int(d["port"]), backends=tuple(d["backends"]),
-                shm=ShmInfo(**d["shm"]) if d.get("shm") else None,
+                shm=ShmInfo(**d["shm"]) if d.get("shm") else None, progress=d.get("progress") is True,
             )
         except (ValueError, KeyError, TypeError) as e:
             raise TransferError(f"bad kvtransfer metadata: {e}") from e
@@ -210,6 +221,20 @@ def wrote_body(started: float, runs) -> bytes:
 
     pairs = np.ascontiguousarray(np.asarray(runs, dtype=np.int64).reshape(-1, 3)[:, 1:], dtype="<i8")
     return WROTE_BODY.pack(started) + pairs.tobytes()
+
+
+def progress_body(p: Progress) -> bytes:
+    return PROGRESS_BODY.pack(p.tokens_done, p.tokens_total, p.queued_ahead, p.expected_s)
+
+
+def parse_progress(body: bytes, at: float) -> Progress:
+    """A PROGRESS body, received at `at` (this side's monotonic clock). Raises ProtocolError."""
+    if len(body) != PROGRESS_BODY.size:
+        raise ProtocolError(f"PROGRESS body of {len(body)} bytes")
+    done, total, ahead, expected_s = PROGRESS_BODY.unpack(body)
+    if not math.isfinite(expected_s) or expected_s < 0:
+        raise ProtocolError(f"PROGRESS with expected_s={expected_s}")
+    return Progress(done, total, ahead, expected_s, at)
 
 
 def dumps(obj: dict) -> bytes:

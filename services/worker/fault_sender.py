@@ -10,7 +10,7 @@ import logging
 import random
 import threading
 
-from kvtransfer.base import KVSender, RoomState, RoomStatus
+from kvtransfer.base import KVSender, Progress, RoomState, RoomStatus
 from services.worker.faults import FaultConfig
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class FaultySender(KVSender):
         with self._lock:
             self._timers[room] = timer
         timer.start()
+
+    def progress(self, peer_id: str, room: int, progress: Progress) -> None:
+        self.inner.progress(peer_id, room, progress)
 
     def _finish_late(self, peer_id: str, room: int, aux: bytes) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvtransfer import cleanup_stale_segments, create_receiver, create_sender
-from kvtransfer.base import RoomState, TransferError
+from kvtransfer.base import Progress, RoomState, TransferError
 from tests.kvtransfer.helpers import BIGGER, SMALL, Child, page_bytes, random_pool, uid, wait_done, wait_until
 
 BACKENDS = ["shm", "tcp", "auto", "nixl", "ucx"]
@@ -118,6 +118,27 @@ def test_chunked_writes_then_finish(child, backend):
         assert p.rx.poll(empty).aux == b"all cached" and p.rx.poll(empty).bytes_moved == 0
         with pytest.raises(ValueError):
             p.tx.write(p.rx_id, room, [1], [2])                  # after finish: a caller bug
+    finally:
+        p.close()
+
+
+def test_progress_reports_share_the_control_connection(child, backend):
+    """Every backend delivers PROGRESS (the shared control connection), between and beside writes."""
+    p = Pair(child, backend, SMALL)
+    try:
+        room = random.getrandbits(63)
+        p.rx.expect(room, [40, 41], p.tx_id)
+        p.tx.progress(p.rx_id, room, Progress(tokens_done=0, tokens_total=8, queued_ahead=3, expected_s=1.5))
+        assert wait_until(lambda: p.rx.poll(room).progress is not None)
+        p.tx.write(p.rx_id, room, [1], [40])
+        p.tx.progress(p.rx_id, room, Progress(tokens_done=4, tokens_total=8, queued_ahead=0, expected_s=0.25))
+        assert wait_until(lambda: p.rx.poll(room).progress.tokens_done == 4)
+        got = p.rx.poll(room).progress
+        assert (got.tokens_total, got.queued_ahead, got.expected_s) == (8, 0, 0.25) and got.at > 0
+        p.tx.write(p.rx_id, room, [2], [41])
+        p.tx.finish(p.rx_id, room, b"aux")
+        assert p.child.call("wait", p.rx_id, room).state == RoomState.SUCCESS
+        assert p.rx.pages([40, 41]) == page_bytes(p.pool, [1, 2])
     finally:
         p.close()
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import socket
 
@@ -5,9 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.base import PoolLayout, TransferError
+from kvtransfer.base import PoolLayout, Progress, TransferError
 from kvtransfer.iovec import page_iov, recv_iov, send_iov
-from kvtransfer.wire import VERSION, Channel, Kind, ReceiverMetadata, ShmInfo
+from kvtransfer.wire import (
+    PROGRESS_BODY,
+    VERSION,
+    Channel,
+    Kind,
+    ProtocolError,
+    ReceiverMetadata,
+    ShmInfo,
+    parse_progress,
+    progress_body,
+)
 
 LAYOUT = PoolLayout(2, 64, 4, 2, 8, "bfloat16")
 
@@ -69,3 +80,31 @@ def test_scatter_gather_moves_runs_between_pools(native):
     with pytest.raises(ConnectionError):
         recv_iov(b, recv[:1], native)
     b.close()
+
+
+def test_progress_frame_round_trips():
+    a, b = socket.socketpair()
+    ca, cb = Channel(a), Channel(b)
+    sent = Progress(tokens_done=512, tokens_total=1000, queued_ahead=2**40, expected_s=12.5)
+    ca.send(Kind.PROGRESS, 2**63 - 1, progress_body(sent))
+    kind, room, body, _ = cb.recv_frame()
+    assert (kind, room, len(body)) == (Kind.PROGRESS, 2**63 - 1, PROGRESS_BODY.size)
+    assert parse_progress(body, at=3.0) == dataclasses.replace(sent, at=3.0)
+    ca.close()
+    cb.close()
+
+
+@pytest.mark.parametrize("body", [b"", PROGRESS_BODY.pack(1, 2, 3, 0.5) + b"x", PROGRESS_BODY.pack(1, 2, 3, -1.0),
+                                  PROGRESS_BODY.pack(1, 2, 3, float("nan")), PROGRESS_BODY.pack(1, 2, 3, float("inf"))])
+def test_a_bad_progress_body_is_a_protocol_error(body):
+    with pytest.raises(ProtocolError):
+        parse_progress(body, at=0.0)
+
+
+def test_metadata_says_whether_the_receiver_takes_progress_reports():
+    meta = ReceiverMetadata("D-3", LAYOUT, "h", 1, ("tcp",), progress=True)
+    assert ReceiverMetadata.from_bytes(meta.to_bytes()).progress
+    # A receiver from before PROGRESS does not say: its senders must not send it any.
+    old = json.loads(meta.to_bytes())
+    del old["progress"]
+    assert not ReceiverMetadata.from_bytes(json.dumps(old).encode()).progress
