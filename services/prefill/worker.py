@@ -4,7 +4,9 @@ Runs only on the engine thread (see services/worker/loop.py). A room is computed
 router's Prefill and D's Bootstrap have arrived (either may come first): D's memory pressure thus
 back-pressures P. After every prefill chunk the pages it completed are written to D; with the last
 chunk the first token goes along as the aux record. P keeps the prompt's pages until the transfer
-reports success or failure, then releases them into its prefix cache.
+reports success or failure, then releases them into its prefix cache. Before each step P reports the
+progress of its bootstrapped rooms to their decode workers (progress.py), whose transfer timeout
+follows it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.prefill_order import tokens_to_prefill
 from kvtransfer.base import KVSender, RoomState
+from services.prefill.progress import ProgressReporter
 from services.prefill.rooms import BootstrapInfo, PrefillRoom
 from services.worker import metrics
 from tandem.v1 import generation_pb2, worker_pb2
@@ -44,6 +47,7 @@ class PrefillWorker:
         self._by_rid: dict[str, PrefillRoom] = {}
         self.page_size = engine.cfg.page_size
         self.outstanding_seen = 0
+        self.progress = ProgressReporter(sender)
         metrics.QUEUE_CAP.labels("bootstrap").set(max_rooms)
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
@@ -96,9 +100,14 @@ class PrefillWorker:
         return self.engine.has_work()
 
     def step(self) -> None:
+        self.progress.before_step(self.sched, self._by_rid)
+        t0 = time.perf_counter()
+        finished = self.engine.advance()
+        self.progress.pace.observe(sum(len(s.input_ids) for batch, _ in finished for s in batch.seqs),
+                                   time.perf_counter() - t0)
         # With overlap, `advance` launches the next chunk before this one's pages are sent, so
         # each send uses the step's own extent, not the request's (already advanced) count.
-        for batch, sampled in self.engine.advance():
+        for batch, sampled in finished:
             metrics.STEPS.labels("prefill").inc()
             done = {req.rid: tok for req, tok in sampled}
             for seq in batch.seqs:
@@ -154,6 +163,7 @@ class PrefillWorker:
         try:
             _check_pages(room.req.prompt_ids, room.info, self.page_size)
             self.sched.add(room.req)
+            self.progress.admitted(room)
         except InvalidRequest as e:
             self._fail(room, str(e))  # answered through the Prefill RPC's FAILED response
         except ResourceExhausted as e:
@@ -208,6 +218,7 @@ class PrefillWorker:
             self.engine.forget(req.rid)
             self._by_rid.pop(req.rid, None)
         self.sender.release(room.room)
+        self.progress.forget(room)
         self.rooms.pop(room.room, None)
         if room.on_done is not None and room.rejection is not None:
             room.on_done(room.rejection)
