@@ -5,6 +5,10 @@ A request waits in the bounded prealloc queue until D has a slot and pages for i
 to send P the Bootstrap (D's pages, D's prefix length), and polls the receiver. When the aux record
 arrives (room id checked), the request joins the running continuous batch with its first token.
 Every exit (success, client cancel, transfer failure, timeout) goes through `_drop`.
+
+The transfer timeout is time without progress, not time for the whole transfer: the prefill worker
+reports each room's progress (services/prefill/progress.py), and a long prompt on a slow CPU is
+waited for as long as those reports keep coming (see `DecodeTimeouts.deadline`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from engine.scheduler.batch import SampledToken
 from engine.scheduler.prefill_order import tokens_to_prefill
 from engine.scheduler.queue_policy import PolicyQueue
 from engine.scheduler.request import Request
-from kvtransfer.base import KVReceiver, RoomState
+from kvtransfer.base import KVReceiver, Progress, RoomState
 from services.common.grpc_errors import RpcFailed
 from services.worker import metrics
 from tandem.v1 import worker_pb2
@@ -50,7 +54,21 @@ class TransferFailed(RpcFailed):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTimeouts:
-    transfer_s: float = 30.0        # bootstrap sent, aux record never arrived
+    transfer_s: float = 30.0        # seconds without progress from the prefill worker (--transfer-timeout)
+    # A report promises the next within `expected_s`; D allows `progress_factor` times that on top of
+    # `transfer_s`, because P's estimate comes from its earlier steps, and a chunk deep in a long prompt
+    # costs more per token (attention over more context) than those did.
+    progress_factor: float = 2.0
+    max_expected_s: float = 3600.0  # a report keeps a room at most this much longer than transfer_s
+
+    def deadline(self, bootstrapped_at: float, progress: Progress | None) -> float:
+        """When a room still waiting for its KV fails (time.monotonic()): `transfer_s` after the
+        bootstrap or after the prefill worker's last report plus the slack that report asked for."""
+        deadline = bootstrapped_at + self.transfer_s
+        if progress is not None:
+            slack = self.progress_factor * min(progress.expected_s, self.max_expected_s)
+            deadline = max(deadline, progress.at + self.transfer_s + slack)
+        return deadline
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +81,7 @@ class DecodeRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     created: float = dataclasses.field(default_factory=time.monotonic)
     bootstrapped_at: float | None = None
+    outlived_timeout: bool = False  # still waited for, thanks to progress, after transfer_s from the bootstrap
     prefill_epoch: int = 0          # boot epoch of the prefill instance the router paired (0: unchecked)
 
     # The prealloc queue orders rooms by their request's priority and arrival (queue_policy).
@@ -208,10 +227,20 @@ class DecodeWorker:
             elif status.state is RoomState.FAILED:
                 self._drop(room, TransferFailed(
                     f"KV transfer from prefill worker {room.prefill_id} failed: {status.error}", room.prefill_id))
-            elif now - room.bootstrapped_at > self.timeouts.transfer_s:
-                self._drop(room, TransferFailed(
-                    f"KV transfer from prefill worker {room.prefill_id} timed out after "
-                    f"{self.timeouts.transfer_s:g}s", room.prefill_id), reason="transfer timeout")
+            elif now > self.timeouts.deadline(room.bootstrapped_at, status.progress):
+                self._drop(room, TransferFailed(self._timeout_message(room, status.progress, now), room.prefill_id),
+                           reason="transfer timeout")
+            elif not room.outlived_timeout and now - room.bootstrapped_at > self.timeouts.transfer_s:
+                room.outlived_timeout = True
+                metrics.TRANSFER_OUTLIVED_TIMEOUT.inc()
+
+    def _timeout_message(self, room: DecodeRoom, progress: Progress | None, now: float) -> str:
+        head = f"KV transfer from prefill worker {room.prefill_id} timed out"
+        limit = f"--transfer-timeout {self.timeouts.transfer_s:g}s"
+        if progress is None:
+            return f"{head}: no progress report for {now - room.bootstrapped_at:.1f}s after the bootstrap ({limit})"
+        return (f"{head}: no progress for {now - progress.at:.1f}s (last report: {progress.tokens_done} of "
+                f"{progress.tokens_total} prompt tokens done, {progress.queued_ahead} queued ahead; {limit})")
 
     def _start_decoding(self, room: DecodeRoom, status) -> None:
         aux = worker_pb2.AuxRecord.FromString(status.aux)

@@ -40,6 +40,10 @@ REQUESTS_WAITING = Gauge("tandem_requests_waiting", "Requests queued on this wor
 KV_TRANSFERS_OUTSTANDING = Gauge(
     "tandem_kv_transfers_outstanding",
     "Prefill: rooms whose decode worker reserved pages and still waits for their KV (a drain waits for 0)")
+TRANSFER_OUTLIVED_TIMEOUT = Counter(
+    "tandem_kv_transfer_outlived_timeout_total",
+    "Decode: rooms still waiting for their KV --transfer-timeout after the bootstrap, kept because the "
+    "prefill worker reports progress (a slow prefill, not a failure)")
 DRAINING = Gauge("tandem_worker_draining", "1 once SIGTERM started the drain")
 UCX_TRANSPORT = Gauge(
     "tandem_kv_ucx_transport_info", "1 per peer: the UCX transport the nixl/ucx backend negotiated with it",

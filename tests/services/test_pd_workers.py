@@ -43,25 +43,32 @@ class DirectPeers:
             self.prefill.abort_room(room.room, reason)
 
 
-@pytest.fixture
-def pair(tiny_llama):
-    engine_p = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama), init_new_token_ratio=0, min_new_token_ratio=0))
+def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeTimeouts):
+    """A prefill worker "p" and a decode worker "d" over tcp; close both transfer ends when done."""
+    engine_p = LLMEngine(dataclasses.replace(BASE, model=str(model), init_new_token_ratio=0, min_new_token_ratio=0))
     holder = {}
 
     def allocate(spec):
         holder["rx"] = create_receiver("tcp", layout_of(spec), "127.0.0.1", "d")
         return holder["rx"].buffer
 
-    engine_d = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama)), kv_allocator=allocate)
+    engine_d = LLMEngine(dataclasses.replace(BASE, model=str(model)), kv_allocator=allocate)
     receiver = holder["rx"]
     sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p")
-    prefill = PrefillWorker(engine_p, sender, PrefillTimeouts(bootstrap_s=0.3, transfer_s=2.0))
+    prefill = PrefillWorker(engine_p, sender, prefill_timeouts)
     peers = DirectPeers(prefill, receiver)
-    decode = DecodeWorker(engine_d, receiver, DecodeTimeouts(transfer_s=5.0), peers)
+    decode = DecodeWorker(engine_d, receiver, decode_timeouts, peers)
     peers.decode = decode
+    return prefill, decode, peers
+
+
+@pytest.fixture
+def pair(tiny_llama):
+    prefill, decode, peers = make_pair(tiny_llama, PrefillTimeouts(bootstrap_s=0.3, transfer_s=2.0),
+                                       DecodeTimeouts(transfer_s=5.0))
     yield prefill, decode, peers
-    sender.close()
-    receiver.close()
+    prefill.sender.close()
+    peers.receiver.close()
 
 
 def drive(prefill, decode, until, timeout_s=10.0):
