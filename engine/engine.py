@@ -28,7 +28,7 @@ from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.hardware import choose_overlap, detect
 from engine.kv_pool import KVPoolSpec
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, load_sampling_defaults
 from engine.model_runner import ModelRunner
 from engine.model_source import resolve_model
 from engine.outputs import GenerationResult, RequestOutput, TokenLogprob, Usage
@@ -56,6 +56,8 @@ class LLMEngine:
         self.model_path = resolve_model(cfg.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer(self.model_path)
+        # What a request's unset sampling fields become: the model's generation_config.json, else Tandem's.
+        self.sampling_defaults = load_sampling_defaults(self.model_path)
         model_ctx = self.model_config.max_position_embeddings
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
@@ -87,7 +89,9 @@ class LLMEngine:
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
                      priority: int = 0) -> Request:
         """Validate, tokenize and start tracking a request without queueing it (disaggregated
-        workers queue it themselves). Raises InvalidRequest."""
+        workers queue it themselves). Unset sampling fields get `sampling_defaults` here, the one place
+        every entry point (gRPC workers, `tandem generate`, this API) passes. Raises InvalidRequest."""
+        params = self.sampling_defaults.fill(params)
         params.validate()
         if isinstance(prompt, str):
             if not prompt:

@@ -51,6 +51,12 @@ _LAYER_NAMES = {
 # Control tokens that end a generation besides the declared eos (llama.cpp treats them the same way):
 # SmolLM2-Instruct may close a plain completion with <|endoftext|> rather than <|im_end|>.
 _END_OF_GENERATION_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# The sampling defaults llama.cpp's converter copies from a model's generation_config.json into the
+# GGUF (gguf-py's Metadata.load), back to their generation_config.json names. Only what the authors
+# published travels: a GGUF without them (SmolLM2-135M-Instruct's) gives a generation_config.json
+# without them. penalty_repeat is left out: llama.cpp's penalty covers the last N tokens, not HF's whole text.
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p"}
 
 
 def import_gguf(
@@ -265,10 +271,12 @@ def _generation_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any
         if ty == gguf.TokenType.CONTROL and tokens[i] in _END_OF_GENERATION_TEXTS:
             eos.append(i)
     eos = list(dict.fromkeys(eos))
+    sampling = {name: meta.get(key) for key, name in _GGUF_SAMPLING.items() if meta.get(key, None) is not None}
     return {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": eos if len(eos) > 1 else eos[0],
         "pad_token_id": config["pad_token_id"],
+        **{name: round(float(v), 6) if name != "top_k" else int(v) for name, v in sampling.items()},
     }
 
 

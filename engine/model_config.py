@@ -1,13 +1,21 @@
-"""What the engine needs to know about a model, read from its Hugging Face `config.json` (torch-free)."""
+"""What the engine needs to know about a model, read from its Hugging Face `config.json`, and the
+sampling defaults its authors recommend in `generation_config.json` (torch-free: the gateway reads
+them too)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelNotFound
+from engine.errors import InvalidRequest, ModelNotFound
+from engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingDefaults
+
+log = logging.getLogger(__name__)
+
+GENERATION_CONFIG = "generation_config.json"
 
 # Architecture name -> the family switches that distinguish it from plain Llama.
 _ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -126,3 +134,47 @@ def _rope_from_dict(d: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
         ),
     )
+
+
+def generation_defaults(path: str | Path) -> dict[str, float | int]:
+    """The sampling values (of MODEL_DEFAULT_FIELDS) that the model folder's generation_config.json
+    sets; {} without the file. A value no request could carry either (temperature 5, top_p 0, a
+    string) is left out with a warning: the model still serves, with Tandem's default for it."""
+    file = Path(path) / GENERATION_CONFIG
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("%s is unreadable (%s): no sampling defaults from it", file, e)
+        return {}
+    out: dict[str, float | int] = {}
+    for name in MODEL_DEFAULT_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidRequest(f"{name} must be a number, got {value!r}", name)
+            if name == "top_k":
+                if value != int(value):
+                    raise InvalidRequest(f"top_k must be an integer, got {value!r}", name)
+                value = int(value)
+            SamplingDefaults().with_model({name: value})
+        except InvalidRequest as e:
+            log.warning("%s: %s; ignored (Tandem's default applies)", file, e)
+            continue
+        out[name] = value
+    return out
+
+
+def load_sampling_defaults(path: str | Path, base: SamplingDefaults = SamplingDefaults()) -> SamplingDefaults:
+    """`base` with the model folder's recommendations over it, said once in the log: a warning when the
+    model changes them (as vLLM does), so that nobody is surprised that an unset temperature is not
+    the usual one."""
+    defaults = base.with_model(generation_defaults(path))
+    if defaults.from_model:
+        log.warning("sampling defaults of requests that do not set them: %s", defaults.describe())
+    else:
+        log.info("sampling defaults of requests that do not set them: %s", defaults.describe())
+    return defaults

@@ -2,12 +2,19 @@
 
 One frozen dataclass that every layer shares: the gateway and the gRPC servicer build it from the
 wire request, `validate()` rejects bad values at the edge, and the sampler and stop checker read it.
+
+A request may leave the sampling fields a model can recommend (`MODEL_DEFAULT_FIELDS`) unset (None);
+`SamplingDefaults.fill` gives them the model's values from its generation_config.json (as vLLM does),
+else Tandem's. The engine fills every request it makes (`LLMEngine.make_request`), so the gRPC API,
+`tandem generate` and the Python API agree; the gateway fills with the same values from the same file,
+because HTTP's fallback temperature is OpenAI's 1 rather than the gRPC API's 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
@@ -17,6 +24,8 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; beyond it the distribution is close to uniform noise
+# What a model's generation_config.json may recommend and Tandem supports (vLLM reads these too).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -35,14 +44,15 @@ class SamplingParams:
     top_k <= 0 disables top-k (the OpenAI-style -1 and 0 both mean "off"). `stop` and
     `stop_token_ids` may be given as any sequence (or `stop` as one string); they are stored as
     tuples so the object stays hashable. Call `validate()` before using a request's parameters.
+    None in a `MODEL_DEFAULT_FIELDS` field: unset, the model's default (`SamplingDefaults.fill`).
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
@@ -59,26 +69,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self) -> None:
-        """Raise InvalidRequest (with `param` set to the offending field) if any value is out of range."""
+        """Raise InvalidRequest (with `param` set to the offending field) if any value is out of range.
+        Unset (None) fields pass: the defaults that fill them are checked where they are loaded."""
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if not (0 <= self.temperature <= MAX_TEMPERATURE):   # NaN fails both comparisons
-            raise InvalidRequest(
-                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", "temperature"
-            )
-        if not (0 < self.top_p <= 1):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
-            raise InvalidRequest(
-                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}", "top_k"
-            )
-        if not (0 <= self.min_p <= 1):
-            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise InvalidRequest(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
-                "repetition_penalty",
-            )
+        _check_model_defaults(self)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not (-2 <= value <= 2):
@@ -112,3 +107,59 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         """True when the response carries the chosen token's logprob (asking for top_logprobs implies it)."""
         return self.logprobs or self.top_logprobs > 0
+
+
+def _check_model_defaults(p: SamplingParams | SamplingDefaults) -> None:
+    """Range checks of the fields a model may recommend; None (unset) passes."""
+    t, top_p, top_k, min_p, rep = (getattr(p, f) for f in MODEL_DEFAULT_FIELDS)
+    if t is not None and not (0 <= t <= MAX_TEMPERATURE):   # NaN fails both comparisons
+        raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", "temperature")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    if top_k is not None and top_k < -1:
+        raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", "top_k")
+    if min_p is not None and not (0 <= min_p <= 1):
+        raise InvalidRequest(f"min_p must be in [0, 1], got {min_p}", "min_p")
+    if rep is not None and not (rep > 0 and math.isfinite(rep)):
+        raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {rep}", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request's unset (None) sampling fields become. The class defaults are Tandem's own, those
+    of the gRPC API and `tandem generate` (greedy: an unset proto3 temperature always meant 0);
+    `OPENAI_DEFAULTS` is the HTTP gateway's (temperature 1). `with_model` lays a model's
+    recommendations over either; a request's own values always win."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    from_model: tuple[str, ...] = ()   # the fields whose value the model's generation_config.json set
+
+    def __post_init__(self) -> None:
+        _check_model_defaults(self)
+
+    def with_model(self, recommended: Mapping[str, float | int]) -> SamplingDefaults:
+        """These defaults with a model's recommendations over them. Raises InvalidRequest for a value
+        a request could not carry either (engine/model_config.py leaves those out)."""
+        unknown = set(recommended) - set(MODEL_DEFAULT_FIELDS)
+        assert not unknown, f"not a field a model may recommend: {sorted(unknown)}"
+        return dataclasses.replace(self, **recommended, from_model=tuple(f for f in MODEL_DEFAULT_FIELDS
+                                                                         if f in recommended))
+
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        """`params` with every unset field given its default (the same object when none is unset)."""
+        unset = {f: getattr(self, f) for f in MODEL_DEFAULT_FIELDS if getattr(params, f) is None}
+        return dataclasses.replace(params, **unset) if unset else params
+
+    def describe(self) -> str:
+        """One line for the start-up log: the values, and which of them the model chose."""
+        values = ", ".join(f"{f} {getattr(self, f):g}" for f in MODEL_DEFAULT_FIELDS)
+        if not self.from_model:
+            return f"{values} (the model's generation_config.json recommends none)"
+        return f"{values} ({', '.join(self.from_model)} from the model's generation_config.json)"
+
+
+OPENAI_DEFAULTS = SamplingDefaults(temperature=1.0)

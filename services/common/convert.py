@@ -9,15 +9,17 @@ from tandem.v1 import generation_pb2
 
 
 def sampling_from_pb(sp: generation_pb2.SamplingParams) -> SamplingParams:
-    """Proto3 zeros mean "unset" where zero is not a meaningful value (top_p, repetition_penalty,
-    top_k); `skip_special_tokens` defaults to true when unset; asking for top_logprobs implies logprobs."""
+    """The sampling fields a model may recommend stay None when unset (or 0 where zero is not a
+    meaningful value: top_p, top_k, repetition_penalty): the engine gives them the model's defaults
+    (engine/sampling_params.py). A negative top_k turns top-k off. `skip_special_tokens` defaults to
+    true when unset; asking for top_logprobs implies logprobs."""
     return SamplingParams(
         max_tokens=sp.max_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p or 1.0,
-        top_k=sp.top_k if sp.top_k > 0 else -1,
-        min_p=sp.min_p,
-        repetition_penalty=sp.repetition_penalty or 1.0,
+        temperature=sp.temperature if sp.HasField("temperature") else None,
+        top_p=sp.top_p or None,
+        top_k=None if sp.top_k == 0 else max(sp.top_k, -1),
+        min_p=sp.min_p if sp.HasField("min_p") else None,
+        repetition_penalty=sp.repetition_penalty or None,
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         seed=sp.seed if sp.HasField("seed") else None,

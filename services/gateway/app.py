@@ -162,7 +162,7 @@ class Gateway:
             checked(limits.check_prompt_tokens, len(ids))
             max_tokens = _max_tokens(model, len(ids), req.max_tokens, "prompt", "max_tokens")
             sampling = make_sampling(req, max_tokens, logprobs=req.logprobs is not None,
-                                     top_logprobs=req.logprobs or 0)
+                                     top_logprobs=req.logprobs or 0, defaults=model.sampling)
             jobs += _jobs(rid, model, ids, sampling, p_index, req.n, req.priority or 0)
         fmt = CompletionFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs)
         return Plan("completions", fmt, jobs, req.n, req.stream, req.include_usage)
@@ -188,7 +188,7 @@ class Gateway:
         checked(limits.check_prompt_tokens, len(ids), "messages")
         max_tokens = _max_tokens(model, len(ids), requested, "messages", max_param)
         sampling = make_sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                                 max_tokens_param=max_param)
+                                 defaults=model.sampling, max_tokens_param=max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs)
         return Plan("chat", fmt, _jobs(rid, model, ids, sampling, 0, req.n, req.priority or 0), req.n, req.stream,

@@ -1,4 +1,5 @@
-"""The models the router serves (ListModels, cached briefly) and a tokenizer for each."""
+"""The models the router serves (ListModels, cached briefly), and for each the tokenizer and the
+sampling defaults of its folder."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelNotFound
+from engine.model_config import load_sampling_defaults
 from engine.model_source import resolve_model
+from engine.sampling_params import OPENAI_DEFAULTS, SamplingDefaults
 from services.gateway.errors import APIError
 from services.gateway.router_client import RouterClient
 from services.gateway.tokenizer import GatewayTokenizer
@@ -26,6 +29,7 @@ class ServedModel:
     max_context_len: int
     vocab_size: int
     tokenizer: GatewayTokenizer
+    sampling: SamplingDefaults = OPENAI_DEFAULTS   # what a request's unset sampling fields become
 
 
 class ModelCatalog:
@@ -35,7 +39,7 @@ class ModelCatalog:
         self.tokenizer_path = tokenizer_path
         self.created = int(time.time())
         self._models: dict[str, ServedModel] = {}
-        self._tokenizers: dict[str, GatewayTokenizer] = {}
+        self._files: dict[str, tuple[GatewayTokenizer, SamplingDefaults]] = {}
         self._fetched_at = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -73,14 +77,16 @@ class ModelCatalog:
             infos = await self.router.list_models()
             models = {}
             for info in infos:
-                tok = self._tokenizers.get(info.id)
-                if tok is None:
-                    tok = self._tokenizers[info.id] = await asyncio.to_thread(self._load_tokenizer, info.id)
-                models[info.id] = ServedModel(info.id, info.max_context_len, info.vocab_size, tok)
+                files = self._files.get(info.id)
+                if files is None:
+                    files = self._files[info.id] = await asyncio.to_thread(self._load_files, info.id)
+                models[info.id] = ServedModel(info.id, info.max_context_len, info.vocab_size, *files)
             self._models = models
             self._fetched_at = time.monotonic()
 
-    def _load_tokenizer(self, model_id: str) -> GatewayTokenizer:
+    def _load_files(self, model_id: str) -> tuple[GatewayTokenizer, SamplingDefaults]:
+        """The tokenizer, and the sampling defaults (OpenAI's, under what the folder's
+        generation_config.json recommends: the workers' engines read the same file)."""
         try:
             folder = Path(self.tokenizer_path) if self.tokenizer_path else resolve_model(model_id)
             tok = GatewayTokenizer.from_folder(folder)
@@ -88,4 +94,4 @@ class ModelCatalog:
             raise APIError(500, f"the gateway cannot load the tokenizer of `{model_id}` ({e}); "
                                 "start it with --tokenizer PATH") from e
         log.info("tokenizer for %s loaded from %s", model_id, folder)
-        return tok
+        return tok, load_sampling_defaults(folder, OPENAI_DEFAULTS)

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import OPENAI_DEFAULTS, SamplingDefaults, SamplingParams
 from engine.scheduler.queue_policy import check_priority
 from services.gateway.errors import bad_request
 from tandem.v1 import generation_pb2
@@ -110,8 +110,10 @@ class Sampling:
 
     def to_pb(self, seed_offset: int = 0) -> generation_pb2.SamplingParams:
         p = self.params
+        # Every field set, the model's defaults already in: the worker has nothing left to fill (a
+        # top_k of 0 would read as unset there; -1 is "off").
         pb = generation_pb2.SamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
             presence_penalty=p.presence_penalty, max_tokens=p.max_tokens, stop=p.stop,
             stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
@@ -136,16 +138,17 @@ def check_common(req: _Common, max_n: int) -> None:
 
 
 def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs: int,
-                  max_tokens_param: str = "max_tokens") -> Sampling:
-    """Build and validate the engine's SamplingParams; raises APIError 400 with the parameter's name."""
+                  defaults: SamplingDefaults = OPENAI_DEFAULTS, max_tokens_param: str = "max_tokens") -> Sampling:
+    """Build and validate the engine's SamplingParams, the fields the request leaves out taken from
+    `defaults` (the model's); raises APIError 400 with the parameter's name."""
     try:
-        params = SamplingParams(
+        params = defaults.fill(SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             seed=req.seed,
@@ -155,7 +158,7 @@ def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
-        )
+        ))
         params.validate()
     except InvalidRequest as e:
         param = max_tokens_param if e.param == "max_tokens" else e.param

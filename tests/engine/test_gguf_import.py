@@ -51,8 +51,9 @@ def _gguf_name(hf_name: str) -> str:
 _QUANTIZE = {"attn_q": Q4_1, "ffn_down": Q4_1, "token_embd": Q8_0}
 
 
-def write_tiny_gguf(hf_dir: Path, out: Path) -> dict[str, np.ndarray]:
-    """Write `hf_dir` (a tiny llama) as llama.cpp would; return the HF tensors the import must give."""
+def write_tiny_gguf(hf_dir: Path, out: Path, sampling: dict | None = None) -> dict[str, np.ndarray]:
+    """Write `hf_dir` (a tiny llama) as llama.cpp would; return the HF tensors the import must give.
+    `sampling`: general.sampling.* values, as llama.cpp's converter copies them from generation_config.json."""
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     weights = load_file(hf_dir / "model.safetensors")
@@ -81,6 +82,8 @@ def write_tiny_gguf(hf_dir: Path, out: Path) -> dict[str, np.ndarray]:
     w.add_pad_token_id(config["pad_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template("{{ messages[0]['content'] }}")
+    for name, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{name}")(value)
 
     expected = {}
     for name, t in weights.items():
@@ -169,6 +172,17 @@ def test_imported_tiny_model_runs_like_the_original(tiny_llama, tiny_gguf, tmp_p
     ids = torch.tensor([[5, 17, 300, 42, 99, 7]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_generation_config_carries_the_sampling_defaults_the_gguf_has_and_no_others(tiny_llama, tiny_gguf, tmp_path):
+    from engine.model_config import generation_defaults
+
+    plain = import_gguf(tiny_gguf[0], tmp_path / "plain", progress=False)
+    assert generation_defaults(plain) == {}                 # SmolLM2's case: its authors published none
+    src = tmp_path / "sampling.gguf"
+    write_tiny_gguf(tiny_llama, src, {"temp": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "penalty_repeat": 1.1})
+    out = import_gguf(src, tmp_path / "sampling", progress=False)
+    assert generation_defaults(out) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05}
 
 
 def test_import_refuses_an_existing_folder(tiny_gguf, tmp_path):

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from services.gateway.tokenizer import GatewayTokenizer
+from tests.fixtures.model_folders import with_generation_config
 from tests.sdk.fake_router import FakeRouter, failing, tokens
 from tests.services.gateway.conftest import CONTEXT, MODEL, MODELS, gateway_client, sse_events
 
@@ -54,6 +55,30 @@ def test_completion_maps_parameters_and_reports_usage(fake, tiny_llama):
     assert s.presence_penalty == pytest.approx(0.5) and s.frequency_penalty == pytest.approx(0.25)
     assert s.repetition_penalty == pytest.approx(1.1)
     assert req.priority == 0
+
+
+def test_unset_sampling_fields_take_the_models_generation_config_and_explicit_ones_win(fake, tiny_llama, tmp_path):
+    recommending = with_generation_config(tiny_llama, tmp_path / "model", temperature=0.6, top_p=0.9, top_k=20)
+
+    async def scenario(client, gw):
+        for body in ({"model": MODEL, "prompt": "a", "max_tokens": 2},
+                     {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0, "top_k": -1}):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "top_p": 0.5}
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+
+    def sent() -> list[tuple]:
+        out = [(round(s.temperature, 4), round(s.top_p, 4), s.top_k, round(s.min_p, 4), round(s.repetition_penalty, 4))
+               for s in (r.sampling for r in fake.requests)]
+        # every field set on the wire: the worker has nothing left to fill
+        assert all(r.sampling.HasField(f) for r in fake.requests for f in ("temperature", "top_k", "min_p"))
+        fake.requests.clear()
+        return out
+
+    run(fake, recommending, scenario)
+    assert sent() == [(0.6, 0.9, 20, 0.0, 1.0), (0.0, 0.9, -1, 0.0, 1.0), (0.6, 0.5, 20, 0.0, 1.0)]
+    run(fake, tiny_llama, scenario)                 # a folder that recommends nothing: OpenAI's defaults
+    assert sent() == [(1.0, 1.0, -1, 0.0, 1.0), (0.0, 1.0, -1, 0.0, 1.0), (1.0, 0.5, -1, 0.0, 1.0)]
 
 
 def test_priority_reaches_the_router(fake, tiny_llama):
