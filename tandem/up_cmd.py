@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--bootstrap-timeout", type=float, default=30.0,
                     help="workers: seconds a request waits for its peer's half of the bootstrap handshake")
     pd.add_argument("--transfer-timeout", type=float, default=30.0,
-                    help="workers: seconds a request's KV transfer may take")
+                    help="workers: seconds a KV transfer may go without progress (a slow prefill that keeps "
+                         "reporting progress is waited for)")
     pd.add_argument("--require-rdma", action="store_true",
                     help="workers: fail at start unless UCX can use RDMA (nixl/ucx backends)")
     arg_group(p, ROUTING).add_argument("--policy", default=router.policy, choices=policy_names(),

@@ -35,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="seconds a request waits for its peer worker's half of the bootstrap handshake "
                          "before it fails on both sides")
     pd.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s,
-                    help="seconds a request's KV transfer may take before it fails on both sides")
+                    help="seconds without progress before a request's KV transfer fails on both sides: on a "
+                         "decode worker, since the bootstrap or the prefill worker's last progress report (a long "
+                         "prefill on a slow CPU is waited for while it keeps reporting); on a prefill worker, after "
+                         "its last chunk is computed")
     pd.add_argument("--max-queue", type=int, default=d.max_queue,
                     help="prefill: bootstrap rooms (requests waiting for their decode worker's half of the "
                          "handshake) beyond which new ones get RESOURCE_EXHAUSTED; queues waiting for compute "
