@@ -38,10 +38,12 @@ def merge_params(params: SamplingParams | None, overrides: dict) -> SamplingPara
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     if isinstance(p.stop, str):
         raise TypeError("stop must be a sequence of strings, not one string: use stop=[...]")
+    # Unset (None) fields stay unset on the wire: the server fills the model's defaults.
+    optional = {k: v for k, v in (("temperature", p.temperature), ("top_p", p.top_p), ("top_k", p.top_k),
+                                  ("min_p", p.min_p), ("repetition_penalty", p.repetition_penalty))
+                if v is not None}
     out = pb.SamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty, max_tokens=p.max_tokens, stop=list(p.stop),
+        **optional, frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty, max_tokens=p.max_tokens, stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
         top_logprobs=p.top_logprobs, skip_special_tokens=p.skip_special_tokens,
     )

@@ -17,15 +17,17 @@ class FinishReason(enum.StrEnum):
 class SamplingParams:
     """How to pick tokens and when to stop. The server validates values (errors name the field).
 
-    temperature 0 is greedy; top_k <= 0 disables top-k; `seed` makes sampling reproducible.
+    temperature 0 is greedy; top_k < 0 disables top-k; `seed` makes sampling reproducible. The five
+    fields left at None take the server's defaults: the model's `generation_config.json` where it sets
+    them, else greedy decoding with no top-p, top-k, min-p or repetition penalty.
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None

@@ -55,9 +55,11 @@ def test_generate_and_stream_map_requests_and_results():
         assert result.logprobs[0].logprob == -0.5 and result.logprobs[0].top[0].token_id == 300
         req = fake.requests[0]
         assert (req.text, req.model, req.request_id) == ("hello world", "m", "r1")
-        assert (req.sampling.top_k, req.sampling.seed, list(req.sampling.stop)) == (0, 5, ["\n"])
+        assert (req.sampling.top_k, req.sampling.seed, list(req.sampling.stop)) == (-1, 5, ["\n"])
+        assert req.sampling.HasField("temperature") and not req.sampling.HasField("top_p")
 
         chunks = list(client.stream([1, 2, 3], max_tokens=2, ignore_eos=True))
+        assert not fake.requests[1].sampling.HasField("temperature")   # the server's (the model's) default
         assert [c.text for c in chunks] == ["t0 ", "t1 "] and chunks[0].usage is None
         assert chunks[-1].finish_reason is FinishReason.LENGTH and chunks[-1].usage.prompt_tokens == 3
         assert list(fake.requests[1].token_ids.ids) == [1, 2, 3] and fake.requests[1].sampling.ignore_eos
