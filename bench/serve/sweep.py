@@ -44,6 +44,7 @@ from bench.serve.sweep_report import (  # noqa: F401 (sweep.* API)
     summary_table,
     target_checks,
 )
+from kernels.cpu import isa
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,14 @@ class DeploymentUnavailable(RuntimeError):
 
 
 VLLM_VENV_ENV = "TANDEM_VLLM_VENV"
+ISA_CAP_DIR = Path(__file__).with_name("isa_cap")   # its sitecustomize caps vLLM's own ISA checks
+
+
+def capped_isa(env: dict[str, str]) -> str | None:
+    """The ISA level `env` caps this CPU to (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA), or None
+    when nothing is capped below what the CPU has."""
+    level = isa.effective_level(env)
+    return level if level != isa.host_level() else None
 _VLLM_VENV_SIZE = "3.5 GB"
 
 
@@ -283,6 +292,9 @@ class VllmServe:
                    VLLM_CPU_KVCACHE_SPACE=str(self.cfg.vllm_kv_cache_gb), VLLM_TARGET_DEVICE="cpu",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    PYTHONUNBUFFERED="1")
+        level = capped_isa(env)
+        if level is not None:   # an emulated older CPU: vLLM's own kernel choice must see it too
+            env.update(PYTHONPATH=str(ISA_CAP_DIR), TANDEM_PEER_ISA=level)
         return env
 
     def describe(self) -> str:

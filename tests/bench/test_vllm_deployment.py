@@ -4,6 +4,7 @@ missing, and start/teardown through the real code path with a tiny HTTP server i
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -214,3 +215,16 @@ def test_sigterm_to_the_sweep_stops_the_server(fake_vllm, tmp_path):
     finally:
         sweeper.kill()
     assert not alive(rec["pid"]) and not alive(rec["child"])
+
+
+@pytest.mark.skipif(sweep.isa.host_level() in ("generic", "avx2"), reason="needs a CPU above AVX2 to cap")
+def test_an_isa_cap_reaches_vllms_own_kernel_choice(tmp_path):
+    """Under the AVX2 emulation variables the peer gets the sitecustomize that makes its CPUID checks
+    answer as an AVX2-only CPU would, so it loads the kernels it would load there."""
+    dep = make_deployment("vllm", SweepConfig(model="m", vllm_venv=str(tmp_path / "v")))
+    env = dep.env({"PATH": "/usr/bin", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert env["TANDEM_PEER_ISA"] == "avx2" and env["PYTHONPATH"] == str(sweep.ISA_CAP_DIR)
+    probe = "import torch.cpu as c; print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), c._is_avx2_supported())"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **{k: env[k] for k in
+                         ("PYTHONPATH", "TANDEM_PEER_ISA")}}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
