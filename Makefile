@@ -27,7 +27,7 @@ install: $(BIN)/python
 	# NIXL's meta package would pull a multi-GB CUDA torch; its only runtime need is numpy.
 	$(PIP) install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	$(MAKE) proto
-	# Tandem's fused CPU kernels (kernels/cpu), compiled for this CPU and cached under ~/.cache/tandem.
+	# Tandem's fused CPU kernels (kernels/cpu): a variant per ISA level this CPU runs, cached under ~/.cache/tandem.
 	$(BIN)/python -m kernels.cpu
 
 $(BIN)/python:

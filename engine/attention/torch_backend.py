@@ -133,8 +133,7 @@ class TorchAttention(AttentionBackend):
 
     def _extend_kernel(self) -> bool:
         ops = self.cpu_ops
-        return (ops is not None and self.pool.spec.dtype == torch.bfloat16
-                and ops.extend_attention_supported(self.head_dim))
+        return ops is not None and ops.extend_attention_supported(self.pool.spec.dtype, self.head_dim)
 
     def _decode_buckets(self, rows: list[tuple[int, int, int]], table: torch.Tensor) -> list[DecodeBucket]:
         """Decode rows (token row, kv length, sequence) for the grouped-matmul path, in length buckets."""

@@ -1,5 +1,5 @@
-"""Fused C++ kernels for the CPU path: paged decode attention, RMSNorm (+ residual), RoPE, and
-bf16 prefill/extend attention.
+"""Fused C++ kernels for the CPU path: paged decode attention, paged prefill/extend attention,
+RMSNorm (+ residual) and RoPE, one source per operation, compiled once per ISA level.
 
 Why: a decode step of a small model on a CPU core is mostly many small ops. Profiled at the serving
 shape (12 sequences x 300 keys, one core, bf16, prepacked weights), the torch attention spent
@@ -7,94 +7,197 @@ shape (12 sequences x 300 keys, one core, bf16, prepacked weights), the torch at
 that copy (plus a transposed copy of V), and norms + RoPE were ~25 small ops per layer, each a few
 microseconds of dispatch. `paged_decode_attention` reads every key and value once, straight from
 its page (no gather, no padding, fp32 softmax); `rms_norm` and `rope_` do in one call what took
-8-10 ops. vLLM's CPU backend has kernels of the same kind; these are our own.
+8-10 ops. `paged_extend_attention` is the prefill/extend counterpart, in bf16 on a CPU with
+AVX512-BF16. vLLM's CPU backend has kernels of the same kind; these are our own.
 
 Numerics: fp32 arithmetic throughout, rounding to the model dtype where the torch code rounds. RoPE
-and the norm's element-wise part are bit-identical to the torch code (`-ffp-contract=off`: no fused
-multiply-adds); the norm's sum of squares and attention's dot products sum in another order, and the
-attention keeps its scores and probabilities in fp32 where the torch path rounded them to bf16.
+and the norm's element-wise part are bit-identical to the torch code (ops.cpp is compiled with
+`-ffp-contract=off`: no fused multiply-adds); the norm's sum of squares and attention's dot products
+sum in another order, and attention keeps its scores and probabilities in fp32. The one exception
+is extend attention (the `avx512_bf16` variant, bf16 only), which multiplies bf16 pairs with
+`vdpbf16ps` (fp32 sums, ~2x the rate of fp32 FMAs) and splits each probability into two bf16
+parts (~16 significant bits) for the P.V products (extend.cpp).
 
-`paged_extend_attention` (extend.cpp) is the exception that is not fp32 arithmetic throughout: built
-only where the compiler targets AVX512-BF16, it multiplies bf16 pairs with `vdpbf16ps` (fp32 sums),
-~2x the rate of fp32 FMAs, and splits each probability into two bf16 parts (~16 significant bits)
-for the P.V products. torch's fp32 causal SDPA was half of a 2,048-token prefill on one core (77 ms
-per layer); torch's bf16 SDPA and MKL's bf16 GEMM convert to fp32 on this CPU and are no faster.
+Variants: one per ISA level of `kernels.cpu.isa` (`generic` < `avx2` < `avx512` < `avx512_bf16`),
+each the same sources compiled with that level's flags (`LEVEL_FLAGS`; the differences inside the
+sources are `#if`s on the compiler's feature macros: vector width and tile sizes, the `vdpbf16ps`
+kernel). The variant loaded is `isa.effective_level()`: the host's best, capped the way torch and
+oneDNN are capped (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`), so that an AVX-512 machine
+emulating an AVX2-only one runs the avx2 kernels too. The loaded module says which (`LEVEL`) and
+what its extend kernel takes (`extend_attention_supported(dtype, head_dim)`).
 
-Build: compiled on first use with `torch.utils.cpp_extension` (ninja, the system C++ compiler) for
-this CPU (`-march=native`), cached under `$TANDEM_CACHE_DIR/cpu_ops` (default `~/.cache/tandem`),
-keyed by the source, the flags, the torch version and the CPU's feature flags; `make install`
-builds it once (`python -m kernels.cpu`). `load()` returns None, logging why, where it cannot be
-built: the engine then runs the torch code (engine/attention/torch_backend.py, engine/models/).
+Build: the kernel sources are plain C++ (no torch headers: seconds per variant); one small binding
+(binding.cpp: torch's argument checks and pybind11, the slow one to compile) is compiled once and
+linked with each variant's kernel objects into that variant's Python module. Both are cached under
+`$TANDEM_CACHE_DIR/cpu_ops` (default `~/.cache/tandem`) by content (build.py: keyed by sources,
+flags, compiler, torch and Python versions and level, not by the checkout's path; a file lock so
+that one process builds and the others wait; published atomically, so a killed build leaves nothing
+behind that a later one trusts). A worker that must compile says so in its log, with the time.
+`make install` builds every level this CPU can run (`python -m kernels.cpu`). `load()` returns None,
+logging why, where the kernels cannot be built: the engine then runs the torch code
+(engine/attention/torch_backend.py, engine/models/).
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
+import shutil
+import sys
+import sysconfig
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from kernels.cpu import isa
+from kernels.cpu.build import Artifact, BuildError, cached, compiler_id, digest, entry_dir, run
 
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "ops.cpp", HERE / "attention.cpp", HERE / "extend.cpp"]
-HEADERS = [HERE / "common.h"]
-# -fopenmp: at::parallel_for is inline OpenMP, so without it every kernel runs on one thread. The
-# libgomp.so.1 it links is the one torch ships and has already loaded (same soname), not a second runtime.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
-LDFLAGS = ["-fopenmp"]
+MODULE = "tandem_cpu_ops"
+# Kernel sources with their own flags: RoPE and the norm must not fuse multiply-adds (bit-identical to
+# the torch code); attention may.
+KERNELS = {"ops.cpp": ["-ffp-contract=off"], "attention.cpp": ["-ffp-contract=fast"],
+           "extend.cpp": ["-ffp-contract=fast"]}
+HEADERS = ["kernels.h", "common.h"]
+BINDING = "binding.cpp"
+# -fopenmp: the kernels run OpenMP teams; the libgomp.so.1 they link is the one torch ships and has
+# already loaded (same soname), not a second runtime.
+KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi"]
+LEVEL_FLAGS = {
+    "generic": ["-march=x86-64", "-mtune=generic"],     # elsewhere than x86: the compiler's default target
+    "avx2": ["-march=x86-64-v3"],                       # AVX2, FMA, F16C (Haswell, Zen 1)
+    "avx512": ["-march=x86-64-v4"],                     # + AVX-512 F/BW/CD/DQ/VL (Skylake-SP)
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+}
+BINDING_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", f"-DTORCH_EXTENSION_NAME={MODULE}",
+                 "-DTORCH_API_INCLUDE_EXTENSION_H", "-w"]
+# Cold build times on a 2-core Zen 4 (the first log line quotes their sum): the binding (torch
+# headers) and one variant's three kernel sources, compiled in parallel.
+BINDING_S, VARIANT_S = 25.0, 4.0
 
 _lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
+_modules: dict[str, ModuleType | None] = {}
+
+
+@dataclass(frozen=True)
+class _Env:
+    cache: Path      # $TANDEM_CACHE_DIR/cpu_ops
+    cxx: str         # $CXX, else c++
+
+
+def _env() -> _Env:
+    """The environment the build reads (the ISA caps are read in isa.py)."""
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    return _Env(Path(root) / "cpu_ops", os.environ.get("CXX") or "c++")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    return Path(root) / "cpu_ops"
+    return _env().cache
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def runnable_levels() -> tuple[str, ...]:
+    """The variants this CPU can run, lowest first (what `make install` builds)."""
+    return isa.levels_up_to(isa.host_level())
 
 
-def build_key() -> str:
+def load(level: str | None = None, verbose: bool = False) -> ModuleType | None:
+    """The kernels' module for `level` (default `isa.effective_level()`), built on first use and then
+    cached on disk and in this process; None where it cannot be built here (the reason is logged
+    once). The module has `LEVEL`, `extend_attention_supported(dtype, head_dim)` and the kernels."""
+    level = level or isa.effective_level()
+    with _lock:
+        if level not in _modules:
+            try:
+                _modules[level] = _import(level, build([level], verbose)[level])
+            except Exception as exc:   # no compiler, a read-only cache, a failed build: the torch code runs
+                log.warning("CPU kernels (%s) unavailable, using the torch code instead: %s", level,
+                            str(exc).strip()[-1500:])
+                _modules[level] = None
+        return _modules[level]
+
+
+def build(levels: list[str] | tuple[str, ...], verbose: bool = False) -> dict[str, Path]:
+    """Builds (or finds in the cache) the modules of `levels`; their paths. Raises what went wrong."""
+    for level in levels:
+        if level not in runnable_levels():
+            raise ValueError(f"this CPU cannot run the {level} kernels (it runs {', '.join(runnable_levels())})")
+    env = _env()
+    cid = compiler_id(env.cxx)
+    binding = _binding(env, cid, verbose)
+    return {level: cached(env.cache, _variant(env, cid, level, binding, verbose)) for level in levels}
+
+
+def _import(level: str, path: Path) -> ModuleType:
+    import torch  # noqa: F401  (the module links libtorch: load it first)
+
+    # Each variant under a name of its own (pybind11 caches modules by name; the init function looked
+    # up is the last part's, PyInit_tandem_cpu_ops), not entered in sys.modules: tests load several.
+    name = f"kernels.cpu.{level}.{MODULE}"
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _sources(names: list[str]) -> list[bytes]:
+    return [part for name in names for part in (name.encode(), (HERE / name).read_bytes())]
+
+
+def _copy(names: list[str], into: Path) -> None:
+    for name in names:
+        shutil.copyfile(HERE / name, into / name)
+
+
+def _binding(env: _Env, cid: str, verbose: bool) -> Artifact:
     import torch
 
-    digest = hashlib.sha256()
-    parts = [p.read_bytes() for p in SOURCES + HEADERS]
-    for part in (*parts, " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
-        digest.update(part)
-    return digest.hexdigest()[:16]
+    torch_dir = Path(torch.__file__).parent
+    includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
+                Path(sysconfig.get_paths()["include"])]
+    key = digest([*_sources([BINDING, "kernels.h"]), *BINDING_FLAGS, cid, torch.__version__, sys.version,
+                  sysconfig.get_config_var("EXT_SUFFIX") or ""])
+
+    def compile_binding(tmp: Path) -> None:
+        _copy([BINDING, "kernels.h"], tmp)
+        flags = [f for inc in includes for f in ("-isystem", str(inc))]
+        run([env.cxx, *BINDING_FLAGS, *flags, "-c", BINDING, "-o", "binding.o"], tmp, verbose)
+
+    return Artifact("binding", key, "binding.o", compile_binding, "the torch binding of Tandem's CPU kernels",
+                    BINDING_S, announce=False)
 
 
-def load(verbose: bool = False) -> ModuleType | None:
-    """The compiled module (built on first call, then cached on disk and in this process), or None
-    where it cannot be built here (the reason is logged once)."""
-    with _lock:
-        if "ops" not in _state:
-            _state["ops"] = _build(verbose)
-        return _state["ops"]
+def _variant(env: _Env, cid: str, level: str, binding: Artifact, verbose: bool) -> Artifact:
+    import torch
+
+    level_flags = LEVEL_FLAGS[level] if isa.is_x86() else []
+    flags = [*KERNEL_FLAGS, *level_flags, f'-DTANDEM_CPU_LEVEL="{level}"']
+    key = digest([*_sources([*KERNELS, *HEADERS]), *flags, *(f for fs in KERNELS.values() for f in fs), level,
+                  binding.key, cid, platform.machine()])
+    binding_ready = (entry_dir(env.cache, binding) / "ready").exists()
+
+    def compile_variant(tmp: Path) -> None:
+        _copy([*KERNELS, *HEADERS], tmp)
+        with ThreadPoolExecutor(max_workers=len(KERNELS) + 1) as pool:   # the compiler runs in subprocesses
+            binding_o = pool.submit(cached, env.cache, binding)
+            objects = [pool.submit(run, [env.cxx, *flags, *extra, "-c", src, "-o", src.replace(".cpp", ".o")],
+                                   tmp, verbose) for src, extra in KERNELS.items()]
+            for job in objects:
+                job.result()
+            obj = binding_o.result()
+        lib = Path(torch.__file__).parent / "lib"
+        run([env.cxx, "-shared", "-fopenmp", str(obj), *(s.replace(".cpp", ".o") for s in KERNELS), f"-L{lib}",
+             "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-o", f"{MODULE}.so"], tmp, verbose)
+
+    estimate = VARIANT_S + (0.0 if binding_ready else BINDING_S)
+    return Artifact(level, key, f"{MODULE}.so", compile_variant, f"Tandem's CPU kernels ({level})", estimate)
 
 
-def _build(verbose: bool) -> ModuleType | None:
-    try:
-        from torch.utils import cpp_extension
-
-        key = build_key()
-        build_dir = cache_dir() / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"tandem_cpu_ops_{key}", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                                  extra_ldflags=LDFLAGS, build_directory=str(build_dir),
-                                  extra_include_paths=[str(HERE)], verbose=verbose)
-    except Exception as exc:   # no compiler, no ninja, a read-only cache: the torch code still runs
-        log.warning("CPU kernels unavailable, using the torch code instead: %s", str(exc).strip()[-500:])
-        return None
+__all__ = ["BuildError", "build", "cache_dir", "load", "runnable_levels"]

@@ -1,16 +1,12 @@
-// Paged causal attention for a prefill/extend chunk on the CPU, bf16, with AVX512-BF16 dot products.
+// Paged causal attention for a prefill/extend chunk of one sequence on the CPU (see kernels/cpu/__init__.py).
+// Causal: token t of an n-token chunk over kv_len keys sees keys [0, kv_len - n + t]; query heads of a
+// group (GQA) share every key. Compiled with -ffp-contract=fast (not bit-compared with the torch code).
 //
-// Why: torch's CPU SDPA converts bf16 to fp32 and runs fp32 GEMMs (~65 GFLOP/s on one core here),
-// and its MKL bf16 GEMM does the same on AMD; `vdpbf16ps` multiplies bf16 pairs into fp32 sums at
-// twice that rate. At 2,048 prompt tokens attention was half of the prefill (77 ms per layer).
-//
-// Shape of the computation (one sequence, one KV head at a time, so the group's query heads share
-// every packed key): keys and values are read from their pages once per KV head into the pair
-// layout `vdpbf16ps` wants (K as [16-key block][dim/2][16], V as [key pair][dim]); query rows are
-// (token, head-of-the-group) pairs; per block of 32 tokens, an online softmax (flash-attention
-// style) runs over chunks of 256 keys: scores in fp32, each probability split into two bf16 parts
-// (~16 significant bits) for the P·V products, the running max, sum and output in fp32.
-// Causal: token t of an n-token chunk over kv_len keys sees keys [0, kv_len - n + t].
+// bf16 caches in the avx512_bf16 variant (the only one with this kernel; elsewhere the engine runs SDPA):
+// `vdpbf16ps` multiplies bf16 pairs into fp32 sums at twice the rate of fp32 FMAs; each probability is
+// split into two bf16 parts (~16 significant bits) for the P.V products. Keys are packed as [16-key
+// block][dim / 2][16] pairs and values as [key pair][dim]; scores are row-major and the online softmax
+// (flash-attention style) runs over 256-key chunks, per block of 32 query tokens.
 
 #include "common.h"
 
@@ -19,9 +15,11 @@
 #define TANDEM_EXTEND_BF16 1
 #endif
 
-using namespace tandem_cpu;
+namespace tandem_cpu {
 
 namespace {
+
+// ---- bf16 pairs, AVX512-BF16 ------------------------------------------------------------------------
 
 #ifdef TANDEM_EXTEND_BF16
 
@@ -30,13 +28,22 @@ constexpr int64_t kChunk = 256;   // keys per softmax chunk (a multiple of 64)
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-struct Extend {
+struct Bf16Extend {
   int64_t n, heads, kv_heads, group, dim, words, page_size, slot, page_stride, q_row, q_head, out_row, out_head,
       kv_len, padded;
   const uint16_t *q, *k, *v;
   const int32_t* table;
   uint16_t* out;
   float scale;
+  int threads;
+
+  explicit Bf16Extend(const ExtendArgs& a)
+      : n(a.n), heads(a.heads), kv_heads(a.cache.kv_heads), group(heads / kv_heads), dim(a.cache.dim),
+        words(dim / 2), page_size(a.cache.page_size), slot(kv_heads * dim), page_stride(page_size * slot),
+        q_row(a.q_row), q_head(a.q_head), out_row(a.out_row), out_head(a.out_head), kv_len(a.kv_len),
+        padded((kv_len + 63) / 64 * 64), q(static_cast<const uint16_t*>(a.q)),
+        k(static_cast<const uint16_t*>(a.cache.k)), v(static_cast<const uint16_t*>(a.cache.v)), table(a.table),
+        out(static_cast<uint16_t*>(a.out)), scale(a.scale), threads(a.threads) {}
 
   const uint16_t* key(const uint16_t* cache, int64_t j, int64_t h) const {
     return cache + table[j / page_size] * page_stride + (j % page_size) * slot + h * dim;
@@ -45,7 +52,7 @@ struct Extend {
 
 // K of KV head h as [padded / 16][words][16] uint32 (key j's bf16 pair p at [j / 16][p][j % 16]);
 // V as [padded / 2][dim] uint32 (keys 2t and 2t + 1 of dim d at [t][d]). Zero past kv_len.
-void pack(const Extend& a, int64_t h, uint32_t* kp, uint32_t* vp) {
+void pack(const Bf16Extend& a, int64_t h, uint32_t* kp, uint32_t* vp) {
   std::memset(kp, 0, a.padded * a.words * 4);
   std::memset(vp, 0, a.padded / 2 * a.dim * 4);
   for (int64_t j = 0; j < a.kv_len; ++j) {
@@ -60,7 +67,8 @@ void pack(const Extend& a, int64_t h, uint32_t* kp, uint32_t* vp) {
 
 // scores[i][0, 64) = scale * q_i . keys[first, first + 64) for R query rows.
 template <int R>
-inline void score_tile(const uint32_t* const* qw, const uint32_t* kp, int64_t words, float scale, float* const* out) {
+inline void bf16_score_tile(const uint32_t* const* qw, const uint32_t* kp, int64_t words, float scale,
+                            float* const* out) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -79,31 +87,31 @@ inline void score_tile(const uint32_t* const* qw, const uint32_t* kp, int64_t wo
 
 // o_i[0, 16 C) += sum over key pairs t < pairs of p_i[2t, 2t + 1] . V pairs, for R rows; each
 // probability is the sum of two bf16 values (high part at pw[i], low part `lo` words further).
-template <int R, int C>
-inline void pv_tile(const uint32_t* const* pw, int64_t lo, const uint32_t* vp, int64_t dim, int64_t pairs,
-                    float* const* o) {
-  __m512 acc[R][C];
+template <int R, int NC>
+inline void bf16_pv_tile(const uint32_t* const* pw, int64_t lo, const uint32_t* vp, int64_t dim, int64_t pairs,
+                         float* const* o) {
+  __m512 acc[R][NC];
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_loadu_ps(o[i] + 16 * c);
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_loadu_ps(o[i] + 16 * c);
   for (int64_t t = 0; t < pairs; ++t) {
-    __m512i vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vp + t * dim + 16 * c);
+    __m512i vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_si512(vp + t * dim + 16 * c);
     for (int i = 0; i < R; ++i) {
       const __m512i hi = _mm512_set1_epi32(static_cast<int>(pw[i][t]));
       const __m512i low = _mm512_set1_epi32(static_cast<int>(pw[i][t + lo]));
-      for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < NC; ++c) {
         acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(hi), as_bh(vv[c]));
         acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(low), as_bh(vv[c]));
       }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
 }
 
-template <int C>
-void extend_block(const Extend& a, int64_t h, int64_t t0, int64_t t1, const uint32_t* kp, const uint32_t* vp) {
-  constexpr int RP = C <= 4 ? 4 : 2;   // rows per P.V tile: R * C = 16 accumulators
+template <int NC>
+void bf16_block(const Bf16Extend& a, int64_t h, int64_t t0, int64_t t1, const uint32_t* kp, const uint32_t* vp) {
+  constexpr int RP = NC <= 4 ? 4 : 2;   // rows per P.V tile: R * NC = 16 accumulators
   const int64_t rows = (t1 - t0) * a.group, dim = a.dim;
   std::vector<float> scores(rows * kChunk), acc(rows * dim, 0.f), mx(rows, -std::numeric_limits<float>::infinity()),
       sum(rows, 0.f);
@@ -127,10 +135,10 @@ void extend_block(const Extend& a, int64_t h, int64_t t0, int64_t t1, const uint
         float* o[4];
         for (int i = 0; i < rr; ++i) o[i] = out[i] + tile * 64;
         switch (rr) {
-          case 4: score_tile<4>(&qw[r], kt, a.words, a.scale, o); break;
-          case 3: score_tile<3>(&qw[r], kt, a.words, a.scale, o); break;
-          case 2: score_tile<2>(&qw[r], kt, a.words, a.scale, o); break;
-          default: score_tile<1>(&qw[r], kt, a.words, a.scale, o); break;
+          case 4: bf16_score_tile<4>(&qw[r], kt, a.words, a.scale, o); break;
+          case 3: bf16_score_tile<3>(&qw[r], kt, a.words, a.scale, o); break;
+          case 2: bf16_score_tile<2>(&qw[r], kt, a.words, a.scale, o); break;
+          default: bf16_score_tile<1>(&qw[r], kt, a.words, a.scale, o); break;
         }
       }
     }
@@ -146,7 +154,7 @@ void extend_block(const Extend& a, int64_t h, int64_t t0, int64_t t1, const uint
       float m = mx[r];
 #pragma omp simd reduction(max : m)
       for (int64_t j = 0; j < valid; ++j) m = s[j] > m ? s[j] : m;
-      const float alpha = fast_exp(mx[r] - m);   // 0 on the first chunk (mx = -inf, clamped)
+      const float alpha = fast_exp(mx[r] - m);   // 0 on the first chunk (mx = -inf)
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t j = 0; j < valid; ++j) {
@@ -179,9 +187,9 @@ void extend_block(const Extend& a, int64_t h, int64_t t0, int64_t t1, const uint
         o[i] = acc.data() + (r + i) * dim;
       }
       if (rr == RP) {
-        pv_tile<RP, C>(pw, kChunk / 2, vc, dim, pairs, o);
+        bf16_pv_tile<RP, NC>(pw, kChunk / 2, vc, dim, pairs, o);
       } else {
-        for (int i = 0; i < rr; ++i) pv_tile<1, C>(pw + i, kChunk / 2, vc, dim, pairs, o + i);
+        for (int i = 0; i < rr; ++i) bf16_pv_tile<1, NC>(pw + i, kChunk / 2, vc, dim, pairs, o + i);
       }
     }
   }
@@ -190,31 +198,29 @@ void extend_block(const Extend& a, int64_t h, int64_t t0, int64_t t1, const uint
     uint16_t* dst = a.out + t * a.out_row + head * a.out_head;
     const float inv = 1.f / sum[r];
     const float* o = acc.data() + r * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const c10::BFloat16 b = from_f32<c10::BFloat16>(o[d] * inv);
-      std::memcpy(dst + d, &b, 2);
-    }
+    for (int64_t d = 0; d < dim; ++d) dst[d] = from_f32<bf16_t>(o[d] * inv).bits;
   }
 }
 
-void extend_attention(const Extend& a) {
+void extend_bf16(const ExtendArgs& args) {
+  const Bf16Extend a(args);
   const int64_t kstride = a.padded * a.words, vstride = a.padded / 2 * a.dim;
   std::vector<uint32_t> kp(a.kv_heads * kstride), vp(a.kv_heads * vstride);
-  at::parallel_for(0, a.kv_heads, 1, [&](int64_t b, int64_t e) {
+  parallel_for(a.kv_heads, 1, a.threads, [&](int64_t b, int64_t e) {
     for (int64_t h = b; h < e; ++h) pack(a, h, kp.data() + h * kstride, vp.data() + h * vstride);
   });
   // Causal blocks grow with their position: tasks go heaviest first, dealt to the threads in turn
-  // (parallel_for's contiguous ranges would give one thread all the long blocks).
+  // (contiguous ranges would give one thread all the long blocks).
   const int64_t blocks = (a.n + kTokens - 1) / kTokens, tasks = a.kv_heads * blocks;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+  const int threads = static_cast<int>(std::min<int64_t>(a.threads, tasks));
+  parallel_for(threads, 1, threads, [&](int64_t b, int64_t e) {
     for (int64_t tid = b; tid < e; ++tid)
       for (int64_t task = tid; task < tasks; task += threads) {
         const int64_t h = task % a.kv_heads, blk = blocks - 1 - task / a.kv_heads;
         const int64_t t0 = blk * kTokens, t1 = std::min(a.n, t0 + kTokens);
         const uint32_t *k = kp.data() + h * kstride, *v = vp.data() + h * vstride;
-        if (a.dim == 64) extend_block<4>(a, h, t0, t1, k, v);
-        else extend_block<8>(a, h, t0, t1, k, v);
+        if (a.dim == 64) bf16_block<4>(a, h, t0, t1, k, v);
+        else bf16_block<8>(a, h, t0, t1, k, v);
       }
   });
 }
@@ -223,49 +229,21 @@ void extend_attention(const Extend& a) {
 
 }  // namespace
 
-bool extend_attention_supported(int64_t dim) {
+bool extend_supported(DType dtype, int64_t dim) {
 #ifdef TANDEM_EXTEND_BF16
-  return dim == 64 || dim == 128;   // the P.V tiles hold 4 x 4 or 2 x 8 accumulators
+  return dtype == DType::bf16 && (dim == 64 || dim == 128);   // the P.V tiles hold 4 x 4 or 2 x 8 accumulators
 #else
-  (void)dim;
+  (void)dtype, (void)dim;
   return false;
 #endif
 }
 
-at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& table, int64_t kv_len, double scale) {
-  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &table}) check_cpu(*t, "every argument");
-  TORCH_CHECK(extend_attention_supported(q.size(-1)),
-              "paged_extend_attention needs AVX512-BF16 and a head dim of 64 or 128");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(0) >= 1,
-              "q must be [tokens, heads, dim] with unit stride in dim");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous [pages, page_size, kv_heads, dim]");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
-              "q's heads must be a multiple of the cache's kv heads, with the same head dim");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "paged_extend_attention is bf16 only");
-  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1 && table.is_contiguous(),
-              "table must be int32 [pages]");
-  const int64_t page_size = k_cache.size(1);
-  TORCH_CHECK(kv_len >= q.size(0) && kv_len <= table.size(0) * page_size, "kv_len ", kv_len, " outside [",
-              q.size(0), ", ", table.size(0) * page_size, "]");
-  const int32_t* tp = table.data_ptr<int32_t>();
-  for (int64_t p = 0; p < (kv_len + page_size - 1) / page_size; ++p)
-    TORCH_CHECK(tp[p] >= 0 && tp[p] < k_cache.size(0), "page ", tp[p], " outside the cache");
-  auto out = at::empty(q.sizes(), q.options());
+void extend_attention(const ExtendArgs& a) {
 #ifdef TANDEM_EXTEND_BF16
-  Extend a;
-  a.n = q.size(0), a.heads = q.size(1), a.kv_heads = k_cache.size(2), a.group = a.heads / a.kv_heads;
-  a.dim = q.size(2), a.words = a.dim / 2, a.page_size = page_size, a.slot = a.kv_heads * a.dim;
-  a.page_stride = page_size * a.slot, a.q_row = q.stride(0), a.q_head = q.stride(1);
-  a.out_row = out.stride(0), a.out_head = out.stride(1), a.kv_len = kv_len, a.padded = (kv_len + 63) / 64 * 64;
-  a.q = reinterpret_cast<const uint16_t*>(q.data_ptr()), a.k = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  a.v = reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), a.table = tp;
-  a.out = reinterpret_cast<uint16_t*>(out.data_ptr()), a.scale = static_cast<float>(scale);
-  extend_attention(a);
+  extend_bf16(a);
+#else
+  (void)a;   // extend_supported() is false: the binding refuses every call
 #endif
-  return out;
 }
+
+}  // namespace tandem_cpu

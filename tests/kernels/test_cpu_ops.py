@@ -1,6 +1,7 @@
-"""The fused CPU kernels (kernels/cpu) against the torch code they replace, and the engine with them
-on against the engine with them off. `make install` builds them; a machine where they cannot be built
-fails here rather than silently testing the fallback."""
+"""The fused CPU kernels (kernels/cpu) against the torch code they replace, on every ISA variant this
+CPU can run (generic, avx2, avx512, avx512_bf16 on a Zen 4), and the engine with them on against the
+engine with them off. `make install` builds them; a machine where they cannot be built fails here
+rather than silently testing the fallback."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from engine.errors import InvalidRequest
 from engine.models.layers import RMSNorm
 from engine.models.rope import _rotate
 from engine.sampling_params import SamplingParams
-from kernels.cpu import load
+from kernels.cpu import load, runnable_levels
 from tests.engine.test_engine_vs_hf import random_prompts
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = load()
-    assert ops is not None, "the CPU kernels did not build (run `python -m kernels.cpu -v`)"
+@pytest.fixture(scope="module", params=runnable_levels())
+def ops(request):
+    ops = load(request.param)
+    assert ops is not None, f"the {request.param} CPU kernels did not build (run `python -m kernels.cpu -v`)"
+    assert ops.LEVEL == request.param
     return ops
 
 
@@ -109,8 +111,8 @@ def test_rope_is_bit_identical_to_the_torch_code(ops, dtype):
 
 @pytest.fixture(scope="module")
 def extend_ops(ops):
-    if not ops.extend_attention_supported(64):
-        pytest.skip("paged_extend_attention needs AVX512-BF16, which this CPU lacks")
+    if not ops.extend_attention_supported(torch.bfloat16, 64):
+        pytest.skip(f"no paged_extend_attention in the {ops.LEVEL} kernels (AVX512-BF16 only)")
     return ops
 
 
@@ -154,12 +156,12 @@ def test_extend_attention_refuses_bad_input(extend_ops):
         extend_ops.paged_extend_attention(q, k_cache, v_cache, ok, 9, 1.0)     # past the table
     with pytest.raises(RuntimeError, match="outside the cache"):
         extend_ops.paged_extend_attention(q, k_cache, v_cache, torch.tensor([0, 7], dtype=torch.int32), 6, 1.0)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="does not take Float"):
         extend_ops.paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), ok, 6, 1.0)
     with pytest.raises(RuntimeError, match="head dim"):
         extend_ops.paged_extend_attention(q[..., :32], k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
                                           ok, 6, 1.0)
-    assert not extend_ops.extend_attention_supported(96)
+    assert not extend_ops.extend_attention_supported(torch.bfloat16, 96)
 
 
 def _engine(path, **kw) -> LLMEngine:
