@@ -7,14 +7,15 @@ shape (12 sequences x 300 keys, one core, bf16, prepacked weights), the torch at
 that copy (plus a transposed copy of V), and norms + RoPE were ~25 small ops per layer, each a few
 microseconds of dispatch. `paged_decode_attention` reads every key and value once, straight from
 its page (no gather, no padding, fp32 softmax); `rms_norm` and `rope_` do in one call what took
-8-10 ops. `paged_extend_attention` is the prefill/extend counterpart, in bf16 on a CPU with
-AVX512-BF16. vLLM's CPU backend has kernels of the same kind; these are our own.
+8-10 ops. `paged_extend_attention` is the prefill/extend counterpart: causal, straight from the
+sequence's pages (SDPA needs a gather and an explicit mask once a prefix is cached), an online
+softmax, fp32 compute. vLLM's CPU backend has kernels of the same kind; these are our own.
 
 Numerics: fp32 arithmetic throughout, rounding to the model dtype where the torch code rounds. RoPE
 and the norm's element-wise part are bit-identical to the torch code (ops.cpp is compiled with
 `-ffp-contract=off`: no fused multiply-adds); the norm's sum of squares and attention's dot products
 sum in another order, and attention keeps its scores and probabilities in fp32. The one exception
-is extend attention (the `avx512_bf16` variant, bf16 only), which multiplies bf16 pairs with
+is bf16 extend attention in the `avx512_bf16` variant, which multiplies bf16 pairs with
 `vdpbf16ps` (fp32 sums, ~2x the rate of fp32 FMAs) and splits each probability into two bf16
 parts (~16 significant bits) for the P.V products (extend.cpp).
 

@@ -109,13 +109,6 @@ def test_rope_is_bit_identical_to_the_torch_code(ops, dtype):
     assert torch.equal(qkv[:, : 9 * 64].view(7, 9, 64), want_q)    # rotated where it lies
 
 
-@pytest.fixture(scope="module")
-def extend_ops(ops):
-    if not ops.extend_attention_supported(torch.bfloat16, 64):
-        pytest.skip(f"no paged_extend_attention in the {ops.LEVEL} kernels (AVX512-BF16 only)")
-    return ops
-
-
 def _extend_reference(q, k_cache, v_cache, table, kv_len, scale):
     """fp32 SDPA of n new tokens (the last n of kv_len) over the first kv_len slots of `table`."""
     n = q.shape[0]
@@ -127,41 +120,85 @@ def _extend_reference(q, k_cache, v_cache, table, kv_len, scale):
     return out.transpose(0, 1)
 
 
+# Within the dtype's rounding of the exact result: fp32 sums in another order; bf16 and fp16 round the
+# output once (scores and probabilities stay fp32, or ~16 bits in the avx512_bf16 variant's bf16 pairs).
+EXTEND_TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-3, 4e-3), torch.float16: (5e-4, 1e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (8, 8, 64)])
-@pytest.mark.parametrize("tokens,prefix", [(1, 0), (5, 0), (40, 0), (300, 0), (17, 23), (64, 300), (33, 1)])
-def test_extend_attention_matches_fp32_sdpa(extend_ops, heads, kv_heads, dim, tokens, prefix):
-    """Prefill (no prefix), a later chunk or a prefix-cache hit (prefix > 0): several 256-key softmax
-    chunks, 32-token blocks with a partial last one, partial pages, pages in shuffled order."""
+@pytest.mark.parametrize("tokens,prefix", [(1, 0), (5, 0), (40, 0), (300, 0), (17, 23), (64, 300), (33, 1),
+                                           (130, 250)])
+def test_extend_attention_matches_fp32_sdpa(ops, dtype, heads, kv_heads, dim, tokens, prefix):
+    """Prefill (no prefix), a later chunk or a prefix-cache hit (prefix > 0): several softmax chunks
+    (120 keys in fp32 compute, 256 in bf16 pairs), row blocks with a partial last one (24 or 48 rows in
+    fp32 compute, 32 tokens in bf16 pairs), partial pages, pages in shuffled order."""
     page_size, kv_len = 16, prefix + tokens
     num_pages = -(-kv_len // page_size) + 3
-    k_cache, v_cache = _cache(num_pages, page_size, kv_heads, dim, torch.bfloat16, seed=tokens)
+    k_cache, v_cache = _cache(num_pages, page_size, kv_heads, dim, dtype, seed=tokens)
     g = torch.Generator().manual_seed(prefix)
     table = torch.randperm(num_pages, generator=g)[: -(-kv_len // page_size)].int()
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)     # a strided view, as the model hands it over
-    got = extend_ops.paged_extend_attention(q, k_cache, v_cache, table, kv_len, dim ** -0.5)
-    assert got.shape == (tokens, heads, dim) and got.dtype == torch.bfloat16
+    assert ops.extend_attention_supported(dtype, dim)
+    got = ops.paged_extend_attention(q, k_cache, v_cache, table, kv_len, dim ** -0.5)
+    assert got.shape == (tokens, heads, dim) and got.dtype == dtype
     ref = _extend_reference(q, k_cache, v_cache, table, kv_len, dim ** -0.5)
-    # Within bf16's rounding of the exact result (scores and probabilities keep ~fp32 precision).
-    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=4e-3)
+    atol, rtol = EXTEND_TOL[dtype]
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol)
 
 
-def test_extend_attention_refuses_bad_input(extend_ops):
+@pytest.mark.parametrize("tokens,prefix", [(40, 0), (17, 300)])
+def test_extend_attention_fp16(ops, tokens, prefix):
+    page_size, kv_len = 4, prefix + tokens
+    num_pages = -(-kv_len // page_size)
+    k_cache, v_cache = _cache(num_pages, page_size, 2, 128, torch.float16, seed=1)
+    table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(2)).int()
+    q = torch.randn(tokens, 6, 128, generator=torch.Generator().manual_seed(3)).half()
+    got = ops.paged_extend_attention(q, k_cache, v_cache, table, kv_len, 0.1)
+    atol, rtol = EXTEND_TOL[torch.float16]
+    torch.testing.assert_close(got.float(), _extend_reference(q, k_cache, v_cache, table, kv_len, 0.1),
+                               atol=atol, rtol=rtol)
+
+
+def test_extend_attention_is_the_same_on_any_thread_count(ops):
+    """The kernels run an OpenMP team of torch's thread count; each row block is one thread's, so the
+    split changes nothing, bit for bit (and a team of 3 on this machine's cores still finishes)."""
+    k_cache, v_cache = _cache(40, 16, 3, 64, torch.float32, seed=4)
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(5)).int()
+    q = torch.randn(400, 9, 64, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            outs.append(ops.paged_extend_attention(q, k_cache, v_cache, table, 600, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_extend_attention_refuses_bad_input(ops):
     k_cache, v_cache = _cache(4, 4, 1, 64, torch.bfloat16, seed=0)
     q = torch.randn(3, 2, 64).bfloat16()
     ok = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="kv_len"):
-        extend_ops.paged_extend_attention(q, k_cache, v_cache, ok, 2, 1.0)     # fewer keys than tokens
+        ops.paged_extend_attention(q, k_cache, v_cache, ok, 2, 1.0)     # fewer keys than tokens
     with pytest.raises(RuntimeError, match="kv_len"):
-        extend_ops.paged_extend_attention(q, k_cache, v_cache, ok, 9, 1.0)     # past the table
+        ops.paged_extend_attention(q, k_cache, v_cache, ok, 9, 1.0)     # past the table
     with pytest.raises(RuntimeError, match="outside the cache"):
-        extend_ops.paged_extend_attention(q, k_cache, v_cache, torch.tensor([0, 7], dtype=torch.int32), 6, 1.0)
-    with pytest.raises(RuntimeError, match="does not take Float"):
-        extend_ops.paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), ok, 6, 1.0)
+        ops.paged_extend_attention(q, k_cache, v_cache, torch.tensor([0, 7], dtype=torch.int32), 6, 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_extend_attention(q.float(), k_cache, v_cache, ok, 6, 1.0)
     with pytest.raises(RuntimeError, match="head dim"):
-        extend_ops.paged_extend_attention(q[..., :32], k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
-                                          ok, 6, 1.0)
-    assert not extend_ops.extend_attention_supported(torch.bfloat16, 96)
+        ops.paged_extend_attention(q[..., :32], k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
+                                   ok, 6, 1.0)
+    with pytest.raises(RuntimeError, match="head dim"):
+        ops.paged_extend_attention(q.double(), k_cache.double(), v_cache.double(), ok, 6, 1.0)
+    assert not ops.extend_attention_supported(torch.bfloat16, 96)
+    assert not ops.extend_attention_supported(torch.float64, 64)
+    assert all(ops.extend_attention_supported(dt, d) for dt in (torch.float32, torch.bfloat16, torch.float16)
+               for d in (64, 128))
 
 
 def _engine(path, **kw) -> LLMEngine:
@@ -192,7 +229,39 @@ def test_kernels_are_the_cpu_default_and_refused_with_graphs(tiny_llama):
         _engine(tiny_llama, enable_graph=True, graph_bs=(1,), enable_cpu_kernels=True)
 
 
-def test_smollm2_bf16_prefill_runs_the_extend_kernel(extend_ops, smollm2_path):
+def _spy_extend(engine, calls: list) -> None:
+    """Route `engine`'s attention kernels through a wrapper that records each extend call's kv_len."""
+    ops = engine.runner.attn.cpu_ops
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops, name)
+            return (lambda *a: calls.append(a[4]) or fn(*a)) if name == "paged_extend_attention" else fn
+
+    engine.runner.attn.cpu_ops = Spy()
+
+
+def test_engine_fp32_prefill_runs_the_extend_kernel(tmp_path):
+    """A head dim the extend kernel takes (64, 6 query / 2 KV heads) in fp32: chunked prefill and prefix
+    hits go through paged_extend_attention, with the same greedy tokens as the SDPA path."""
+    from tests.fixtures.tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "d64", "llama", hidden_size=96, head_dim=64, num_attention_heads=6,
+                           num_key_value_heads=2)
+    shared = random_prompts([60], 250, seed=3)[0]
+    prompts = random_prompts([50, 90, 33], 250, seed=12) + [shared + [7] * 20, shared + [9] * 30]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = _engine(path, enable_cpu_kernels=False, chunked_prefill_size=40)
+    fused = _engine(path, enable_cpu_kernels=True, chunked_prefill_size=40)
+    calls = []
+    _spy_extend(fused, calls)
+    a, b = plain.generate(prompts, params), fused.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert calls and max(calls) > 40      # a chunk over its own cached prefix ran the kernel
+    fused.check_idle()
+
+
+def test_smollm2_bf16_prefill_runs_the_extend_kernel(smollm2_path):
     """bf16 SmolLM2 (head dim 64): a chunked prefill and a prefix-cache hit go through
     paged_extend_attention, and the last position's logits stay within bf16's band of the SDPA path's."""
     from tests.engine.test_bf16_parity import assert_logits_close
@@ -211,13 +280,7 @@ def test_smollm2_bf16_prefill_runs_the_extend_kernel(extend_ops, smollm2_path):
     plain = LLMEngine(EngineConfig(**cfg, enable_cpu_kernels=False))
     fused = LLMEngine(EngineConfig(**cfg, enable_cpu_kernels=True))
     calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            fn = getattr(extend_ops, name)
-            return (lambda *a: calls.append(a[4]) or fn(*a)) if name == "paged_extend_attention" else fn
-
-    fused.runner.attn.cpu_ops = Spy()
+    _spy_extend(fused, calls)
     prompt = random_prompts([150], fused.model_config.vocab_size, seed=5)[0]
     for ids in (prompt, prompt + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]):
         assert_logits_close(last_logits(fused, ids), last_logits(plain, ids))
