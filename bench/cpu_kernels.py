@@ -1,13 +1,18 @@
 """The fused CPU kernels (kernels/cpu) against the torch code they replace, on one core.
 
     python -m bench.cpu_kernels --out bench/results/cpu_kernels.json
+    python -m bench.cpu_kernels --parts extend --out bench/results/cpu_extend.json
 
-Two parts, both in this one process:
+Three parts (`--parts`):
 - **ops**: one layer's decode attention through the torch backend as a step runs it, with and
   without the kernel (rows x keys of SmolLM2's 9 query / 3 KV heads, head dim 64, pages in random
-  order: `bench.kernels.make_case`), the same for prefill/extend attention (256-2,048 new tokens,
-  and 256 over a 768-token prefix; where the CPU has AVX512-BF16), and RMSNorm + residual and RoPE
-  at 1 / 12 / 256 tokens; median of 50 calls each (10-30 for extends).
+  order: `bench.kernels.make_case`), and RMSNorm + residual and RoPE at 1 / 12 / 256 tokens;
+  median of 50 calls each.
+- **extend**: prefill/extend attention through the torch backend, `paged_extend_attention` against
+  the SDPA path it replaces (fp32 causal SDPA without a prefix; with one, the gathered pages and an
+  explicit mask), in fp32 and bf16, 256-2,048 tokens with and without a cached prefix; for the
+  variant this CPU loads and again, in a child process, for the avx2 variant under the AVX2
+  emulation (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: torch's SDPA runs its AVX2 code too).
 - **steps**: whole decode steps of the real model (`LLMEngine.step()`, 300-token prompts) at several
   batch sizes on two engines, one with the kernels and one without, measured alternately; the median
   of each engine's steps.
@@ -18,8 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -35,7 +44,7 @@ from engine.engine import LLMEngine
 from engine.models.layers import RMSNorm
 from engine.models.rope import _rotate
 from engine.sampling_params import SamplingParams
-from kernels.cpu import load
+from kernels.cpu import load, runnable_levels
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 
@@ -74,14 +83,42 @@ def bench_attention(ops, rows: int, keys: int) -> dict:
     return {"op": "decode_attention", "rows": rows, "keys": keys, **times}
 
 
-def bench_extend(ops, tokens: int, prefix: int) -> dict:
-    """Prefill/extend attention of `tokens` new tokens over `prefix` cached ones: SDPA in fp32 against
-    `paged_extend_attention` (bf16 pairs, AVX512-BF16)."""
-    pool, page_table, _ = make_case(1, prefix + tokens, CASE, torch.device("cpu"), seed=tokens + prefix)
-    q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+# (new tokens, cached prefix): prefills, a prefix-cache hit on half the prompt, a last 256-token chunk.
+EXTEND_CASES = [(256, 0), (1024, 0), (2048, 0), (128, 128), (512, 512), (1024, 1024), (256, 768), (256, 1792)]
+EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def bench_extend(ops, tokens: int, prefix: int, dtype: str) -> dict:
+    """Prefill/extend attention of `tokens` new tokens over `prefix` cached ones: the SDPA path (fp32
+    whatever the dtype) against `paged_extend_attention`."""
+    case = SimpleNamespace(**{**vars(CASE), "dtype": dtype})
+    pool, page_table, _ = make_case(1, prefix + tokens, case, torch.device("cpu"), seed=tokens + prefix)
+    q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(tokens)).to(pool.spec.dtype)
     times = time_backends(ops, pool, q, lambda backend: extend_context(pool, page_table, tokens, prefix, backend),
-                          n=10 if tokens > 512 else 30)
-    return {"op": "extend_attention", "tokens": tokens, "prefix": prefix, **times}
+                          n=5 if prefix + tokens > 1024 else 20)
+    return {"op": "extend_attention", "level": ops.LEVEL, "torch_cpu": torch.backends.cpu.get_cpu_capability(),
+            "dtype": dtype, "tokens": tokens, "prefix": prefix,
+            "sdpa": "gathered+masked" if prefix else "causal", **times}
+
+
+def extend_rows(ops) -> list[dict]:
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        if ops.extend_attention_supported(getattr(torch, dtype), DIM):
+            for n, p in EXTEND_CASES:
+                rows.append(bench_extend(ops, n, p, dtype))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def emulated_avx2_extend_rows() -> list[dict]:
+    """extend_rows() of the avx2 variant, in a child process under the AVX2 emulation (the caps must
+    be in the environment before torch starts)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "extend.json"
+        subprocess.run([sys.executable, "-m", "bench.cpu_kernels", "--parts", "extend", "--no-emulation",
+                        "--out", str(out)], env={**os.environ, **EMULATE_AVX2}, check=True)
+        return json.loads(out.read_text())["extend"]
 
 
 def bench_norm_rope(ops, tokens: int) -> list[dict]:
@@ -118,23 +155,39 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--parts", default="ops,extend,steps", help="any of ops, extend, steps")
+    ap.add_argument("--no-emulation", action="store_true",
+                    help="skip the avx2 variant's extend rows under the AVX2 emulation")
     ap.add_argument("--batches", default="1,12,24")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--steps", type=int, default=40, help="decode steps per batch and engine")
     ap.add_argument("--repeat", type=int, default=2, help="alternate the two engines this many times per batch")
     ap.add_argument("--out", default="bench/results/cpu_kernels.json")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     torch.set_num_threads(1)
     ops = load()
     if ops is None:
         raise SystemExit("the CPU kernels could not be built here (python -m kernels.cpu -v)")
-    rows = [bench_attention(ops, r, n) for r, n in [(1, 300), (12, 300), (24, 300), (24, 600), (32, 600)]]
-    if ops.extend_attention_supported(DIM):
-        rows += [bench_extend(ops, n, p) for n, p in [(256, 0), (1024, 0), (2048, 0), (256, 768)]]
-    for tokens in (1, 12, 256):
-        rows += bench_norm_rope(ops, tokens)
-    for r in rows:
-        print(json.dumps(r))
+    out = {"machine": platform.processor() or platform.machine(), "threads": 1, "level": ops.LEVEL}
+    if "ops" in parts:
+        rows = [bench_attention(ops, r, n) for r, n in [(1, 300), (12, 300), (24, 300), (24, 600), (32, 600)]]
+        for tokens in (1, 12, 256):
+            rows += bench_norm_rope(ops, tokens)
+        for r in rows:
+            print(json.dumps(r))
+        out["ops"] = rows
+    if "extend" in parts:
+        out["extend"] = extend_rows(ops)
+        if not args.no_emulation and ops.LEVEL not in ("generic", "avx2") and "avx2" in runnable_levels():
+            out["extend"] += emulated_avx2_extend_rows()
+    if "steps" in parts:
+        out["steps"] = bench_steps(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+def bench_steps(args) -> list[dict]:
     base = EngineConfig(model=args.model, dtype="bfloat16", enable_prefix_cache=False, kv_cache_gb=1.0,
                         chunked_prefill_size=8192, enable_mixed_chunk=False, num_threads=1,
                         max_running_requests=max(int(b) for b in args.batches.split(",")))
@@ -151,9 +204,7 @@ def main() -> None:
         row["speedup"] = row["torch_step_ms"] / row["kernels_step_ms"]
         steps.append(row)
         print(json.dumps(row))
-    out = {"machine": platform.processor() or platform.machine(), "threads": 1, "ops": rows, "steps": steps}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    return steps
 
 
 if __name__ == "__main__":
