@@ -172,6 +172,8 @@ class ModelRunner:
                                  "`python -m kernels.cpu -v` shows the compiler's output)", "enable_cpu_kernels")
         if ops is None:
             self.choices["CPU kernels"] = Choice(False, "they could not be built here (see the warning above)")
+        elif want is None:
+            self.choices["CPU kernels"] = Choice(True, f"{ops.LEVEL} variant")
         return ops
 
     # --- one step ----------------------------------------------------------------------------
