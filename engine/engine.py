@@ -26,7 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
 from engine.errors import InvalidRequest, ResourceExhausted
-from engine.hardware import choose_overlap, detect
+from engine.hardware import choose_overlap
 from engine.kv_pool import KVPoolSpec
 from engine.model_config import ModelConfig, load_sampling_defaults
 from engine.model_runner import ModelRunner
@@ -303,7 +303,7 @@ def overlap_enabled(cfg: EngineConfig, device) -> bool:
     off for CPU, where the forward pass and the scheduler share the same cores (docs/benchmarks.md)."""
     if cfg.enable_overlap_schedule is not None:
         return cfg.enable_overlap_schedule
-    return bool(choose_overlap(detect(device)).value)
+    return bool(choose_overlap(device.type).value)
 
 
 def _needs_history(batch: StepBatch) -> bool:

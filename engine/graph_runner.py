@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.forward_context import ForwardContext
-from engine.hardware import choose_graphs, detect
+from engine.hardware import choose_graphs
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def graph_enabled(cfg: EngineConfig, device: torch.device) -> bool:
     faster than eager, docs/benchmarks.md)."""
     if cfg.enable_graph is not None:
         return cfg.enable_graph
-    return bool(choose_graphs(detect(device)).value)
+    return bool(choose_graphs(device.type).value)
 
 
 def capture_sizes(cfg: EngineConfig, device: torch.device) -> list[int]:

@@ -163,13 +163,13 @@ def choose_cpu_kernels(hw: Hardware, graphs: bool) -> Choice:
     return Choice(True, f"{hw.isa} variant")
 
 
-def choose_graphs(hw: Hardware) -> Choice:
-    if hw.is_cpu:
+def choose_graphs(device_type: str) -> Choice:
+    if device_type == "cpu":
         return Choice(False, "on CPU eager with prepacked weights and fused kernels measured faster")
     return Choice(True, "CUDA graphs remove per-kernel launch costs")
 
 
-def choose_overlap(hw: Hardware) -> Choice:
-    if hw.is_cpu:
+def choose_overlap(device_type: str) -> Choice:
+    if device_type == "cpu":
         return Choice(False, "the forward pass and the scheduler would share the same cores")
     return Choice(True, "the CPU plans the next step while the GPU runs this one")

@@ -63,8 +63,8 @@ def test_other_defaults_per_device():
     assert choose_cpu_kernels(AVX2, graphs=False).value and "avx2" in choose_cpu_kernels(AVX2, False).reason
     assert not choose_cpu_kernels(AVX2, graphs=True).value
     assert not choose_cpu_kernels(A100, graphs=False).value
-    assert not choose_graphs(AVX2).value and choose_graphs(A100).value
-    assert not choose_overlap(ZEN4).value and choose_overlap(A100).value
+    assert not choose_graphs("cpu").value and choose_graphs("cuda").value
+    assert not choose_overlap("cpu").value and choose_overlap("cuda").value
 
 
 def test_summary_says_what_was_capped():
