@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.forward_context import ForwardContext
-from engine.hardware import choose_graphs
+from engine.hardware import choose_graphs, detect
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,12 @@ class _OpaqueAttention:
 def inductor_cache_dir() -> str:
     """Where inductor keeps compiled graphs: $TORCHINDUCTOR_CACHE_DIR if set (to anything but
     inductor's own default, /tmp/torchinductor_$USER, which inductor writes into the environment the
-    first time anything in the process asks for it), else `<tandem cache dir>/inductor`
-    ($TANDEM_CACHE_DIR, else ~/.cache/tandem): kept across reboots, next to the imported models."""
+    first time anything in the process asks for it), else `<tandem cache dir>/inductor/<ISA level>`
+    ($TANDEM_CACHE_DIR, else ~/.cache/tandem): kept across reboots, next to the imported models.
+
+    Per ISA level (engine/hardware.py): graphs compiled on one CPU class, or under the AVX2
+    emulation's caps, are never loaded under another (a cache shared by the two returned garbage
+    logits under the emulation)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
     from engine.model_source import default_cache_dir
@@ -201,7 +205,7 @@ def inductor_cache_dir() -> str:
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env and os.path.abspath(env) != os.path.abspath(inductor_default()):
         return env
-    return str(default_cache_dir() / "inductor")
+    return str(default_cache_dir() / "inductor" / detect("cpu").isa)
 
 
 # emulate_precision_casts: a fused kernel rounds to bf16 where eager does, so compiled and eager

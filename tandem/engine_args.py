@@ -69,7 +69,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                              "between workers)")
     _on_off(engine, "graph", d.enable_graph,
             "run decode steps from graphs captured at start-up for fixed batch sizes (CUDA graphs on GPU, "
-            "torch.compile/inductor on CPU; compiled graphs are cached under ~/.cache/tandem/inductor). Default: "
+            "torch.compile/inductor on CPU; compiled graphs are cached under ~/.cache/tandem/inductor/<ISA level>). Default: "
             "on for CUDA, off on CPU (within 7%% of eager on the project's 2-core CPU, not worth the compile; "
             "docs/benchmarks.md)",
             "always run the model eagerly (SGLang's --disable-cuda-graph)", off_aliases=("--disable-cuda-graph",))

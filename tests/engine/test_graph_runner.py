@@ -226,11 +226,13 @@ def test_inductor_cache_dir(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
     from engine.graph_runner import inductor_cache_dir
+    from engine.hardware import detect
 
+    ours = str(tmp_path / "inductor" / detect("cpu").isa)   # one cache per ISA level
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert inductor_cache_dir() == str(tmp_path / "inductor")
+    assert inductor_cache_dir() == ours
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default())   # what inductor itself sets
-    assert inductor_cache_dir() == str(tmp_path / "inductor")
+    assert inductor_cache_dir() == ours
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")     # the user's choice wins
     assert inductor_cache_dir() == "/somewhere/else"
