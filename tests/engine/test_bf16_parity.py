@@ -6,11 +6,17 @@ greedy choice between two tokens closer than bf16's resolution is decided by rou
 the rule checked here is: greedy outputs are identical up to the first position where the two
 tokens are a tie as far as bf16 can tell — the fp32 model prefers HF's token over ours by at most
 `LOGIT_RTOL` of the largest |logit| (the same band the first-step logits are held to) — and a
-divergence anywhere else fails. How often it happens is bounded too: on SmolLM2 most prompts must
-agree to the end (measured: 8 of 10 over 32 tokens on an Intel/AMX box, 5 of 10 on an AMD EPYC one,
-with and without the fused CPU kernels; the tiny random models, whose logits are
-nearly flat, tie far more often). Outputs stop at EOS on both sides (HF's `min_new_tokens` would
-suppress EOS, which is not what the server does).
+divergence anywhere else fails. That rule is the correctness check, the same on every CPU. How
+often a 32-token path crosses a near-tie that the two implementations round differently depends on
+the CPU's bf16 matmul kernels (oneDNN's AMX or AVX512-BF16 kernels, or the conversion through fp32
+where bf16 is not native, which HF and Tandem then share), so the number of SmolLM2 prompts that
+agree to the end has a floor per CPU class (`MIN_AGREE`): measured 8 of 10 on an Intel/AMX box, 5 on
+an AMD Zen 4 (AVX512-BF16; with and without the fused CPU kernels), 5 on the same Zen 4 capped to
+AVX2 (`make test-avx2`), 3 on a real AVX2-only EPYC; each floor sits below its class's lowest
+measurement, so a change that sent near-ties the other way systematically still fails. (The tiny
+random models, whose logits are nearly flat, tie far more often and are held to the tie rule alone.)
+Outputs stop at EOS on both sides (HF's `min_new_tokens` would suppress EOS, which is not what the
+server does).
 
 And Tandem's bf16 is at least as faithful to fp32 as HF's: teacher-forced on the fp32 model's
 own continuations, its greedy token agrees with fp32's at least as often as HF's bf16 does
@@ -34,10 +40,14 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.hardware import detect
 from engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import random_prompts
 
 SMOLLM2_TOKENS = 32
+# Of the 10 SmolLM2 prompts, how many must agree with HF's bf16 to the end, by whether this CPU
+# multiplies bf16 natively (see the module docstring for the measurements behind them).
+MIN_AGREE = {True: 4, False: 2}
 LOGIT_RTOL = 0.04
 TINY_LOGIT_RTOL = 0.07
 
@@ -143,7 +153,7 @@ def test_smollm2_greedy_agrees_with_hf_bf16(smollm2_bf16):
     for prompt, res in zip(prompts, results, strict=True):
         ref = hf_greedy_until_eos(hf, prompt, SMOLLM2_TOKENS, set(engine.eos_token_ids))
         ties.append(check_same_until_tie(hf32, prompt, res.token_ids, ref))
-    assert sum(t is None for t in ties) >= len(prompts) // 2, ties
+    assert sum(t is None for t in ties) >= MIN_AGREE[detect("cpu").native_bf16], ties
     engine.check_idle()
 
 
