@@ -30,8 +30,8 @@ from bench.engine import bench_tandem_decode, bench_tandem_prefill, prompts_of
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.hardware import choose_dtype, detect
-from engine.model_config import ModelConfig
-from engine.model_source import resolve_model
+from engine.models.config import ModelConfig
+from engine.models.source import resolve_model
 from engine.sampling_params import SamplingParams
 
 ROWS = (1, 8, 32, 256)

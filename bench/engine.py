@@ -9,7 +9,7 @@ static-batch `generate` (equal-length prompts, so no padding). Decode throughput
 The engine's decode step is split into model forward vs everything else (scheduling, metadata,
 sampling, detokenization) to show the overhead the issue bounds at 10%.
 
-Decode graphs (engine/graph_runner.py): `--graph on|off` sets `--enable-graph`/`--disable-graph` for
+Decode graphs (engine/runner/graph_runner.py): `--graph on|off` sets `--enable-graph`/`--disable-graph` for
 the engine; `--compare-graph` builds a second engine with graphs on and measures each row on both,
 back to back (the cores are shared, so only a ratio measured this way means much):
 

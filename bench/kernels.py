@@ -43,7 +43,7 @@ def peak_gbps(name: str) -> float | None:
 
 def make_case(batch: int, context: int, args, device: torch.device, seed: int = 0):
     """One layer's pool holding `batch` sequences of `context` tokens on randomly ordered pages."""
-    from engine.kv_pool import KVPool, KVPoolSpec
+    from engine.kvcache.kv_pool import KVPool, KVPoolSpec
 
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -41,10 +41,10 @@ CATEGORIES = (
     ("norm_rope_act", "engine/models/layers.py"),
     ("norm_rope_act", "engine/models/rope.py"),
     ("norm_rope_act", "torch/nn/functional.py"),  # F.silu (SDPA is a C call: its leaf is the backend)
-    ("sampling", "engine/sampler.py"),
-    ("step_metadata", "engine/model_runner.py"),
+    ("sampling", "engine/runner/sampler.py"),
+    ("step_metadata", "engine/runner/model_runner.py"),
     ("scheduling", "engine/scheduler/"),
-    ("detokenize_emit", "engine/detokenizer.py"),
+    ("detokenize_emit", "engine/tokenizer/detokenizer.py"),
     ("detokenize_emit", "engine/engine.py"),
 )
 ENGINE_THREAD_MARK = "services/worker/loop.py"

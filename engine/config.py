@@ -57,7 +57,7 @@ class EngineConfig:
     new_token_ratio_decay_steps: int = 600
     num_threads: int | None = None        # torch intra-op threads; None: torch's default
     # Decode steps from graphs captured for fixed (padded) batch sizes: CUDA graphs on CUDA,
-    # torch.compile/inductor on CPU (engine/graph_runner.py). None: on where that measured faster
+    # torch.compile/inductor on CPU (engine/runner/graph_runner.py). None: on where that measured faster
     # than eager (CUDA; not this project's 2-core CPU, see docs/benchmarks.md).
     enable_graph: bool | None = None
     graph_max_bs: int | None = None       # largest captured batch (<= max_running_requests); None: 256 CUDA, 32 CPU

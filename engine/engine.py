@@ -24,20 +24,20 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.hardware import choose_overlap
-from engine.kv_pool import KVPoolSpec
-from engine.model_config import ModelConfig, load_sampling_defaults
-from engine.model_runner import ModelRunner
-from engine.model_source import resolve_model
+from engine.kvcache.kv_pool import KVPoolSpec
+from engine.models.config import ModelConfig, load_sampling_defaults
+from engine.models.source import resolve_model
 from engine.outputs import GenerationResult, RequestOutput, TokenLogprob, Usage
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.spec.factory import create_speculator
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
+from engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

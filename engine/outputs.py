@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import FinishReason
+from engine.tokenizer.detokenizer import FinishReason
 
 
 @dataclass

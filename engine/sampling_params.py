@@ -143,7 +143,7 @@ class SamplingDefaults:
 
     def with_model(self, recommended: Mapping[str, float | int]) -> SamplingDefaults:
         """These defaults with a model's recommendations over them. Raises InvalidRequest for a value
-        a request could not carry either (engine/model_config.py leaves those out)."""
+        a request could not carry either (engine/models/config.py leaves those out)."""
         unknown = set(recommended) - set(MODEL_DEFAULT_FIELDS)
         assert not unknown, f"not a field a model may recommend: {sorted(unknown)}"
         return dataclasses.replace(self, **recommended, from_model=tuple(f for f in MODEL_DEFAULT_FIELDS

@@ -5,7 +5,7 @@ D owns a `KVReceiver`: it allocates (and exposes) D's whole KV pool memory and l
 complete. P owns a `KVSender`: it writes page runs of its own pool into D's pool and finally sends
 the room's aux record, which completes the room on D.
 
-Pool layout (both sides, see engine/kv_pool.py): one tensor
+Pool layout (both sides, see engine/kvcache/kv_pool.py): one tensor
 `[num_layers, 2, num_pages, page_size, kv_heads, head_dim]`. A transfer copies whole pages of every
 layer, K and V. Consecutive page ids on both sides are merged into runs, so a run is one contiguous
 byte range per (layer, K|V) on each side.

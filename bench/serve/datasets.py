@@ -51,7 +51,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     if path.is_file():
         return Tokenizer.from_file(str(path))
     if not (path / "tokenizer.json").is_file():
-        from engine.model_source import resolve_model  # torch-free; imports an alias on first use
+        from engine.models.source import resolve_model  # torch-free; imports an alias on first use
 
         path = resolve_model(name_or_path)
     return Tokenizer.from_file(str(path / "tokenizer.json"))

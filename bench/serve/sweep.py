@@ -207,7 +207,7 @@ class TransformersServe:
         if self.cfg.dataset.range_ratio > 0:
             log.warning("transformers serve takes min_new_tokens from its first request: with --range-ratio > 0 "
                         "its outputs are not forced to each request's length")
-        from engine.model_source import resolve_model
+        from engine.models.source import resolve_model
 
         folder = str(resolve_model(self.cfg.model))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -304,7 +304,7 @@ class VllmServe:
 
     def start(self) -> Endpoint:
         py = self.check_venv()
-        from engine.model_source import resolve_model
+        from engine.models.source import resolve_model
 
         self.folder = folder = str(resolve_model(self.cfg.model))
         self.port = free_port()
@@ -365,15 +365,15 @@ def first_http_model(base_url: str, api_key: str | None = None) -> str | None:
 
 
 def auto_dtype(model: str) -> str:
-    """The dtype `tandem up --dtype auto` serves `model` in on this machine (engine/model_runner.py's rule,
+    """The dtype `tandem up --dtype auto` serves `model` in on this machine (engine/runner/model_runner.py's rule,
     which asks what this device computes fast). The sweep gives it to every deployment, the peers too:
     their own `auto` would read the checkpoint's dtype (fp32 for the imported SmolLM2) and compare
     different arithmetic."""
     import torch
 
-    from engine.model_config import ModelConfig
-    from engine.model_runner import resolve_dtype
-    from engine.model_source import resolve_model
+    from engine.models.config import ModelConfig
+    from engine.models.source import resolve_model
+    from engine.runner.model_runner import resolve_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     chosen = resolve_dtype("auto", ModelConfig.from_pretrained(resolve_model(model)), device)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from engine.forward_context import ForwardContext
-from engine.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool
 
 
 class AttentionBackend(ABC):

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.forward_context import ForwardContext
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm, SiluAndMul
 from engine.models.logits import compute_logits
 from engine.models.prepack import PackedLinear, prepack_linears

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[torch.nn.Module]] = {

@@ -22,11 +22,11 @@ import logging
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
-from engine.model_config import ModelConfig
-from engine.model_source import resolve_model
+from engine.kvcache.kv_manager import KVManager
+from engine.models.config import ModelConfig
+from engine.models.source import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SeqStep, StepBatch
-from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 class DraftModelProposer:
     def __init__(self, cfg: EngineConfig, target_cfg: ModelConfig, target_runner, context_len: int):
-        from engine.model_runner import ModelRunner  # torch lives there; imported only for this proposer
+        # torch lives in the runner; imported only for this proposer
+        from engine.runner.model_runner import ModelRunner
 
         path = resolve_model(cfg.speculative_draft_model)
         draft_cfg = ModelConfig.from_pretrained(path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.scheduler.kv_manager import KVManager
+from engine.kvcache.kv_manager import KVManager
 from engine.spec.speculator import Speculator
 
 

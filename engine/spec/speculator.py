@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from engine.kvcache.kv_manager import KVManager
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
-from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.request import Request
 from engine.spec.adaptive import SpecGate
 from engine.spec.stats import SpecStats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_pool import KVPoolSpec
+from engine.kvcache.kv_pool import KVPoolSpec
 from kvtransfer import create_receiver
 from kvtransfer.base import KVReceiver
 from services.decode.servicer import BootstrapClient, DecodeServicer

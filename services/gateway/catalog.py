@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelNotFound
-from engine.model_config import load_sampling_defaults
-from engine.model_source import resolve_model
+from engine.models.config import load_sampling_defaults
+from engine.models.source import resolve_model
 from engine.sampling_params import OPENAI_DEFAULTS, SamplingDefaults
 from services.gateway.errors import APIError
 from services.gateway.router_client import RouterClient

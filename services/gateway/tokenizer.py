@@ -1,6 +1,6 @@
 """The gateway's tokenizer: `tokenizers` on the model folder's tokenizer.json, no transformers or torch.
 
-It must encode exactly like the workers' `engine.tokenizer.Tokenizer` (a transformers fast tokenizer
+It must encode exactly like the workers' `engine.tokenizer.tokenizer.Tokenizer` (a transformers fast tokenizer
 wraps the same tokenizer.json), because the gateway sends token ids, not text: the prompt is
 tokenized once, and the usage it reports is what the model saw.
 """

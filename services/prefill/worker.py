@@ -15,12 +15,12 @@ import dataclasses
 import logging
 import time
 
-from engine.detokenizer import FinishReason
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.prefill_order import tokens_to_prefill
+from engine.tokenizer.detokenizer import FinishReason
 from kvtransfer.base import KVSender, RoomState
 from services.prefill.progress import ProgressReporter
 from services.prefill.rooms import BootstrapInfo, PrefillRoom

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv_pool import KVPoolSpec
+from engine.kvcache.kv_pool import KVPoolSpec
 from kvtransfer.base import PoolLayout
 
 

@@ -31,7 +31,7 @@ STEP_BATCH_SIZE = Histogram("tandem_step_batch_size", "Sequences in one engine s
 STEP_TOKENS = Histogram("tandem_step_tokens", "Tokens run in one engine step (prefill tokens + decode rows)",
                         ["kind"], buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
 GRAPH_STEPS = Counter("tandem_graph_steps_total",
-                      "Decode steps run from a captured graph (engine/graph_runner.py); the others run eagerly")
+                      "Decode steps run from a captured graph (engine/runner/graph_runner.py); the others run eagerly")
 STEP_TOKENS_TOTAL = Counter("tandem_engine_tokens_total",
                             "Tokens run by engine steps: phase=prefill (prompt chunks), decode (new tokens)",
                             ["phase"])

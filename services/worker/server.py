@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
-from engine.model_source import default_cache_dir
+from engine.models.source import default_cache_dir
 from services.common.cpu_cores import CpuListError, format_cpu_list, pin
 from services.common.registry import create_registry
 from services.worker import metrics, step_stats
@@ -250,8 +250,8 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     if wcfg.log_stats_interval_s > 0 and not step_stats.log.isEnabledFor(logging.INFO):
         step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
     # Start-up lines a person waits on: the hardware-dependent settings and the model load
-    # (engine.model_runner), the progress line while decode graphs are captured.
-    for name in ("engine.model_runner", "engine.graph_runner"):
+    # (engine.runner.model_runner), the progress line while decode graphs are captured.
+    for name in ("engine.runner.model_runner", "engine.runner.graph_runner"):
         start_log = logging.getLogger(name)
         if not start_log.isEnabledFor(logging.INFO):
             start_log.setLevel(logging.INFO)

@@ -5,11 +5,11 @@ from bench.profile_serve import summarize
 LOOP = "_run (services/worker/loop.py:90)"
 FWD = "forward (engine/models/llama.py:80)"
 RAW = "\n".join([
-    f"thread (0x1);{LOOP};step (engine/engine.py:130);run (engine/model_runner.py:160);{FWD};"
+    f"thread (0x1);{LOOP};step (engine/engine.py:130);run (engine/runner/model_runner.py:160);{FWD};"
     "forward (engine/attention/torch_backend.py:120);_decode (engine/attention/torch_backend.py:140) 30",
-    f"thread (0x1);{LOOP};step (engine/engine.py:130);run (engine/model_runner.py:160);{FWD};"
+    f"thread (0x1);{LOOP};step (engine/engine.py:130);run (engine/runner/model_runner.py:160);{FWD};"
     "forward (torch/nn/modules/linear.py:125) 30",
-    f"thread (0x1);{LOOP};step (engine/engine.py:130);run (engine/model_runner.py:160);{FWD};"
+    f"thread (0x1);{LOOP};step (engine/engine.py:130);run (engine/runner/model_runner.py:160);{FWD};"
     "forward (engine/models/prepack.py:40) 20",
     f"thread (0x1);{LOOP};step (engine/engine.py:130);schedule (engine/scheduler/scheduler.py:99) 10",
     f"thread (0x1);{LOOP};step (engine/engine.py:130);_emit (engine/engine.py:150) 10",

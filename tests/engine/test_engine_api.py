@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from engine.config import EngineConfig
-from engine.detokenizer import FinishReason
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequest, ModelNotFound
 from engine.sampling_params import SamplingParams
+from engine.tokenizer.detokenizer import FinishReason
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequest
-from engine.model_config import generation_defaults, load_sampling_defaults
+from engine.models.config import generation_defaults, load_sampling_defaults
 from engine.sampling_params import MODEL_DEFAULT_FIELDS, OPENAI_DEFAULTS, SamplingDefaults, SamplingParams
 from services.common.convert import sampling_from_pb
 from tandem import generate_cmd
@@ -52,11 +52,11 @@ def test_generation_config_values_are_read_and_bad_ones_left_out(tmp_path, caplo
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_k": 40.0, "top_p": 0, "min_p": "low",
         "repetition_penalty": None, "max_new_tokens": 256}))
-    with caplog.at_level(logging.WARNING, logger="engine.model_config"):
+    with caplog.at_level(logging.WARNING, logger="engine.models.config"):
         assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 40}
     assert "top_p must be in (0, 1]" in caplog.text and "min_p must be a number" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine.model_config"):
+    with caplog.at_level(logging.INFO, logger="engine.models.config"):
         defaults = load_sampling_defaults(tmp_path, OPENAI_DEFAULTS)
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.7, 40, 1.0)
     assert any(r.levelno == logging.WARNING and "temperature 0.7" in r.getMessage() for r in caplog.records)

@@ -1,6 +1,6 @@
 """What docs/sampling.md promises about `seed`, checked: the same request in the same batch
 composition (prefix cache off or in the same state) gives the same tokens, in bf16 too; the
-random draws of a seeded request do not depend on its batch neighbours (tests/engine/test_sampler.py)."""
+random draws of a seeded request do not depend on its batch neighbours (tests/engine/runner/test_sampler.py)."""
 
 from __future__ import annotations
 

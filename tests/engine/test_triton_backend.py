@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.attention.base import create_backend  # noqa: E402
-from engine.kv_pool import KVPool, KVPoolSpec  # noqa: E402
+from engine.kvcache.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tests.engine.test_engine_vs_hf import greedy, make_engine, random_prompts  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def test_cpu_without_interpreter_is_a_clear_error_and_torch_never_imports_triton
     code = textwrap.dedent("""
         import sys, torch
         from engine.attention.base import create_backend
-        from engine.kv_pool import KVPool, KVPoolSpec
+        from engine.kvcache.kv_pool import KVPool, KVPoolSpec
         pool = KVPool(KVPoolSpec(1, 4, 4, 1, 16, torch.float32), "cpu")
         assert create_backend("auto", pool, 2, 16).name == "torch"
         assert "triton" not in sys.modules

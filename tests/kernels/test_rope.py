@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_config import RopeConfig
+from engine.models.config import RopeConfig
 from engine.models.rope import RotaryEmbedding
 from kernels.rope import apply_rope
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, randn

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 
 from engine.config import EngineConfig
-from engine.detokenizer import FinishReason
 from engine.errors import ResourceExhausted
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy, check_priority
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
+from engine.tokenizer.detokenizer import FinishReason
 
 
 @dataclasses.dataclass(eq=False)

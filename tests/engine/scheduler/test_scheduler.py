@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from engine.config import EngineConfig
-from engine.detokenizer import FinishReason
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
+from engine.tokenizer.detokenizer import FinishReason
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, max_queued_requests=4)
 

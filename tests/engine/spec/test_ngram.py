@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from engine.kvcache.kv_manager import KVManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.request import Request
 from engine.spec.adaptive import SpecGate
 from engine.spec.ngram import NgramProposer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from services.gateway.chat_template import ChatTemplateError
 from services.gateway.tokenizer import GatewayTokenizer
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelNotFound
-from engine.gguf_import import IMPORTER_VERSION, MARKER_FILE, import_gguf
+from engine.models.gguf_import import IMPORTER_VERSION, MARKER_FILE, import_gguf
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.page_allocator import PageAllocator
+from engine.kvcache.page_allocator import PageAllocator
 
 
 class RadixNode:

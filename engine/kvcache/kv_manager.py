@@ -6,9 +6,9 @@ through `release`, which is the one place pages and slots are returned.
 
 from __future__ import annotations
 
-from engine.page_allocator import PageAllocator
-from engine.radix_cache import RadixCache
-from engine.req_table import ReqToPageTable
+from engine.kvcache.page_allocator import PageAllocator
+from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.req_table import ReqToPageTable
 from engine.scheduler.request import Request
 
 

@@ -1,4 +1,4 @@
-"""Decode graphs (engine/graph_runner.py): compiled and eager forwards give the same greedy tokens,
+"""Decode graphs (engine/runner/graph_runner.py): compiled and eager forwards give the same greedy tokens,
 padding rows touch no KV and change no real row, a batch above the largest graph runs eagerly, and
 the flags are validated.
 
@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.errors import InvalidRequest  # noqa: E402
-from engine.graph_runner import CudaGraphRunner, capture_sizes, graph_enabled  # noqa: E402
+from engine.runner.graph_runner import CudaGraphRunner, capture_sizes, graph_enabled  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler.batch import SeqStep, StepBatch  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
@@ -225,8 +225,8 @@ def test_smollm2_bf16_compiled_matches_eager(smollm2_path):
 def test_inductor_cache_dir(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
-    from engine.graph_runner import inductor_cache_dir
     from engine.hardware import detect
+    from engine.runner.graph_runner import inductor_cache_dir
 
     ours = str(tmp_path / "inductor" / detect("cpu").isa)   # one cache per ISA level
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))

@@ -17,18 +17,18 @@ from engine.attention.base import create_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.forward_context import ForwardContext
-from engine.graph_runner import create_graph_runner, graph_enabled
 from engine.hardware import Choice, choose_cpu_kernels, choose_weight_prepack, detect
 from engine.hardware import resolve_dtype as choose_dtype
-from engine.kv_pool import KVPool, KVPoolSpec
-from engine.model_config import ModelConfig
+from engine.kvcache.kv_pool import KVPool, KVPoolSpec
+from engine.models.config import ModelConfig
 from engine.models.layers import use_cpu_kernels
 from engine.models.registry import model_class
-from engine.sampler import Sampler, SamplingBatch
+from engine.models.weights import iter_weights
+from engine.runner.graph_runner import create_graph_runner, graph_enabled
+from engine.runner.sampler import Sampler, SamplingBatch
+from engine.runner.verify import VerifyRow, verify
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
-from engine.spec.verify import VerifyRow, verify
-from engine.weights import iter_weights
 
 log = logging.getLogger(__name__)
 

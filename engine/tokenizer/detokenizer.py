@@ -11,7 +11,7 @@ import enum
 from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
-from engine.tokenizer_protocol import TokenizerLike
+from engine.tokenizer.protocol import TokenizerLike
 
 # Tokens of already-decoded text decoded again with every new token, so that decoders which depend
 # on the left neighbour (SentencePiece's leading-space handling, merges across tokens) see it.

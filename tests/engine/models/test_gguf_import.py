@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine import gguf_import, model_source
-from engine.gguf_import import MARKER_FILE, import_gguf, unpermute_qk
-from engine.model_source import PackagedGguf, resolve_model
+from engine.models import gguf_import, source
+from engine.models.gguf_import import MARKER_FILE, import_gguf, unpermute_qk
+from engine.models.source import PackagedGguf, resolve_model
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -175,7 +175,7 @@ def test_imported_tiny_model_runs_like_the_original(tiny_llama, tiny_gguf, tmp_p
 
 
 def test_generation_config_carries_the_sampling_defaults_the_gguf_has_and_no_others(tiny_llama, tiny_gguf, tmp_path):
-    from engine.model_config import generation_defaults
+    from engine.models.config import generation_defaults
 
     plain = import_gguf(tiny_gguf[0], tmp_path / "plain", progress=False)
     assert generation_defaults(plain) == {}                 # SmolLM2's case: its authors published none
@@ -217,7 +217,7 @@ def test_import_rejects_other_architectures(tmp_path):
 def tiny_alias(tiny_gguf, monkeypatch):
     """Registers alias "tiny" for the tiny GGUF and counts imports."""
     src = tiny_gguf[0]
-    monkeypatch.setitem(model_source.KNOWN_MODELS, "tiny", PackagedGguf("unused", "unused", src.name))
+    monkeypatch.setitem(source.KNOWN_MODELS, "tiny", PackagedGguf("unused", "unused", src.name))
     monkeypatch.setattr(PackagedGguf, "locate", lambda self: src)
     calls = []
     lock = threading.Lock()
@@ -227,7 +227,7 @@ def tiny_alias(tiny_gguf, monkeypatch):
             calls.append(out_dir)
         return import_gguf(gguf_path, out_dir, progress=False)
 
-    monkeypatch.setattr(model_source, "import_gguf", counting_import)
+    monkeypatch.setattr(source, "import_gguf", counting_import)
     return calls
 
 
@@ -261,9 +261,9 @@ def test_incomplete_or_outdated_cache_is_rebuilt(tiny_alias, tmp_path):
 
 def test_default_cache_dir_reads_env(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    assert model_source.default_cache_dir() == tmp_path
+    assert source.default_cache_dir() == tmp_path
     monkeypatch.delenv("TANDEM_CACHE_DIR")
-    assert model_source.default_cache_dir() == Path.home() / ".cache" / "tandem"
+    assert source.default_cache_dir() == Path.home() / ".cache" / "tandem"
 
 
 def test_smollm2_cache_folder_is_complete(smollm2_path):
@@ -282,7 +282,7 @@ def test_smollm2_cache_folder_is_complete(smollm2_path):
 
 # --- slow: SmolLM2 against transformers' own GGUF loader -------------------------------------
 
-SMOLLM2 = model_source.KNOWN_MODELS["smollm2-135m"]
+SMOLLM2 = source.KNOWN_MODELS["smollm2-135m"]
 
 
 @pytest.mark.slow

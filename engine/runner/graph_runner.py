@@ -200,7 +200,7 @@ def inductor_cache_dir() -> str:
     logits under the emulation)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
-    from engine.model_source import default_cache_dir
+    from engine.models.source import default_cache_dir
 
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env and os.path.abspath(env) != os.path.abspath(inductor_default()):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, sampling_probs
+from engine.runner.sampler import Sampler, SamplingBatch, sampling_probs
+from engine.runner.verify import VerifyRow, verify
 from engine.sampling_params import SamplingParams
-from engine.spec.verify import VerifyRow, verify
 
 V = 8
 N = 8000

@@ -4,8 +4,8 @@ import shutil
 import pytest
 
 from engine.errors import InvalidRequest, ModelNotFound
-from engine.model_source import resolve_model
-from engine.tokenizer import Tokenizer
+from engine.models.source import resolve_model
+from engine.tokenizer.tokenizer import Tokenizer
 
 TEXTS = [
     "hello world",

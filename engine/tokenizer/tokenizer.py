@@ -15,7 +15,7 @@ from engine.errors import InvalidRequest
 
 
 class Tokenizer:
-    """Implements `engine.tokenizer_protocol.TokenizerLike` for an HF model folder (offline).
+    """Implements `engine.tokenizer.protocol.TokenizerLike` for an HF model folder (offline).
 
     `eos_token_ids` is every id that ends a generation: the tokenizer's eos token plus the
     `eos_token_id` (int or list) of `generation_config.json` when the folder has one.

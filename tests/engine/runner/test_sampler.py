@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, _apply_penalties
+from engine.runner.sampler import Sampler, SamplingBatch, _apply_penalties
 from engine.sampling_params import SamplingParams
 
 V = 32

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import SamplingBatch, filtered_probs, inverse_cdf
+from engine.runner.sampler import SamplingBatch, filtered_probs, inverse_cdf
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 
