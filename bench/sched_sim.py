@@ -38,13 +38,13 @@ from bench.serve.metrics import SLO, compute_metrics
 from bench.serve.records import RequestRecord
 from bench.serve.runner import arrival_offsets
 from engine.config import EngineConfig
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.prefill_order import tokens_to_prefill
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.step_cost import StepCostModel
-from engine.tokenizer.detokenizer import FinishReason
 from tandem.engine_args import add_engine_arguments, engine_config_from_args
 
 _KV_PAGES = 1 << 16     # ample: memory pressure (retraction) is not simulated

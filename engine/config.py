@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+PREFILL_SCHEDULE_POLICIES = ("shortest-first", "fcfs")   # engine/scheduler/prefill_order.py
 
 
 @dataclass(frozen=True)

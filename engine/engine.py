@@ -29,14 +29,14 @@ from engine.hardware import choose_overlap
 from engine.kvcache.kv_pool import KVPoolSpec
 from engine.models.config import ModelConfig, load_sampling_defaults
 from engine.models.source import resolve_model
-from engine.outputs import GenerationResult, RequestOutput, TokenLogprob, Usage
+from engine.outputs import FinishReason, GenerationResult, RequestOutput, TokenLogprob, Usage
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.spec.factory import create_speculator
-from engine.tokenizer.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
+from engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 from engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from engine.tokenizer.detokenizer import FinishReason
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
 
 
 @dataclass

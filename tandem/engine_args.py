@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import DTYPES, SPECULATIVE_ALGORITHMS, EngineConfig
-from engine.scheduler.prefill_order import PREFILL_SCHEDULE_POLICIES
+from engine.config import DTYPES, PREFILL_SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
 from services.common.arg_groups import ENGINE, MODEL, SCHEDULER, SPECULATIVE, arg_group
 
 

@@ -6,10 +6,14 @@ through `release`, which is the one place pages and slots are returned.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.req_table import ReqToPageTable
-from engine.scheduler.request import Request
+
+if TYPE_CHECKING:   # annotations only: the cache serves the scheduler and never imports it
+    from engine.scheduler.request import Request
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -11,20 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InvalidRequest, ModelNotFound
+from engine.models.registry import ARCHITECTURES
 from engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingDefaults
 
 log = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
-
-# Architecture name -> the family switches that distinguish it from plain Llama.
-_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-}
-
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -81,17 +73,17 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any], path: str = "") -> ModelConfig:
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in _ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ModelNotFound(
-                f"unsupported architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}"
             )
-        family = _ARCHITECTURES[arch]
+        family = ARCHITECTURES[arch]
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        qkv_bias = bool(d.get("attention_bias", family["qkv_bias"])) or family["qkv_bias"]
+        qkv_bias = bool(d.get("attention_bias", family.qkv_bias)) or family.qkv_bias
         return cls(
             path=path,
             architecture=arch,
@@ -106,7 +98,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=family["qk_norm"],
+            qk_norm=family.qk_norm,
             rope=_rope_from_dict(d),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             bos_token_id=d.get("bos_token_id"),

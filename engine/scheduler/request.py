@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.future import future_ref
-from engine.tokenizer.detokenizer import FinishReason
 
 
 class RequestStatus(enum.Enum):

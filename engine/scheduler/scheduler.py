@@ -31,13 +31,13 @@ from time import monotonic, perf_counter
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.kvcache.kv_manager import KVManager, pages_for
+from engine.outputs import FinishReason
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
 from engine.scheduler.prefill_order import PrefillOrder
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.step_cost import StepCostModel
-from engine.tokenizer.detokenizer import FinishReason
 
 
 class Scheduler:

@@ -7,9 +7,9 @@ finished by token (EOS, stop_token_ids) or length. A request finishes when eithe
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.tokenizer.protocol import TokenizerLike
 
@@ -18,12 +18,6 @@ from engine.tokenizer.protocol import TokenizerLike
 _CONTEXT_TOKENS = 5
 # Byte-level decoders render an incomplete UTF-8 sequence at the end as this character.
 _REPLACEMENT_CHAR = "\ufffd"
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"
-    STOP = "stop"
-    ABORT = "abort"
 
 
 class IncrementalDetokenizer:

@@ -17,10 +17,10 @@ import time
 
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequest, ResourceExhausted
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.prefill_order import tokens_to_prefill
-from engine.tokenizer.detokenizer import FinishReason
 from kvtransfer.base import KVSender, RoomState
 from services.prefill.progress import ProgressReporter
 from services.prefill.rooms import BootstrapInfo, PrefillRoom

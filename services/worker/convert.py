@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
-from engine.tokenizer.detokenizer import FinishReason
+from engine.outputs import FinishReason, RequestOutput
 from tandem.v1 import generation_pb2
 
 _FINISH = {

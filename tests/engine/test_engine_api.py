@@ -9,8 +9,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequest, ModelNotFound
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.tokenizer.detokenizer import FinishReason
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config import EngineConfig
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.step_cost import StepCostModel
-from engine.tokenizer.detokenizer import FinishReason
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, mixed_chunk_itl_factor=0)
 

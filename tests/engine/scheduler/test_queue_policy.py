@@ -8,12 +8,12 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ResourceExhausted
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy, check_priority
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
-from engine.tokenizer.detokenizer import FinishReason
 
 
 @dataclasses.dataclass(eq=False)

@@ -8,11 +8,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ResourceExhausted
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
-from engine.tokenizer.detokenizer import FinishReason
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, max_queued_requests=4)
 

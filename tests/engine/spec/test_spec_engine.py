@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.tokenizer.detokenizer import FinishReason
 from tests.engine.test_engine_vs_hf import greedy, make_engine, random_prompts
 from tests.engine.test_mixed_chunk_engine import run_staggered
 

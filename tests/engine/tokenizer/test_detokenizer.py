@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.tokenizer.detokenizer import FinishReason, IncrementalDetokenizer, StopChecker
+from engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 
 EOS = "<eos>"
 WORDS = (

@@ -6,8 +6,7 @@ import pytest
 from tandem_client._convert import chunk_from_pb
 from tandem_client._proto import generation_pb2 as sdk_pb
 
-from engine.outputs import RequestOutput
-from engine.tokenizer.detokenizer import FinishReason
+from engine.outputs import FinishReason, RequestOutput
 from services.gateway.responses import stop_reason
 from services.worker.convert import output_to_pb
 
