@@ -34,9 +34,10 @@ from engine.kvcache.kv_manager import KVManager, pages_for
 from engine.outputs import FinishReason
 from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
 from engine.scheduler.future import FutureSlots
-from engine.scheduler.prefill_order import PrefillOrder
+from engine.scheduler.prefill_order import PrefillOrder, tokens_to_prefill
 from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.stats import SchedulerStats
 from engine.scheduler.step_cost import StepCostModel
 
 
@@ -293,10 +294,39 @@ class Scheduler:
             out.append((req, tok))
         return out
 
-    # --- hand-offs for disaggregated workers --------------------------------------------------
+    # --- hand-offs to the roles (they read and change the queues only through these) ----------
+    def stats(self) -> SchedulerStats:
+        kv = self.kv
+        return SchedulerStats(
+            waiting=len(self.waiting), prefilling=len(self.prefilling), running=len(self.running),
+            prefill_tokens=tokens_to_prefill(self.prefilling, self.waiting),
+            free_pages=kv.available_pages, total_pages=kv.num_pages, free_slots=kv.slots.num_free_slots)
+
+    def prefill_queue(self, now: float) -> list[tuple[Request, int]]:
+        """The prompts being prefilled or waiting, in the order they are offered the prefill budget
+        at `now`, each with the tokens it still has to compute (as `tokens_to_prefill` counts them)."""
+        prefilling = set(map(id, self.prefilling))
+        return [(r, tokens_to_prefill([r], ()) if id(r) in prefilling else tokens_to_prefill((), [r]))
+                for r in self.prefill_order.order(self.prefilling, self.waiting, self.policy, now)]
+
+    def new_queue(self) -> PolicyQueue:
+        """An empty queue that orders like the waiting queue (a decode worker's prealloc queue)."""
+        return PolicyQueue(self.policy)
+
+    def reserve(self, req: Request, pending: Iterable[Request] = ()) -> bool:
+        """Give a request outside the queues a slot and pages for its whole prompt, reusing this
+        worker's prefix cache, if `admission_room` allows (a decode worker's room before its KV
+        arrives). All-or-nothing; the request later joins with `add_running` or goes with `release`."""
+        return self.admission_room(req, pending) and self.kv.admit(req, req.prompt_ids)
+
+    def release(self, req: Request, token_ids: list[int] | None = None) -> None:
+        """Free the slot and pages of a request outside the queues (detached, or reserved); full pages
+        of `token_ids` (default: all its tokens) go to the prefix cache. Safe on one holding nothing."""
+        self.kv.release(req, token_ids)
+
     def detach(self, req: Request) -> None:
         """Take a request out of the running batch keeping its pages (a prefill worker's
-        finished prompt waits for its KV transfer); the caller later calls `kv.release(req)`."""
+        finished prompt waits for its KV transfer); the caller later calls `release(req, ...)`."""
         self.running.remove(req)
         req.status = RequestStatus.FINISHED
 

@@ -12,7 +12,6 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
-from engine.scheduler.prefill_order import tokens_to_prefill
 from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.worker import metrics
@@ -58,12 +57,10 @@ class ColocatedWorker:
                     metrics.REQUESTS.labels("success").inc()
 
     def tick(self) -> None:
-        s = self.engine.scheduler
-        metrics.QUEUE_LEN.labels("waiting").set(len(s.waiting))
-        metrics.QUEUE_LEN.labels("running").set(len(s.running) + len(s.prefilling))
-        metrics.KV_PAGES.labels("free").set(s.kv.available_pages)
-        metrics.KV_PAGES.labels("total").set(s.kv.num_pages)
-        metrics.SLOTS_FREE.set(s.kv.slots.num_free_slots)
+        stats = self.engine.scheduler.stats()
+        metrics.QUEUE_LEN.labels("waiting").set(stats.waiting)
+        metrics.QUEUE_LEN.labels("running").set(stats.running + stats.prefilling)
+        metrics.export_kv(stats)
         metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
 
     def polling(self) -> bool:
@@ -73,10 +70,10 @@ class ColocatedWorker:
         metrics.idle_check(self.engine)
 
     def load(self) -> worker_pb2.WorkerLoad:
-        s = self.engine.scheduler
-        return worker_pb2.WorkerLoad(running=len(s.running) + len(s.prefilling), waiting=len(s.waiting),
-                                     free_pages=s.kv.available_pages, total_pages=s.kv.num_pages,
-                                     prefill_tokens=tokens_to_prefill(s.prefilling, s.waiting))
+        stats = self.engine.scheduler.stats()
+        return worker_pb2.WorkerLoad(running=stats.running + stats.prefilling, waiting=stats.waiting,
+                                     free_pages=stats.free_pages, total_pages=stats.total_pages,
+                                     prefill_tokens=stats.prefill_tokens)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

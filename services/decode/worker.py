@@ -25,7 +25,6 @@ from engine.engine import LLMEngine
 from engine.errors import ResourceExhausted
 from engine.outputs import RequestOutput
 from engine.scheduler.batch import SampledToken
-from engine.scheduler.prefill_order import tokens_to_prefill
 from engine.scheduler.queue_policy import PolicyQueue
 from engine.scheduler.request import Request
 from kvtransfer.base import KVReceiver, Progress, RoomState
@@ -103,7 +102,7 @@ class DecodeWorker:
         self.timeouts = timeouts
         self.peers = peers                     # sends Bootstrap / AbortRoom on the asyncio side
         self.max_prealloc = max_prealloc
-        self.prealloc: PolicyQueue[DecodeRoom] = PolicyQueue(self.sched.policy)
+        self.prealloc: PolicyQueue[DecodeRoom] = self.sched.new_queue()
         self.transfer: dict[int, DecodeRoom] = {}
         self.streams: dict[str, DecodeRoom] = {}   # rid -> room, for every request in flight
         metrics.QUEUE_CAP.labels("prealloc").set(max_prealloc)
@@ -117,7 +116,7 @@ class DecodeWorker:
             self.engine.forget(room.req.rid)
             raise TransferFailed(f"bootstrap room {room.room} is already in use")
         out = self.prealloc.offer(room, self.max_prealloc)
-        policy = self.sched.policy
+        policy = self.prealloc.policy
         if out is room:
             self.engine.forget(room.req.rid)
             raise ResourceExhausted(policy.queue_full_message("decode prealloc queue", self.max_prealloc, room))
@@ -200,15 +199,13 @@ class DecodeWorker:
 
     # --- internals ---------------------------------------------------------------------------
     def _admit(self) -> None:
-        kv = self.sched.kv
+        ps = self.engine.cfg.page_size
         while self.prealloc:
             room = self.prealloc[0]
             req = room.req
-            pending = (r.req for r in self.transfer.values())
-            if not self.sched.admission_room(req, pending) or not kv.admit(req, req.prompt_ids):
+            if not self.sched.reserve(req, pending=(r.req for r in self.transfer.values())):
                 return
             self.prealloc.popleft()
-            ps = kv.page_size
             first = req.cache_len // ps
             dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
             self.receiver.expect(room.room, dst, room.prefill_id, peer_epoch=room.prefill_epoch)
@@ -272,7 +269,7 @@ class DecodeWorker:
             self.receiver.abort(room.room)
             self.receiver.release(room.room)
             self.peers.send_abort(room, reason)
-            self.sched.kv.release(req)
+            self.sched.release(req)
             self.engine.forget(req.rid)
         else:
             self.engine.abort(req.rid)  # running / retracted: the engine frees it (no-op if unknown)
@@ -286,19 +283,15 @@ class DecodeWorker:
     def _export_metrics(self) -> None:
         metrics.QUEUE_LEN.labels("prealloc").set(len(self.prealloc))
         metrics.QUEUE_LEN.labels("transfer").set(len(self.transfer))
-        metrics.QUEUE_LEN.labels("running").set(len(self.sched.running))
-        metrics.QUEUE_LEN.labels("waiting").set(len(self.sched.waiting) + len(self.sched.prefilling))
-        kv = self.sched.kv
-        metrics.KV_PAGES.labels("free").set(kv.available_pages)
-        metrics.KV_PAGES.labels("total").set(kv.num_pages)
-        metrics.SLOTS_FREE.set(kv.slots.num_free_slots)
+        stats = self.sched.stats()
+        metrics.QUEUE_LEN.labels("running").set(stats.running)
+        metrics.QUEUE_LEN.labels("waiting").set(stats.waiting + stats.prefilling)
+        metrics.export_kv(stats)
         metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
 
     def load(self) -> worker_pb2.WorkerLoad:
-        kv = self.sched.kv
+        stats = self.sched.stats()
         return worker_pb2.WorkerLoad(
-            running=len(self.sched.running) + len(self.transfer),
-            waiting=len(self.prealloc) + len(self.sched.waiting),
-            free_pages=kv.available_pages, total_pages=kv.num_pages,
-            prefill_tokens=tokens_to_prefill(self.sched.prefilling, self.sched.waiting),
+            running=stats.running + len(self.transfer), waiting=len(self.prealloc) + stats.waiting,
+            free_pages=stats.free_pages, total_pages=stats.total_pages, prefill_tokens=stats.prefill_tokens,
         )

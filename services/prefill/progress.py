@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from engine.scheduler.prefill_order import tokens_to_prefill
 from kvtransfer.base import KVSender, Progress
 from services.prefill.rooms import PrefillRoom
 
@@ -70,7 +69,7 @@ class ProgressReporter:
         """Report the rooms due, in the order the scheduler offers them its prefill budget. `rooms`:
         request id -> room (a room is in the scheduler only once D bootstrapped it)."""
         now = self.clock()
-        pending = tokens_to_prefill(sched.prefilling, sched.waiting)
+        pending = sched.stats().prefill_tokens
         step_s = self.pace.step_s(min(sched.cfg.chunked_prefill_size, pending))
         sweep = now - self._swept >= self.interval_s or step_s >= self.interval_s
         if not (sweep or self._new):
@@ -78,16 +77,15 @@ class ProgressReporter:
         # Every room is reported again before the first step that starts `interval_s` after this
         # sweep (or before the next step, when steps are that long): that is when D should hear next.
         expected_s = step_s if step_s >= self.interval_s else self.interval_s + step_s
-        prefilling = set(map(id, sched.prefilling))
         ahead = 0
-        for req in sched.prefill_order.order(sched.prefilling, sched.waiting, sched.policy, now):
+        for req, tokens_left in sched.prefill_queue(now):
             room = rooms.get(req.rid)
             if room is not None and not room.state.done and (sweep or room.room in self._new):
                 self.sender.progress(room.info.peer_id, room.room, Progress(
                     tokens_done=req.num_computed, tokens_total=len(req.prompt_ids), queued_ahead=ahead,
                     expected_s=expected_s))
                 self.sent += 1
-            ahead += tokens_to_prefill([req], ()) if id(req) in prefilling else tokens_to_prefill((), [req])
+            ahead += tokens_left
         if sweep:
             self._swept = now
         self._new.clear()

@@ -20,7 +20,6 @@ from engine.errors import InvalidRequest, ResourceExhausted
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import SampledToken
-from engine.scheduler.prefill_order import tokens_to_prefill
 from kvtransfer.base import KVSender, RoomState
 from services.prefill.progress import ProgressReporter
 from services.prefill.rooms import BootstrapInfo, PrefillRoom
@@ -212,7 +211,7 @@ class PrefillWorker:
         req = room.req
         if req is not None:
             if req.finished:           # detached after its last chunk: pages still held
-                self.sched.kv.release(req, req.prompt_ids)
+                self.sched.release(req, req.prompt_ids)
             else:                      # queued or mid-prefill
                 self.sched.finish(req, FinishReason.ABORT)
             self.engine.forget(req.rid)
@@ -233,14 +232,12 @@ class PrefillWorker:
     def _export_metrics(self) -> None:
         waiting_bootstrap = sum(1 for r in self.rooms.values() if not r.ready)
         inflight = sum(1 for r in self.rooms.values() if r.finished_at is not None)
+        stats = self.sched.stats()
         metrics.QUEUE_LEN.labels("bootstrap").set(waiting_bootstrap)
-        metrics.QUEUE_LEN.labels("waiting").set(len(self.sched.waiting))
-        metrics.QUEUE_LEN.labels("prefilling").set(len(self.sched.prefilling))
+        metrics.QUEUE_LEN.labels("waiting").set(stats.waiting)
+        metrics.QUEUE_LEN.labels("prefilling").set(stats.prefilling)
         metrics.QUEUE_LEN.labels("inflight").set(inflight)
-        kv = self.sched.kv
-        metrics.KV_PAGES.labels("free").set(kv.available_pages)
-        metrics.KV_PAGES.labels("total").set(kv.num_pages)
-        metrics.SLOTS_FREE.set(kv.slots.num_free_slots)
+        metrics.export_kv(stats)
         self.outstanding_seen = self.outstanding()  # read by the asyncio side while draining
         metrics.KV_TRANSFERS_OUTSTANDING.set(self.outstanding_seen)
         metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
@@ -251,12 +248,12 @@ class PrefillWorker:
         return sum(1 for r in self.rooms.values() if r.info is not None and not r.state.done)
 
     def load(self) -> worker_pb2.WorkerLoad:
-        kv = self.sched.kv
+        stats = self.sched.stats()
         unstarted = sum(len(r.req.prompt_ids) for r in self.rooms.values() if r.req is not None and not r.ready)
         return worker_pb2.WorkerLoad(
-            running=len(self.sched.prefilling), waiting=len(self.sched.waiting) + len(self.rooms),
-            free_pages=kv.available_pages, total_pages=kv.num_pages,
-            prefill_tokens=unstarted + tokens_to_prefill(self.sched.prefilling, self.sched.waiting),
+            running=stats.prefilling, waiting=stats.waiting + len(self.rooms),
+            free_pages=stats.free_pages, total_pages=stats.total_pages,
+            prefill_tokens=unstarted + stats.prefill_tokens,
         )
 
 

@@ -57,6 +57,13 @@ VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running (vLLM-compat
 VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (vLLM-compatible name)", ["model_name"])
 
 
+def export_kv(stats) -> None:
+    """KV pages and request slots from the scheduler's `SchedulerStats` (each role's metrics export calls it)."""
+    KV_PAGES.labels("free").set(stats.free_pages)
+    KV_PAGES.labels("total").set(stats.total_pages)
+    SLOTS_FREE.set(stats.free_slots)
+
+
 def export_vllm_compatible(model: str, load) -> None:
     """Mirror a worker's `WorkerLoad` under vLLM's metric names (each role's metrics export calls it)."""
     VLLM_WAITING.labels(model).set(load.waiting)
