@@ -77,6 +77,27 @@ bench-gateway:
 bench-kvtransfer:
 	$(BIN)/python -m bench.kvtransfer --out bench/results/kvtransfer.json
 
+# Everything that needs a GPU in one run of at most 8 minutes (docs/gpu-check.md): the CUDA tests,
+# kernels vs their references with % of peak bandwidth, CUDA graphs vs eager, NIXL between device
+# memories, 1P1D. On the GPU machine, through the device tool: run(command="make gpu-check",
+# carry=[".gpu"]). Python: .venv's where there is one, else the machine's python3 (the GPU machine
+# has no .venv). Without a GPU it says so and exits 0. GPU_CHECK_ARGS="--parts tests,engine" picks parts.
+GPU_PY         ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_BUNDLE     ?= .gpu
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check gpu-bundle
+
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check --bundle $(GPU_BUNDLE) $(GPU_CHECK_ARGS)
+
+# What the GPU machine lacks, made here to travel with the tree into $(GPU_BUNDLE) (git-ignored):
+# cp312 wheels (nixl + nixl-cu13 trimmed, grpcio, protobuf, grpcio-health-checking/-reflection, gguf)
+# and the generated gRPC stubs. Fails if a wheel needs what neither travels nor is there, or if the
+# bundle and the working tree together exceed the 64 MiB a device call carries.
+gpu-bundle: proto
+	$(BIN)/python -m bench.gpu_check.bundle build --dir $(GPU_BUNDLE)
+
 # The peer for `tandem bench sweep --deployments ...,vllm`: vLLM's CPU backend in a venv of its own
 # (large; not part of `make install`). It pins torch==2.13.0+cpu, our local wheel. The torchvision,
 # torchaudio and torchcodec wheels it pulls are built for another torch and break `import vllm`.
