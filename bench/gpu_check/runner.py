@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MIN_PART_S = 5.0          # a part given less than this is not started
+MIN_PART_S = 5.0          # with less of the run's budget left than this, a part is not started
 LOG_TAIL_LINES = 40
 
 
@@ -75,7 +75,7 @@ def run_part(part: Part, env: dict[str, str], budget_left_s: float, log=None) ->
     timeout = min(part.timeout_s, budget_left_s)
     outcome = {"ok": False, "status": "not_run", "what": part.what, "seconds": 0.0,
                "timeout_s": round(timeout, 1), "exit_code": None, "error": None, "details": {}, "log_tail": []}
-    if timeout < MIN_PART_S:
+    if budget_left_s < MIN_PART_S:
         outcome["error"] = f"not run: {budget_left_s:.0f} s of the run's budget were left"
         return outcome
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
