@@ -47,7 +47,7 @@ import torch
 from kvtransfer import create_receiver, create_sender, merge_runs
 from kvtransfer.backends.ucx_env import UcxSettings
 from kvtransfer.base import PoolLayout, RoomState
-from kvtransfer.iovec import page_iov, recv_iov, send_iov
+from kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
 
 # The backends that work in each situation (auto's choice is compared with the best of them).
 SAME_HOST = ("shm", "tcp", "nixl", "ucx")

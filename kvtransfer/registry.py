@@ -19,8 +19,8 @@ import functools
 import torch
 
 from kvtransfer.base import RECEIVERS, SENDERS, KVReceiver, KVSender, PoolLayout
-from kvtransfer.receiver import Receiver
-from kvtransfer.sender import Sender
+from kvtransfer.protocol.receiver import Receiver
+from kvtransfer.protocol.sender import Sender
 
 _BACKENDS = {           # name -> (data paths a receiver accepts, data paths a sender tries, in order)
     "tcp": (("tcp",), ("tcp",)),

@@ -108,7 +108,7 @@ class Peer:
 def transfer(device: str, shape: tuple[int, ...], dtype: str, error_handling: str, timeout_s: float) -> dict:
     from kvtransfer.backends.nixl import MAX_DESCS, _Agent, _agent_name, _descs
     from kvtransfer.backends.ucx_env import UcxSettings
-    from kvtransfer.iovec import page_iov
+    from kvtransfer.protocol.iovec import page_iov
 
     layers, _, pages = shape[:3]
     g = torch.Generator(device=device).manual_seed(7)

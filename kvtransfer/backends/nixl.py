@@ -47,13 +47,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.backends.liveness import connection_up
 from kvtransfer.backends.ucx_env import UcxSettings
 from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.iovec import page_iov
-from kvtransfer.receiver import Receiver
-from kvtransfer.sender import Sender
-from kvtransfer.wire import Channel, Kind, ReceiverMetadata, Timeouts, wrote_body
+from kvtransfer.protocol.iovec import page_iov
+from kvtransfer.protocol.liveness import connection_up
+from kvtransfer.protocol.receiver import Receiver
+from kvtransfer.protocol.sender import Sender
+from kvtransfer.protocol.wire import Channel, Kind, ReceiverMetadata, Timeouts, wrote_body
 
 log = logging.getLogger(__name__)
 

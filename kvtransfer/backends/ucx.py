@@ -46,15 +46,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.backends.liveness import connection_up
 from kvtransfer.backends.ucx_env import UcxSettings
 from kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
 from kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
 from kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
 from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.receiver import Receiver
-from kvtransfer.sender import Sender
-from kvtransfer.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
+from kvtransfer.protocol.liveness import connection_up
+from kvtransfer.protocol.receiver import Receiver
+from kvtransfer.protocol.sender import Sender
+from kvtransfer.protocol.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ reflection that describes it) take an optional API key (`authorization: Bearer K
 API key or not: Kubernetes' gRPC probes send no metadata. Without a configured secret everything is
 open, as before, and the process says so once at start.
 
-The KV transfer handshake (kvtransfer/wire.py) never sees the secret itself: it proves knowledge of
-`transfer_key`, a key derived from it, with an HMAC over a fresh challenge.
+The KV transfer handshake (kvtransfer/protocol/handshake.py) never sees the secret itself: it proves
+knowledge of `transfer_key`, a key derived from it, with an HMAC over a fresh challenge.
 
 The environment is read here and nowhere else (`InternalAuth.load`).
 """

@@ -5,7 +5,7 @@ against it (the certificate must name the address peers dial: an IP or DNS subje
 
 Public ports (the router's Generation API, the gateway) are not affected; health probes of a worker
 then need a client certificate too. KV transfer connections do not use TLS (their handshake is
-authenticated by the shared secret, see kvtransfer/handshake.py).
+authenticated by the shared secret, see kvtransfer/protocol/handshake.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import pytest
 
 import kvtransfer
 from kvtransfer import cleanup_stale_segments, create_receiver, create_sender
-from kvtransfer.backends.shm import PREFIX, Segment
 from kvtransfer.base import RoomState, TransferError
+from kvtransfer.protocol.shm import PREFIX, Segment
 from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,7 +127,7 @@ def test_a_new_segment_removes_stale_ones_and_unlinks_itself_when_dropped(tmp_pa
 
 
 def test_a_worker_killed_with_sigkill_leaks_a_segment_the_next_worker_removes(tmp_path):
-    code = ("import sys, time; from kvtransfer.backends.shm import Segment; from tests.kvtransfer.helpers import SMALL; "
+    code = ("import sys, time; from kvtransfer.protocol.shm import Segment; from tests.kvtransfer.helpers import SMALL; "
             "seg = Segment.create(SMALL, 'decode-0', directory=sys.argv[1]); print(seg.path, flush=True); "
             "time.sleep(60)")
     root = os.path.dirname(kvtransfer.__path__[0])

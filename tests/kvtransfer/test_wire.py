@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvtransfer.base import PoolLayout, Progress, TransferError
-from kvtransfer.iovec import page_iov, recv_iov, send_iov
-from kvtransfer.wire import (
+from kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
+from kvtransfer.protocol.wire import (
     PROGRESS_BODY,
     VERSION,
     Channel,

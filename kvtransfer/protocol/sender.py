@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer import handshake
-from kvtransfer.backends.shm import Segment, ShmPath
-from kvtransfer.backends.tcp import SocketPath
 from kvtransfer.base import KVSender, PoolLayout, Progress, RoomState, RoomStatus, TransferError
-from kvtransfer.runs import merge_runs
-from kvtransfer.wire import (
+from kvtransfer.protocol import handshake
+from kvtransfer.protocol.runs import merge_runs
+from kvtransfer.protocol.shm import Segment, ShmPath
+from kvtransfer.protocol.tcp import SocketPath
+from kvtransfer.protocol.wire import (
     MAX_BODY,
     Channel,
     Kind,

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from kvtransfer.base import PoolLayout
-from kvtransfer.iovec import IOV_MAX, page_iov, recv_iov, send_iov
-from kvtransfer.wire import HEADER, Channel, Kind
+from kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
+from kvtransfer.protocol.wire import HEADER, Channel, Kind
 
 
 def _regions(layout: PoolLayout) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.wire import Channel, Kind, ShmInfo, wrote_body
+from kvtransfer.protocol.wire import Channel, Kind, ShmInfo, wrote_body
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"

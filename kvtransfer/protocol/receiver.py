@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer import handshake
-from kvtransfer.backends.shm import Segment
-from kvtransfer.backends.tcp import recv_pages
 from kvtransfer.base import KVReceiver, PoolLayout, Progress, RoomState, RoomStatus, TransferError
-from kvtransfer.wire import (
+from kvtransfer.protocol import handshake
+from kvtransfer.protocol.shm import Segment
+from kvtransfer.protocol.tcp import recv_pages
+from kvtransfer.protocol.wire import (
     HEADER,
     WROTE_BODY,
     Channel,

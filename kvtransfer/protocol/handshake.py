@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.wire import HEADER, VERSION, Channel, Kind, ProtocolError, Timeouts, dumps, loads
+from kvtransfer.protocol.wire import HEADER, VERSION, Channel, Kind, ProtocolError, Timeouts, dumps, loads
 
 log = logging.getLogger(__name__)
 
