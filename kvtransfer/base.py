@@ -1,4 +1,8 @@
-"""The transfer-engine interface every backend implements (shm, tcp now; nixl, ucx later).
+"""The transfer engine's interface (what the services use), and the types every side shares.
+
+Every backend (registry.py) is the same protocol (kvtransfer/protocol/: control connection, rooms,
+aborts, teardown) over its own data paths (kvtransfer/datapath.py: shm and tcp in protocol/, nixl and
+ucx in backends/).
 
 Direction: the prefill worker P *writes* a room's KV pages into pages the decode worker D reserved.
 D owns a `KVReceiver`: it allocates (and exposes) D's whole KV pool memory and learns when a room is
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,10 +183,3 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None:
         """Safe to call twice."""
-
-
-# name -> factory, filled by kvtransfer/registry.py (imported by `import kvtransfer`):
-#   RECEIVERS[name](layout: PoolLayout, host: str, worker_id: str) -> KVReceiver
-#   SENDERS[name](buffer: torch.Tensor, layout: PoolLayout, worker_id: str) -> KVSender
-RECEIVERS: dict[str, Callable[..., KVReceiver]] = {}
-SENDERS: dict[str, Callable[..., KVSender]] = {}

@@ -8,64 +8,87 @@
 | `nixl` | pool registered with a NIXL agent (UCX)        | NIXL WRITEs of merged page runs (RDMA, cma, tcp) |
 | `ucx`  | pool reached through a ucxx listener endpoint  | page runs as UCX tagged messages (ucxx)          |
 
-`nixl` and `ucx` load their libraries only when such a backend is created. `auto` does not pick them
-(see docs/benchmarks.md): on one host shm is faster, and between CPU hosts without RDMA so is tcp.
+A backend is a list of data paths on each side (kvtransfer/datapath.py); the protocol's `Receiver`
+and `Sender` (kvtransfer/protocol/) are the same for all of them. `nixl` and `ucx` load their
+libraries only when such a backend is created. `auto` does not pick them (see docs/benchmarks.md): on
+one host shm is faster, and between CPU hosts without RDMA so is tcp.
+
+Options (`create_receiver(..., **options)`) go to every part whose constructor names them: the
+protocol's side (`timeouts`, `secret`; the sender's `boot_epoch`) and the data paths (`native_iov`:
+tcp; `ucx`: nixl and ucx; `require_rdma`: the ucx sender; `timeouts` also to the paths that wait on
+their own connection). An option that no part takes is a TypeError.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib
+import inspect
+from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import RECEIVERS, SENDERS, KVReceiver, KVSender, PoolLayout
+from kvtransfer.base import KVReceiver, KVSender, PoolLayout
+from kvtransfer.datapath import ReceiverPath, SenderPath
 from kvtransfer.protocol.receiver import Receiver
 from kvtransfer.protocol.sender import Sender
 
-_BACKENDS = {           # name -> (data paths a receiver accepts, data paths a sender tries, in order)
-    "tcp": (("tcp",), ("tcp",)),
-    "shm": (("shm",), ("shm",)),
-    "auto": (("shm", "tcp"), ("shm", "tcp")),
+# Data path -> its ReceiverPath and SenderPath as "module:class", imported when a backend uses it.
+DATA_PATHS: dict[str, tuple[str, str]] = {
+    "shm": ("kvtransfer.protocol.shm:ShmReceiverPath", "kvtransfer.protocol.shm:ShmSenderPath"),
+    "tcp": ("kvtransfer.protocol.tcp:TcpReceiverPath", "kvtransfer.protocol.tcp:TcpSenderPath"),
+    "nixl": ("kvtransfer.backends.nixl:NixlReceiverPath", "kvtransfer.backends.nixl:NixlSenderPath"),
+    "ucx": ("kvtransfer.backends.ucx:UcxReceiverPath", "kvtransfer.backends.ucx:UcxSenderPath"),
 }
 
-for _name, (_accepts, _tries) in _BACKENDS.items():
-    RECEIVERS[_name] = functools.partial(Receiver, name=_name, backends=_accepts)
-    SENDERS[_name] = functools.partial(Sender, name=_name, paths=_tries)
+
+@dataclass(frozen=True)
+class Backend:
+    accepts: tuple[str, ...]         # data paths a receiver offers, in its order of preference
+    tries: tuple[str, ...]           # data paths a sender tries for each peer, in order
 
 
-def _nixl_receiver(*args, **options) -> KVReceiver:
-    from kvtransfer.backends.nixl import NixlReceiver
-    return NixlReceiver(*args, **options)
+BACKENDS: dict[str, Backend] = {
+    "tcp": Backend(("tcp",), ("tcp",)),
+    "shm": Backend(("shm",), ("shm",)),
+    "auto": Backend(("shm", "tcp"), ("shm", "tcp")),
+    "nixl": Backend(("nixl",), ("nixl",)),
+    "ucx": Backend(("ucx",), ("ucx",)),
+}
 
 
-def _nixl_sender(*args, **options) -> KVSender:
-    from kvtransfer.backends.nixl import NixlSender
-    return NixlSender(*args, **options)
+def _backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kv transfer backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name]
 
 
-def _ucx_receiver(*args, **options) -> KVReceiver:
-    from kvtransfer.backends.ucx import UcxReceiver
-    return UcxReceiver(*args, **options)
+def _load(target: str) -> type:
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
-def _ucx_sender(*args, **options) -> KVSender:
-    from kvtransfer.backends.ucx import UcxSender
-    return UcxSender(*args, **options)
-
-
-RECEIVERS.update(nixl=_nixl_receiver, ucx=_ucx_receiver)
-SENDERS.update(nixl=_nixl_sender, ucx=_ucx_sender)
+def _split(name: str, options: dict, parts: list[type]) -> list[dict]:
+    """Each part's options: the keyword-only parameters its constructor names (bar the two the registry
+    fills in itself). TypeError for an option that no part names."""
+    named = [{n for n, p in inspect.signature(part).parameters.items() if p.kind is p.KEYWORD_ONLY} - {"name", "paths"}
+             for part in parts]
+    unknown = set(options).difference(*named)
+    if unknown:
+        raise TypeError(f"kv transfer backend {name!r} takes no option {', '.join(sorted(unknown))}")
+    return [{k: v for k, v in options.items() if k in params} for params in named]
 
 
 def create_receiver(name: str, layout: PoolLayout, host: str, worker_id: str, **options) -> KVReceiver:
-    """D's receiver. `options` go to the backend (e.g. `timeouts=wire.Timeouts(...)`)."""
-    if name not in RECEIVERS:
-        raise ValueError(f"unknown kv transfer backend {name!r}; known: {', '.join(sorted(RECEIVERS))}")
-    return RECEIVERS[name](layout, host, worker_id, **options)
+    """D's receiver. `options` go to the parts that take them (e.g. `timeouts=wire.Timeouts(...)`)."""
+    classes: list[type[ReceiverPath]] = [_load(DATA_PATHS[kind][0]) for kind in _backend(name).accepts]
+    own, *each = _split(name, options, [Receiver, *classes])
+    paths = [cls(layout, host, worker_id, **opts) for cls, opts in zip(classes, each, strict=True)]
+    return Receiver(layout, host, worker_id, name=name, paths=paths, **own)
 
 
 def create_sender(name: str, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, **options) -> KVSender:
     """P's sender over its pool `buffer` (shape `layout.shape`)."""
-    if name not in SENDERS:
-        raise ValueError(f"unknown kv transfer backend {name!r}; known: {', '.join(sorted(SENDERS))}")
-    return SENDERS[name](buffer, layout, worker_id, **options)
+    classes: list[type[SenderPath]] = [_load(DATA_PATHS[kind][1]) for kind in _backend(name).tries]
+    own, *each = _split(name, options, [Sender, *classes])
+    paths = [cls(layout, worker_id, **opts) for cls, opts in zip(classes, each, strict=True)]
+    return Sender(buffer, layout, worker_id, name=name, paths=paths, **own)

@@ -1,13 +1,17 @@
 """nixl backend: P writes KV pages into D's pool with NIXL WRITEs (UCX underneath: RDMA on GPU
 clusters; cma, shared memory or tcp between two processes on one host).
 
+A data path behind kvtransfer/datapath.py: the protocol's receiver and sender (kvtransfer/protocol/)
+keep the rooms, the control connection, aborts and teardown; this module only moves the bytes.
+
 Who does what
-- D (`NixlReceiver`) owns the pool, registers it once with its NIXL agent (DRAM; VRAM for a CUDA
-  pool) and adds the agent's metadata, the pool's base address and its UCX error-handling mode to the
-  receiver metadata that travels in the bootstrap handshake. A light thread progresses D's agent:
-  UCX needs the target to progress where it takes part in a write (tcp) and to answer wireup.
-- P (`NixlSender`) registers its pool once with its own agent. `connect` loads D's agent metadata,
-  then opens the usual control connection (wire.py) with data path "nixl".
+- D (`NixlReceiverPath`) registers the receiver's pool once with its NIXL agent (DRAM; VRAM for a
+  CUDA pool) and advertises the agent's metadata, the pool's base address and its UCX error-handling
+  mode as the "nixl" entry of the receiver metadata that travels in the bootstrap handshake. A light
+  thread progresses D's agent: UCX needs the target to progress where it takes part in a write (tcp)
+  and to answer wireup.
+- P (`NixlSenderPath`) registers its pool once with its own agent. Its `link` loads D's agent
+  metadata, before the protocol opens the usual control connection (wire.py) with data path "nixl".
 - For each queued write, P's sender thread issues NIXL WRITEs of the merged page runs (one descriptor
   per run per (layer, K|V), at most MAX_DESCS per transfer), waits for each to report DONE, then sends
   a WROTE note on the control connection. FINISH (the aux record) follows on the same connection.
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 import os
 import secrets
@@ -49,11 +52,10 @@ import torch
 
 from kvtransfer.backends.ucx_env import UcxSettings
 from kvtransfer.base import PoolLayout, TransferError
+from kvtransfer.datapath import Link, ReceiverPath, SenderPath
 from kvtransfer.protocol.iovec import page_iov
 from kvtransfer.protocol.liveness import connection_up
-from kvtransfer.protocol.receiver import Receiver
-from kvtransfer.protocol.sender import Sender
-from kvtransfer.protocol.wire import Channel, Kind, ReceiverMetadata, Timeouts, wrote_body
+from kvtransfer.protocol.wire import Kind, ReceiverMetadata, Timeouts, wrote_body
 
 log = logging.getLogger(__name__)
 
@@ -237,23 +239,77 @@ class _NixlInfo:
                 "mem": self.mem, "dev": self.dev, "error_handling": self.error_handling}
 
     @classmethod
-    def from_metadata(cls, metadata: bytes) -> _NixlInfo:
+    def from_metadata(cls, meta: ReceiverMetadata) -> _NixlInfo:
         try:
-            d = json.loads(metadata)["nixl"]
+            d = meta.entries["nixl"]
             return cls(agent=str(d["agent"]), md=base64.b64decode(d["md"], validate=True), base=int(d["base"]),
                        mem=str(d["mem"]), dev=int(d["dev"]), error_handling=str(d["error_handling"]))
         except (ValueError, KeyError, TypeError, binascii.Error) as e:
             raise TransferError(f"receiver metadata has no usable nixl entry: {e!r}") from e
 
 
-class NixlPath:
-    """P side: a peer's data path, used from that peer's sender thread."""
+class NixlReceiverPath(ReceiverPath):
+    """D side: the receiver's pool, registered with a NIXL agent that P's agent writes into."""
+
+    kind = "nixl"
+    one_sided = True            # NIXL WRITEs land without us: aborts wait for P's ack
+
+    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, ucx: UcxSettings | None = None):
+        self._host = host
+        self._worker_id = worker_id
+        self._settings = ucx
+        self._agent: _Agent | None = None
+
+    def attach(self, pool: torch.Tensor, busy: Callable[[], bool]) -> dict:
+        self._agent = _Agent(_agent_name(self._worker_id, "rx"), pool, self._settings or UcxSettings.from_env(),
+                             host=self._host, busy=busy)
+        return _NixlInfo(agent=self._agent.name, md=self._agent.metadata, base=pool.data_ptr(), mem=self._agent.mem,
+                         dev=self._agent.dev, error_handling=self._agent.error_handling).to_json()
+
+    def close(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+
+
+class NixlSenderPath(SenderPath):
+    """P side: one NIXL agent over P's pool; a peer's link holds that peer's agent metadata loaded."""
 
     kind = "nixl"
 
-    def __init__(self, channel: Channel, agent: _Agent, info: _NixlInfo, src: torch.Tensor, layout: PoolLayout,
+    def __init__(self, layout: PoolLayout, worker_id: str, *, ucx: UcxSettings | None = None,
+                 timeouts: Timeouts = Timeouts()):
+        self._layout = layout
+        self._worker_id = worker_id
+        self._settings = ucx
+        self._timeouts = timeouts
+        self._agent: _Agent | None = None
+        self._src: torch.Tensor | None = None
+
+    def attach(self, pool: torch.Tensor) -> None:
+        self._src = pool
+        self._agent = _Agent(_agent_name(self._worker_id, "tx"), pool, self._settings or UcxSettings.from_env(),
+                             host=None)
+
+    def link(self, peer_id: str, meta: ReceiverMetadata) -> NixlLink:
+        info = _NixlInfo.from_metadata(meta)
+        if info.error_handling != self._agent.error_handling:
+            raise TransferError(f"UCX error handling differs: {peer_id} uses {info.error_handling!r}, "
+                                f"this sender {self._agent.error_handling!r} (set TANDEM_UCX_ERROR_HANDLING alike)")
+        self._agent.add_peer(info.md, info.agent)
+        return NixlLink(self._agent, info, self._src, self._layout, meta.layout, self._timeouts)
+
+    def close(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+
+
+class NixlLink(Link):
+    """P side: NIXL WRITEs of a peer's page runs, then a WROTE note."""
+
+    kind = "nixl"
+
+    def __init__(self, agent: _Agent, info: _NixlInfo, src: torch.Tensor, layout: PoolLayout,
                  dst_layout: PoolLayout, timeouts: Timeouts):
-        self._ch = channel
         self._agent = agent
         self._info = info
         self._src_base = src.data_ptr()
@@ -277,74 +333,15 @@ class NixlPath:
             local = page_iov(self._src_base, self._src_regions, chunk[:, 0], chunk[:, 2], self._page_bytes)
             remote = page_iov(self._info.base, self._dst_regions, chunk[:, 1], chunk[:, 2], self._page_bytes)
             self._agent.write(_descs(local, self._agent.dev), _descs(remote, self._info.dev), self._info.agent,
-                              self._info.mem, lambda: connection_up(self._ch.sock), self._timeouts.send)
+                              self._info.mem, lambda: connection_up(self.ch.sock), self._timeouts.send)
             pages += int(chunk[:, 2].sum())
             copied += len(chunk)
         nbytes = pages * per_run * self._page_bytes
         # Same host: D times the room from here (CLOCK_MONOTONIC is shared); elsewhere D uses its own clock.
-        self._ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
+        self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
         return nbytes
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._agent.remove_peer(self._info.agent)
-
-
-class NixlReceiver(Receiver):
-    """D side: the pool in plain memory, registered with NIXL; the control connection as for shm/tcp."""
-
-    ONE_SIDED_PATHS = frozenset({"shm", "nixl"})  # NIXL WRITEs land without us: aborts wait for P's ack
-
-    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "nixl",
-                 backends: tuple[str, ...] = ("nixl",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None, secret: bytes | None = None):
-        super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts, secret=secret)
-        try:
-            self._agent = _Agent(_agent_name(worker_id, "rx"), self.buffer, ucx or UcxSettings.from_env(),
-                                 host=host, busy=lambda: bool(self._rooms))
-        except Exception:
-            super().close()
-            raise
-        info = _NixlInfo(agent=self._agent.name, md=self._agent.metadata, base=self.buffer.data_ptr(),
-                         mem=self._agent.mem, dev=self._agent.dev, error_handling=self._agent.error_handling)
-        meta = json.loads(super().metadata())
-        meta["nixl"] = info.to_json()
-        self._nixl_meta = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
-
-    def metadata(self) -> bytes:
-        return self._nixl_meta
-
-    def close(self) -> None:
-        super().close()
-        self._agent.close()
-
-
-class NixlSender(Sender):
-    """P side: the socket-based sender's rooms, queues and control connection, with NIXL as data path."""
-
-    def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "nixl",
-                 paths: tuple[str, ...] = ("nixl",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None, secret: bytes | None = None, boot_epoch: int = 0):
-        super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts, secret=secret,
-                         boot_epoch=boot_epoch)
-        self._agent = _Agent(_agent_name(worker_id, "tx"), buffer, ucx or UcxSettings.from_env(), host=None)
-
-    def _open(self, peer_id: str, metadata: bytes, meta: ReceiverMetadata):
-        info = _NixlInfo.from_metadata(metadata)
-        if info.error_handling != self._agent.error_handling:
-            raise TransferError(f"UCX error handling differs: {peer_id} uses {info.error_handling!r}, "
-                                f"this sender {self._agent.error_handling!r} (set TANDEM_UCX_ERROR_HANDLING alike)")
-        self._agent.add_peer(info.md, info.agent)
-        try:
-            peer, aborted = super()._open(peer_id, metadata, meta)
-        except BaseException:
-            self._agent.remove_peer(info.agent)
-            raise
-        peer.path = NixlPath(peer.ch, self._agent, info, self._buffer, self.layout, meta.layout, self._timeouts)
-        return peer, aborted
-
-    def close(self) -> None:
-        super().close()
-        self._agent.close()
-

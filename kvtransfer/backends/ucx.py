@@ -1,6 +1,8 @@
 """ucx backend: page runs travel as UCX tagged messages over one UCX endpoint per peer.
 
-Files: this one holds the sender and receiver; `ucx_plan.py` the message plan both sides derive,
+A data path behind kvtransfer/datapath.py: the protocol's receiver and sender (kvtransfer/protocol/)
+keep the rooms, the control connection, aborts and teardown; this module only moves the bytes.
+Files: this one holds both sides of the data path; `ucx_plan.py` the message plan both sides derive,
 `ucx_node.py` the ucxx worker, listener and endpoints, `ucx_env.py` the UCX settings.
 
 Built on ucxx (`ucxx-cu12`), the maintained successor of ucx-py (ucx-py itself cannot be installed
@@ -8,10 +10,10 @@ here). Its Python API offers tagged, stream and active-message send/receive only
 part in every transfer: this is a two-sided data path, like tcp, beside the control connection of
 wire.py (hello, FINISH, ABORT, peer death), which it shares with the other backends.
 
-Connection: D's receiver runs a ucxx worker (with its progress thread) and a listener (on all
+Connection: D's path runs a ucxx worker (with its progress thread) and a listener (on all
 interfaces: ucxx offers no bind address), and advertises the listener's port and its UCX
-error-handling mode in its metadata. P's `connect` opens the control
-connection (path "ucx"), then one UCX endpoint to that listener, and sends a 16-byte random token on
+error-handling mode as the "ucx" entry of the receiver metadata. Once P's `connect` has opened the
+control connection (path "ucx"), the link opens one UCX endpoint to that listener, and sends a 16-byte random token on
 the endpoint's stream; its WRITE frames carry that token, so D knows which endpoint the data of a
 control connection arrives on. The token's first 4 bytes prefix every tag of that endpoint's messages
 (UCX matches tags per worker, not per endpoint).
@@ -35,7 +37,6 @@ endpoint (which cancels what is still posted on it) before failing the transfer.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import secrets
 import struct
@@ -51,9 +52,8 @@ from kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
 from kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
 from kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
 from kvtransfer.base import PoolLayout, TransferError
+from kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
 from kvtransfer.protocol.liveness import connection_up
-from kvtransfer.protocol.receiver import Receiver
-from kvtransfer.protocol.sender import Sender
 from kvtransfer.protocol.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
 
 log = logging.getLogger(__name__)
@@ -97,16 +97,65 @@ class _Slots:
 
 # ---- P side ----------------------------------------------------------------------------------------------
 
-class UcxPath:
-    """P side: a peer's data path, used from that peer's sender thread."""
+@dataclass(frozen=True)
+class _UcxInfo:
+    """The "ucx" entry of a receiver's metadata."""
+    port: int
+    error_handling: str
+
+    @classmethod
+    def from_metadata(cls, meta: ReceiverMetadata) -> _UcxInfo:
+        try:
+            d = meta.entries["ucx"]
+            return cls(port=int(d["port"]), error_handling=str(d["error_handling"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransferError(f"receiver metadata has no usable ucx entry: {e!r}") from e
+
+
+class UcxSenderPath(SenderPath):
+    """P side: one ucxx worker for every peer's endpoint."""
 
     kind = "ucx"
 
-    def __init__(self, channel: Channel, node: Node, ep, token: bytes, src: torch.Tensor, layout: PoolLayout):
-        self._ch = channel
+    def __init__(self, layout: PoolLayout, worker_id: str, *, ucx: UcxSettings | None = None,
+                 require_rdma: bool = False, timeouts: Timeouts = Timeouts()):
+        """`require_rdma`: refuse a peer unless every lane of its endpoint is an RDMA transport."""
+        self._layout = layout
+        self._settings = ucx
+        self.require_rdma = require_rdma
+        self._timeouts = timeouts
+        self._node: Node | None = None
+        self._src: torch.Tensor | None = None
+
+    def attach(self, pool: torch.Tensor) -> None:
+        self._src = pool
+        self._node = Node(self._settings or UcxSettings.from_env(), host=None)
+
+    def link(self, peer_id: str, meta: ReceiverMetadata) -> UcxLink:
+        return UcxLink(self._node, peer_id, meta.host, _UcxInfo.from_metadata(meta), self._src, self._layout,
+                       self._timeouts, self.require_rdma)
+
+    def close(self) -> None:
+        if self._node is not None:
+            self._node.close()
+
+
+class UcxLink(Link):
+    """P side: a peer's endpoint, opened after the handshake; used from that peer's sender thread."""
+
+    kind = "ucx"
+
+    def __init__(self, node: Node, peer_id: str, host: str, info: _UcxInfo, src: torch.Tensor, layout: PoolLayout,
+                 timeouts: Timeouts, require_rdma: bool):
         self._node = node
-        self._ep = ep
-        self._token = token
+        self._peer_id = peer_id
+        self._host = host
+        self._info = info
+        self._timeouts = timeouts
+        self._require_rdma = require_rdma
+        self._ep = None
+        self._token = b""
+        self._transports: list[Transport] = []
         self._src = src
         self._src_bytes = _bytes_of(src)
         self._layout = layout
@@ -114,6 +163,40 @@ class UcxPath:
         self._slots = _Slots(layout)
         self._number = 0
         self._closed = False
+
+    def start(self, ch: Channel) -> None:
+        """One UCX endpoint to the peer's listener, announced by a random token on its stream."""
+        self.ch = ch
+        info, peer_id, ep, req = self._info, self._peer_id, None, None
+        try:
+            api = self._node.api
+            # The endpoint's error handling must match D's (UCX requires both ends to agree).
+            ep = api.UCXEndpoint.create(self._node.worker, self._host, info.port, info.error_handling == "peer")
+            token = secrets.token_bytes(16)
+            req = ep.stream_send(self._node.array(np.frombuffer(token, dtype=np.uint8).copy()))
+            deadline = time.monotonic() + self._timeouts.connect
+            while not req.completed and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if not req.completed:
+                raise TransferError(f"UCX endpoint to {self._host}:{info.port} did not connect "
+                                    f"within {self._timeouts.connect}s")
+            req.check_error()
+            transports = endpoint_transports(ep.handle)
+            log.info("ucx: %s reached over %s", peer_id,
+                     ", ".join(f"{t.name}/{t.device}" for t in transports) or "unknown transports")
+            if self._require_rdma:
+                check_rdma(transports, peer_id)
+        except Exception as e:
+            self._closed = True
+            if ep is not None:
+                cancel(ep, [req] if req is not None else [])
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"cannot reach {peer_id} over UCX at {self._host}:{info.port}: {e}") from e
+        self._ep, self._token, self._transports = ep, token, transports
+
+    def transports(self) -> list[Transport]:
+        return list(self._transports)
 
     def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
         """Send runs `[n, 3]` (src_start, dst_start, length) whole (D discards what it no longer wants,
@@ -124,10 +207,10 @@ class UcxPath:
         self._number = (first + len(msgs)) & 0xFFFFFFFF
         body = WRITE_HEAD.pack(self._token, first) + np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
         payload = int(runs[:, 2].sum()) * self._regions * pb
-        self._ch.send(Kind.WRITE, room, body, payload_len=payload)
+        self.ch.send(Kind.WRITE, room, body, payload_len=payload)
 
         def up() -> bool:
-            return connection_up(self._ch.sock)
+            return connection_up(self.ch.sock)
 
         inflight: collections.deque = collections.deque()
         slot_req: list = [None] * SLOTS
@@ -168,110 +251,39 @@ class UcxPath:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._ep is None:
+                return
             try:
                 self._ep.close_blocking()
             except Exception as e:
                 log.debug("ucx: closing the endpoint failed: %s", e)
 
 
-@dataclass(frozen=True)
-class _UcxInfo:
-    """The "ucx" entry of a receiver's metadata."""
-    port: int
-    error_handling: str
-
-    @classmethod
-    def from_metadata(cls, metadata: bytes) -> _UcxInfo:
-        try:
-            d = json.loads(metadata)["ucx"]
-            return cls(port=int(d["port"]), error_handling=str(d["error_handling"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise TransferError(f"receiver metadata has no usable ucx entry: {e!r}") from e
-
-
-class UcxSender(Sender):
-    """P side: the socket-based sender's rooms, queues and control connection, with UCX as data path."""
-
-    def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "ucx",
-                 paths: tuple[str, ...] = ("ucx",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None, require_rdma: bool = False, secret: bytes | None = None,
-                 boot_epoch: int = 0):
-        """`require_rdma`: refuse a peer unless every lane of its endpoint is an RDMA transport."""
-        super().__init__(buffer, layout, worker_id, name=name, paths=paths, timeouts=timeouts, secret=secret,
-                         boot_epoch=boot_epoch)
-        self._node = Node(ucx or UcxSettings.from_env(), host=None)
-        self.require_rdma = require_rdma
-        self._transports: dict[str, list[Transport]] = {}
-
-    def transports(self, peer_id: str) -> list[Transport]:
-        return list(self._transports.get(peer_id, ()))
-
-    def _open(self, peer_id: str, metadata: bytes, meta: ReceiverMetadata):
-        info = _UcxInfo.from_metadata(metadata)
-        peer, aborted = super()._open(peer_id, metadata, meta)
-        ep = req = None
-        try:
-            api = self._node.api
-            # The endpoint's error handling must match D's (UCX requires both ends to agree).
-            ep = api.UCXEndpoint.create(self._node.worker, meta.host, info.port, info.error_handling == "peer")
-            token = secrets.token_bytes(16)
-            req = ep.stream_send(self._node.array(np.frombuffer(token, dtype=np.uint8).copy()))
-            deadline = time.monotonic() + self._timeouts.connect
-            while not req.completed and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if not req.completed:
-                raise TransferError(f"UCX endpoint to {meta.host}:{info.port} did not connect "
-                                    f"within {self._timeouts.connect}s")
-            req.check_error()
-            transports = endpoint_transports(ep.handle)
-            log.info("ucx: %s reached over %s", peer_id,
-                     ", ".join(f"{t.name}/{t.device}" for t in transports) or "unknown transports")
-            if self.require_rdma:
-                check_rdma(transports, peer_id)
-            self._transports[peer_id] = transports
-        except Exception as e:
-            if ep is not None:
-                cancel(ep, [req] if req is not None else [])
-            peer.ch.close()
-            if isinstance(e, TransferError):
-                raise
-            raise TransferError(f"cannot reach {peer_id} over UCX at {meta.host}:{info.port}: {e}") from e
-        peer.path = UcxPath(peer.ch, self._node, ep, token, self._buffer, self.layout)
-        return peer, aborted
-
-    def close(self) -> None:
-        super().close()
-        self._node.close()
-
-
 # ---- D side ----------------------------------------------------------------------------------------------
 
-class UcxReceiver(Receiver):
-    """D side: the pool in plain memory; WRITE frames announce tagged messages on the sender's endpoint."""
+class UcxReceiverPath(ReceiverPath):
+    """D side: WRITE frames announce tagged messages on the endpoint the sender's token names."""
 
-    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "ucx",
-                 backends: tuple[str, ...] = ("ucx",), timeouts: Timeouts = Timeouts(),
-                 ucx: UcxSettings | None = None, secret: bytes | None = None):
-        super().__init__(layout, host, worker_id, name=name, backends=backends, timeouts=timeouts, secret=secret)
-        settings = ucx or UcxSettings.from_env()
-        try:
-            self._node = Node(settings, host=host)
-            self._eps = Endpoints(self._node, settings.error_handling)
-        except Exception:
-            super().close()
-            raise
-        self._pool_bytes = _bytes_of(self.buffer)
-        self._conn_state: dict[object, tuple[object, _Slots]] = {}   # control connection -> (endpoint, slots)
-        meta = json.loads(super().metadata())
-        meta["ucx"] = {"port": int(self._eps.listener.port), "error_handling": settings.error_handling}
-        self._ucx_meta = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+    kind = "ucx"
 
-    def metadata(self) -> bytes:
-        return self._ucx_meta
+    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, ucx: UcxSettings | None = None,
+                 timeouts: Timeouts = Timeouts()):
+        self._layout = layout
+        self._host = host
+        self._settings = ucx or UcxSettings.from_env()
+        self._timeouts = timeouts
+        self._node: Node | None = None
+        self._eps: Endpoints | None = None
+        self._conn_state: dict[Channel, tuple[object, _Slots]] = {}   # control channel -> (endpoint, slots)
 
-    def _on_write(self, conn, room: int, body: bytes, payload_len: int) -> None:
-        if conn.path != "ucx":
-            return super()._on_write(conn, room, body, payload_len)
+    def attach(self, pool: torch.Tensor, busy: Callable[[], bool]) -> dict:
+        self._pool = pool
+        self._pool_bytes = _bytes_of(pool)
+        self._node = Node(self._settings, host=self._host)
+        self._eps = Endpoints(self._node, self._settings.error_handling)
+        return {"port": int(self._eps.listener.port), "error_handling": self._settings.error_handling}
+
+    def incoming(self, ch: Channel, body: bytes, payload_len: int) -> Incoming:
         if len(body) < WRITE_HEAD.size or (len(body) - WRITE_HEAD.size) % 16:
             raise ProtocolError("bad ucx WRITE body")
         token, first = WRITE_HEAD.unpack_from(body)
@@ -280,30 +292,23 @@ class UcxReceiver(Receiver):
             raise ProtocolError("ucx WRITE with an empty run")   # the message plan would not match P's
 
         def up() -> bool:
-            return connection_up(conn.ch.sock)
+            return connection_up(ch.sock)
 
-        state = self._conn_state.get(conn)
+        state = self._conn_state.get(ch)
         if state is None:
-            state = self._conn_state[conn] = (self._eps.find(token, self._timeouts.connect, up), _Slots(self.layout))
+            state = self._conn_state[ch] = (self._eps.find(token, self._timeouts.connect, up), _Slots(self._layout))
         ep, slots = state
-        r, why = self._admit_write(conn, room, runs, payload_len)
-        landed = 0
-        try:
-            landed = self._receive(ep, slots, token, first, runs, (lambda: True) if why else (lambda: r.state.done), up)
-        finally:
-            if not why:
-                with self._lock:
-                    conn.busy_room = None
-                    r.bytes += landed
-                    self._cond.notify_all()
-        if why:
-            conn.ch.try_send(Kind.ABORT, room, why.encode())
+
+        def receive(stop: Callable[[], bool]) -> int:
+            return self._receive(ep, slots, token, first, runs, stop, up)
+
+        return Incoming(runs, receive, lambda: receive(lambda: True))
 
     def _receive(self, ep, slots: _Slots, token: bytes, first: int, runs: np.ndarray,
                  stop: Callable[[], bool], up: Callable[[], bool]) -> int:
         """Receive a write's messages; once `stop()` is true the rest go to scratch memory. Returns the
         bytes that landed in the pool."""
-        lay, pb, node = self.layout, self.layout.page_bytes, self._node
+        lay, pb, node = self._layout, self._layout.page_bytes, self._node
         regions = lay.num_layers * 2
         msgs = plan_messages(runs[:, 1], pb, regions)
         posted: collections.deque = collections.deque()     # (msg, request, slot or -1, into the pool?)
@@ -339,7 +344,7 @@ class UcxReceiver(Receiver):
                         buf, off = slots.get(k, m.nbytes), 0
                         for d, n in runs[m.run:m.end].tolist():
                             view = slots.runs_view(buf, n, off)
-                            self.buffer[:, :, d:d + n].copy_(view)
+                            self._pool[:, :, d:d + n].copy_(view)
                             off += view.numel() * view.element_size()
                         landed += m.nbytes
                     owner[k] = False
@@ -351,14 +356,14 @@ class UcxReceiver(Receiver):
             raise
         return landed
 
-    def _conn_lost(self, conn, reason: str) -> None:
-        super()._conn_lost(conn, reason)
-        state = self._conn_state.pop(conn, None)
+    def conn_lost(self, ch: Channel) -> None:
+        state = self._conn_state.pop(ch, None)
         if state is not None:
             self._eps.drop(state[0])
             cancel(state[0], [])
 
     def close(self) -> None:
-        super().close()
-        self._eps.close()
-        self._node.close()
+        if self._eps is not None:
+            self._eps.close()
+        if self._node is not None:
+            self._node.close()

@@ -1,8 +1,12 @@
-"""D side of the socket-based backends (tcp, shm, auto): owns D's pool and the room table.
+"""D side of the protocol, for every backend: owns D's pool, the room table and the control connections.
 
 Threads: one accept thread, plus one reader thread per sender connection that handles every frame
-of that connection in order (WRITE payloads are received straight into the pool). Public methods
-only take the room-table lock and send small frames.
+of that connection in order (a WRITE frame's bytes are received by the connection's data path,
+straight into the pool). Public methods only take the room-table lock and send small frames.
+
+Data paths (kvtransfer/datapath.py): the receiver accepts those it was given, advertises their
+entries in its metadata, hands WRITE frames to the connection's path, and checks and accounts WROTE
+notes of one-sided paths itself.
 
 Progress: a PROGRESS frame from the room's own sender is kept as the room's latest report (`poll`
 returns it, stamped with its arrival time on this side's clock); D's worker decides what it means
@@ -11,9 +15,9 @@ for the room's deadline. Every backend shares this control connection, so all of
 Failure: when a connection ends (EOF, reset, keepalive timeout) every unfinished room bound to it —
 or, if it was that sender's current connection, not yet bound to any — becomes FAILED.
 
-Abort: `abort(room)` fails the room, then (tcp) waits until the reader is not receiving into the
-room's pages (later writes of the room are drained and discarded) or (shm, where P writes the pages
-itself) sends ABORT and waits for P's ABORT_ACK, which P sends once its sender thread is past any copy
+Abort: `abort(room)` fails the room, then (two-sided paths: tcp, ucx) waits until the reader is not
+receiving into the room's pages (later writes of the room are drained and discarded) or (one-sided
+paths: shm, nixl, where P writes the pages itself) sends ABORT and waits for P's ABORT_ACK, which P sends once its sender thread is past any copy
 for that room. If the sender has not connected yet, the room is remembered and listed in the hello
 acknowledgement, so P learns before it can write. If an abort is not settled within
 `Timeouts.abort`, the connection is dropped (failing that sender's other rooms too).
@@ -26,15 +30,15 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtransfer.base import KVReceiver, PoolLayout, Progress, RoomState, RoomStatus, TransferError
+from kvtransfer.datapath import ReceiverPath
 from kvtransfer.protocol import handshake
-from kvtransfer.protocol.shm import Segment
-from kvtransfer.protocol.tcp import recv_pages
 from kvtransfer.protocol.wire import (
     HEADER,
     WROTE_BODY,
@@ -59,7 +63,7 @@ class _Conn:
         self.addr = addr
         self.peer_id: str | None = None      # proven by the handshake when the receiver has a key
         self.epoch = 0                       # the sender's boot epoch (0: it did not say)
-        self.path = ""                       # data path the sender announced: "tcp" | "shm"
+        self.path = ""                       # data path the sender announced (a key of Receiver._paths)
         self.alive = True
         self.busy_room: int | None = None    # room whose WRITE payload is being received into the pool
         self.awaiting: set[int] = set()      # shm rooms an abort() waits to see acknowledged
@@ -83,25 +87,19 @@ class _Room:
 
 
 class Receiver(KVReceiver):
-    # Data paths where the sender writes into our memory itself: an abort must wait for its
-    # ABORT_ACK (sent once its copy in flight is done) before the pages may be reused.
-    ONE_SIDED_PATHS: frozenset[str] = frozenset({"shm"})
-
-    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str = "tcp",
-                 backends: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True,
-                 secret: bytes | None = None):
-        """`secret`: the key senders must prove in the handshake (None: anyone may connect)."""
+    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str,
+                 paths: Sequence[ReceiverPath], timeouts: Timeouts = Timeouts(), secret: bytes | None = None):
+        """`paths`: the data paths senders may use, in order of preference (registry.py makes them);
+        from here on the receiver owns them. `secret`: the key senders must prove in the handshake
+        (None: anyone may connect)."""
         self.name = name
         self._key = secret
         self.refusals = handshake.RefusalLog()
         self.layout = layout
         self.worker_id = worker_id
-        self._backends = tuple(backends)
+        self._paths = {p.kind: p for p in paths}
+        self._backends = tuple(self._paths)
         self._timeouts = timeouts
-        self._native = native_iov
-        self._segment = Segment.create(layout, worker_id) if "shm" in self._backends else None
-        self._buffer = (self._segment.tensor(layout) if self._segment is not None
-                        else torch.zeros(layout.shape, dtype=layout.torch_dtype))
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._rooms: dict[int, _Room] = {}
@@ -111,16 +109,25 @@ class Receiver(KVReceiver):
         self._closed = False
         self.progress_reports = 0            # PROGRESS frames kept (an extra of this implementation)
         try:
-            self._listener = socket.create_server((host, 0))
-        except OSError as e:
-            if self._segment is not None:
-                self._segment.unlink()
-            raise TransferError(f"cannot listen on {host!r}: {e}") from e
+            self._buffer = next((m for p in self._paths.values() if (m := p.memory()) is not None), None)
+            if self._buffer is None:
+                self._buffer = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+            entries = {}
+            for p in self._paths.values():
+                entry = p.attach(self._buffer, lambda: bool(self._rooms))
+                if entry is not None:
+                    entries[p.kind] = entry
+            try:
+                self._listener = socket.create_server((host, 0))
+            except OSError as e:
+                raise TransferError(f"cannot listen on {host!r}: {e}") from e
+        except BaseException:
+            self._close_paths()
+            raise
         port = self._listener.getsockname()[1]
         advertised = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
-        self._meta = ReceiverMetadata(
-            worker_id=worker_id, layout=layout, host=advertised, port=port, backends=self._backends,
-            shm=self._segment.info() if self._segment is not None else None, progress=True)
+        self._meta = ReceiverMetadata(worker_id=worker_id, layout=layout, host=advertised, port=port,
+                                      backends=self._backends, progress=True, entries=entries)
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{worker_id}", daemon=True)
         self._accept_thread.start()
 
@@ -177,7 +184,7 @@ class Receiver(KVReceiver):
             if conn is None or not conn.alive:
                 self._tombstone(r.peer_id, room)
                 return
-            wait_ack = conn.path in self.ONE_SIDED_PATHS
+            wait_ack = self._paths[conn.path].one_sided
             if wait_ack:
                 conn.awaiting.add(room)
         conn.ch.try_send(Kind.ABORT, room, b"aborted by receiver")
@@ -218,10 +225,8 @@ class Receiver(KVReceiver):
                 self._fail(r, "receiver closed")
             conns = list(self._conns)
             self._cond.notify_all()
-        if self._segment is not None:
-            # First, so nothing below (joins with timeouts) can leave the file behind; peers' and our
-            # mappings stay valid after the unlink.
-            self._segment.unlink()
+        for p in self._paths.values():
+            p.shutdown()                     # first: nothing below (joins with timeouts) can keep a path reachable
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -233,6 +238,12 @@ class Receiver(KVReceiver):
             if c.thread is not None:
                 c.thread.join(self._timeouts.connect)
         self._listener.close()
+        self._close_paths()
+
+    def _close_paths(self) -> None:
+        for p in self._paths.values():
+            p.shutdown()
+            p.close()
 
     # ---- helpers ------------------------------------------------------------------------------------
 
@@ -395,17 +406,16 @@ class Receiver(KVReceiver):
         return r, why
 
     def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
-        if len(body) % 16:
-            raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
-        runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
-        r, why = self._admit_write(conn, room, runs, payload_len)
+        """A two-sided path's write: its path reads the bytes; this side decides whether they may land."""
+        incoming = self._paths[conn.path].incoming(conn.ch, body, payload_len)
+        r, why = self._admit_write(conn, room, incoming.runs, payload_len)
         if why:
-            conn.ch.drain(payload_len)
+            incoming.discard()
             conn.ch.try_send(Kind.ABORT, room, why.encode())
             return
         landed = 0
         try:
-            landed = recv_pages(conn.ch, self._buffer, self.layout, runs, lambda: r.state.done, self._native)
+            landed = incoming.receive(lambda: r.state.done)
         finally:
             with self._lock:
                 conn.busy_room = None
@@ -485,3 +495,5 @@ class Receiver(KVReceiver):
                     if r.conn is conn or (r.conn is None and current):
                         self._fail(r, f"connection from {conn.peer_id} lost: {reason}")
             self._cond.notify_all()
+        if conn.path:
+            self._paths[conn.path].conn_lost(conn.ch)

@@ -1,8 +1,8 @@
-"""P side of the socket-based backends (tcp, shm, auto): one persistent connection per peer.
+"""P side of the protocol, for every backend: one persistent control connection per peer.
 
-Per peer, two threads: a sender thread that runs the peer's FIFO of jobs (WRITE through the peer's
-data path — bytes on the socket for tcp, copies into D's mapped pool for shm — then FINISH, ABORT,
-ABORT_ACK frames), and a reader thread for D's replies (DONE -> SUCCESS, ABORT -> FAILED) that also
+Per peer, two threads: a sender thread that runs the peer's FIFO of jobs (writes through the peer's
+data path `Link` — bytes on the socket for tcp, copies into D's mapped pool for shm, NIXL WRITEs, UCX
+messages — then FINISH, ABORT, ABORT_ACK frames), and a reader thread for D's replies (DONE -> SUCCESS, ABORT -> FAILED) that also
 notices a dead connection at once (EOF/reset; keepalive for a silent host).
 
 Progress: `progress()` only queues a PROGRESS frame at the head of the peer's queue (the engine step
@@ -26,16 +26,16 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtransfer.base import KVSender, PoolLayout, Progress, RoomState, RoomStatus, TransferError
+from kvtransfer.datapath import Link, SenderPath
 from kvtransfer.protocol import handshake
 from kvtransfer.protocol.runs import merge_runs
-from kvtransfer.protocol.shm import Segment, ShmPath
-from kvtransfer.protocol.tcp import SocketPath
 from kvtransfer.protocol.wire import (
     MAX_BODY,
     Channel,
@@ -60,13 +60,13 @@ class _Job:
 
 
 class _Peer:
-    def __init__(self, peer_id: str, meta_bytes: bytes, meta: ReceiverMetadata, channel: Channel,
-                 path: SocketPath | ShmPath, lock: threading.Lock):
+    def __init__(self, peer_id: str, meta_bytes: bytes, meta: ReceiverMetadata, channel: Channel, link: Link,
+                 lock: threading.Lock):
         self.id = peer_id
         self.meta_bytes = meta_bytes
         self.meta = meta
         self.ch = channel
-        self.path = path
+        self.link = link
         self.cond = threading.Condition(lock)
         self.queue: collections.deque[_Job] = collections.deque()
         self.reports: dict[int, _Job] = {}       # room -> its PROGRESS job still in `queue`
@@ -89,11 +89,13 @@ class _Room:
 
 
 class Sender(KVSender):
-    def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str = "tcp",
-                 paths: tuple[str, ...] = ("tcp",), timeouts: Timeouts = Timeouts(), native_iov: bool = True,
-                 secret: bytes | None = None, boot_epoch: int = 0):
-        """`secret`: the key this sender proves in each handshake and requires receivers to prove (None:
-        no proof); `boot_epoch`: this process start, which receivers bind rooms to (0: not told)."""
+    def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str,
+                 paths: Sequence[SenderPath], timeouts: Timeouts = Timeouts(), secret: bytes | None = None,
+                 boot_epoch: int = 0):
+        """`paths`: the data paths to try for each peer, in order (registry.py makes them); from here on
+        the sender owns them. `secret`: the key this sender proves in each handshake and requires
+        receivers to prove (None: no proof); `boot_epoch`: this process start, which receivers bind
+        rooms to (0: not told)."""
         if tuple(buffer.shape) != layout.shape or buffer.dtype != layout.torch_dtype:
             raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} does not match {layout}")
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
@@ -103,8 +105,13 @@ class Sender(KVSender):
         self.worker_id = worker_id
         self._buffer = buffer
         self._paths = tuple(paths)
+        try:
+            for p in self._paths:
+                p.attach(buffer)
+        except BaseException:
+            self._close_paths()
+            raise
         self._timeouts = timeouts
-        self._native = native_iov
         self._key = secret
         self.boot_epoch = boot_epoch
         self._lock = threading.Lock()
@@ -142,6 +149,7 @@ class Sender(KVSender):
                         self._fail(self._rooms.setdefault(room, _Room(peer_id)), "aborted by receiver")
             if closed:
                 peer.ch.close()
+                peer.link.close()
                 raise TransferError("sender is closed")
             peer.writer = threading.Thread(target=self._write_loop, args=(peer,), daemon=True,
                                            name=f"kv-tx-{self.worker_id}->{peer_id}")
@@ -156,9 +164,14 @@ class Sender(KVSender):
             return peer is not None and peer.alive
 
     def path_kind(self, peer_id: str) -> str:
-        """The data path chosen for a connected peer: "tcp" | "shm"."""
+        """The data path chosen for a connected peer ("tcp", "shm", "nixl", "ucx")."""
         with self._lock:
-            return self._peers[peer_id].path.kind
+            return self._peers[peer_id].link.kind
+
+    def transports(self, peer_id: str) -> list:
+        with self._lock:
+            peer = self._peers.get(peer_id)
+        return peer.link.transports() if peer is not None else []
 
     def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
         if len(src_pages) != len(dst_pages):
@@ -261,6 +274,11 @@ class Sender(KVSender):
         for peer in peers:
             if peer.reader is not None:
                 peer.reader.join(self._timeouts.connect)
+        self._close_paths()
+
+    def _close_paths(self) -> None:
+        for p in self._paths:
+            p.close()
 
     # ---- helpers --------------------------------------------------------------------------------------
 
@@ -317,45 +335,38 @@ class Sender(KVSender):
         return True
 
     def _open(self, peer_id: str, metadata: bytes, meta: ReceiverMetadata) -> tuple[_Peer, list[int]]:
-        """Pick the data path, connect, and say hello; raises TransferError."""
-        reasons, chosen, segment = [], "", None
-        for kind in self._paths:
-            if kind not in meta.backends:
-                reasons.append(f"{kind}: not offered by the receiver")
-            elif kind == "shm":
-                try:
-                    if meta.shm is None:
-                        raise TransferError("no segment in the metadata")
-                    segment = Segment.open(meta.shm, meta.layout)
-                    chosen = kind
-                    break
-                except TransferError as e:
-                    reasons.append(f"shm: {e}")
-            else:
-                chosen = kind
+        """Pick the first data path that can reach the peer, connect, and say hello; raises TransferError."""
+        reasons, link = [], None
+        for path in self._paths:
+            if path.kind not in meta.backends:
+                reasons.append(f"{path.kind}: not offered by the receiver")
+                continue
+            try:
+                link = path.link(peer_id, meta)
                 break
-        if not chosen:
+            except TransferError as e:
+                reasons.append(f"{path.kind}: {e}")
+        if link is None:
             raise TransferError(f"no usable transfer path to {peer_id}: {'; '.join(reasons)}")
         try:
             sock = socket.create_connection((meta.host, meta.port), timeout=self._timeouts.connect)
         except OSError as e:
+            link.close()
             raise TransferError(f"cannot connect to {peer_id} at {meta.host}:{meta.port}: {e}") from e
         ch = Channel(sock)
         try:
             configure(sock, self._timeouts)
             aborted = handshake.open_connection(
                 ch, key=self._key, sender_id=self.worker_id, epoch=self.boot_epoch, receiver_id=meta.worker_id,
-                path=chosen, layout=self.layout, timeouts=self._timeouts)
-        except (OSError, TransferError) as e:
+                path=link.kind, layout=self.layout, timeouts=self._timeouts)
+            link.start(ch)
+        except BaseException as e:
             ch.close()
-            if isinstance(e, TransferError):
-                raise
-            raise TransferError(f"handshake with {peer_id} failed: {e}") from e
-        if chosen == "shm":
-            path = ShmPath(ch, self._buffer, segment, meta.layout)
-        else:
-            path = SocketPath(ch, self._buffer, self.layout, self._native)
-        return _Peer(peer_id, metadata, meta, ch, path, self._lock), aborted
+            link.close()
+            if isinstance(e, OSError):
+                raise TransferError(f"handshake with {peer_id} failed: {e}") from e
+            raise
+        return _Peer(peer_id, metadata, meta, ch, link, self._lock), aborted
 
     def _write_loop(self, peer: _Peer) -> None:
         while True:
@@ -377,7 +388,7 @@ class Sender(KVSender):
             nbytes = 0
             try:
                 if job.kind == Kind.WRITE:
-                    nbytes = peer.path.write(job.room, job.runs, lambda r=r: r.state.done)
+                    nbytes = peer.link.write(job.room, job.runs, lambda r=r: r.state.done)
                 else:
                     peer.ch.send(job.kind, job.room, job.body)
             except Exception as e:
@@ -417,7 +428,7 @@ class Sender(KVSender):
             if peer.writer is not None:
                 peer.writer.join()
             peer.ch.close()
-            peer.path.close()
+            peer.link.close()
 
         serve_until_lost(frames, lost, f"kv sender reader for {peer.id}")
 

@@ -18,6 +18,7 @@ namespace that shares /dev/shm).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import mmap
@@ -29,12 +30,14 @@ import struct
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.protocol.wire import Channel, Kind, ShmInfo, wrote_body
+from kvtransfer.datapath import Link, ReceiverPath, SenderPath
+from kvtransfer.protocol.wire import Kind, ReceiverMetadata, wrote_body
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"
@@ -43,6 +46,26 @@ _MAGIC = b"TANDEMKV"
 _HEAD = struct.Struct("<8s16sQ")      # magic, nonce, owner pid
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShmInfo:
+    """The "shm" entry of a receiver's metadata."""
+    path: str
+    size: int
+    offset: int
+    nonce: str
+    hostname: str
+
+    @classmethod
+    def from_metadata(cls, meta: ReceiverMetadata) -> ShmInfo:
+        entry = meta.entries.get("shm")
+        if entry is None:
+            raise TransferError("no segment in the metadata")
+        try:
+            return cls(**entry)
+        except TypeError as e:
+            raise TransferError(f"bad shm entry in the metadata: {e}") from e
 
 
 def _pool_bytes(layout: PoolLayout) -> int:
@@ -174,21 +197,58 @@ def cleanup_stale_segments(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-class ShmPath:
+class ShmReceiverPath(ReceiverPath):
+    """D side: the pool lives in a shared-memory segment that senders on this host map."""
+
+    kind = "shm"
+    one_sided = True
+
+    def __init__(self, layout: PoolLayout, host: str, worker_id: str):
+        self._layout = layout
+        self._worker_id = worker_id
+        self._segment: Segment | None = None
+
+    def memory(self) -> torch.Tensor:
+        self._segment = Segment.create(self._layout, self._worker_id)
+        return self._segment.tensor(self._layout)
+
+    def attach(self, pool: torch.Tensor, busy: Callable[[], bool]) -> dict:
+        assert self._segment is not None, "another data path provided the pool"
+        return dataclasses.asdict(self._segment.info())
+
+    def shutdown(self) -> None:
+        if self._segment is not None:
+            self._segment.unlink()      # peers' and our mappings stay valid after the unlink
+
+
+class ShmSenderPath(SenderPath):
+    """P side: maps each peer's segment once, if the peer is on this host."""
+
+    kind = "shm"
+
+    def __init__(self, layout: PoolLayout, worker_id: str):
+        self._src: torch.Tensor | None = None
+
+    def attach(self, pool: torch.Tensor) -> None:
+        self._src = pool
+
+    def link(self, peer_id: str, meta: ReceiverMetadata) -> ShmLink:
+        return ShmLink(self._src, Segment.open(ShmInfo.from_metadata(meta), meta.layout), meta.layout)
+
+
+class ShmLink(Link):
     """P side: copies page runs into the peer's mapped pool, then tells D with a WROTE note."""
 
     kind = "shm"
 
-    def __init__(self, channel: Channel, src: torch.Tensor, segment: Segment, dst_layout: PoolLayout):
-        self._ch = channel
+    def __init__(self, src: torch.Tensor, segment: Segment, dst_layout: PoolLayout):
         self._src = src
         self._segment = segment
         self._dst = segment.tensor(dst_layout)
         self._bytes_per_page = dst_layout.page_bytes * dst_layout.num_layers * 2
 
     def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
-        """Copy runs `[n, 3]` (src_start, dst_start, length); stops between runs once `stop()` is true.
-        Returns the bytes copied."""
+        """One strided copy per run over all layers and K/V; stops between runs once `stop()` is true."""
         src, dst = self._src, self._dst
         started = time.monotonic()
         pages = copied = 0
@@ -200,7 +260,7 @@ class ShmPath:
             copied += 1
         nbytes = pages * self._bytes_per_page
         # Same host, so CLOCK_MONOTONIC is shared: D times the room from the copy's start.
-        self._ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
+        self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
         return nbytes
 
     def close(self) -> None:

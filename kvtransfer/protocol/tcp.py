@@ -13,28 +13,66 @@ import numpy as np
 import torch
 
 from kvtransfer.base import PoolLayout
+from kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
 from kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
-from kvtransfer.protocol.wire import HEADER, Channel, Kind
+from kvtransfer.protocol.wire import HEADER, Channel, Kind, ProtocolError, ReceiverMetadata
 
 
 def _regions(layout: PoolLayout) -> np.ndarray:
     return np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
 
 
-class SocketPath:
-    """P side: sends a room's page runs over the channel (called from the peer's sender thread)."""
+class TcpReceiverPath(ReceiverPath):
+    """D side: reads a WRITE frame's pages from the control connection straight into the pool."""
 
     kind = "tcp"
 
-    def __init__(self, channel: Channel, src: torch.Tensor, layout: PoolLayout, native: bool = True):
-        self._ch = channel
+    def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, native_iov: bool = True):
+        self._layout = layout
+        self._native = native_iov
+        self._pool: torch.Tensor | None = None
+
+    def attach(self, pool: torch.Tensor, busy: Callable[[], bool]) -> None:
+        self._pool = pool
+
+    def incoming(self, ch: Channel, body: bytes, payload_len: int) -> Incoming:
+        if len(body) % 16:
+            raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
+        runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
+        return Incoming(runs, lambda stop: recv_pages(ch, self._pool, self._layout, runs, stop, self._native),
+                        lambda: ch.drain(payload_len))
+
+
+class TcpSenderPath(SenderPath):
+    """P side: any receiver that offers tcp is reachable (the control connection carries the pages)."""
+
+    kind = "tcp"
+
+    def __init__(self, layout: PoolLayout, worker_id: str, *, native_iov: bool = True):
+        self._layout = layout
+        self._native = native_iov
+        self._src: torch.Tensor | None = None
+
+    def attach(self, pool: torch.Tensor) -> None:
+        self._src = pool
+
+    def link(self, peer_id: str, meta: ReceiverMetadata) -> TcpLink:
+        return TcpLink(self._src, self._layout, self._native)
+
+
+class TcpLink(Link):
+    """P side: sends a room's page runs on the control channel (called from the peer's sender thread)."""
+
+    kind = "tcp"
+
+    def __init__(self, src: torch.Tensor, layout: PoolLayout, native: bool = True):
         self._src = src
         self._layout = layout
         self._regions = _regions(layout)
         self._native = native
 
     def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
-        """Send runs `[n, 3]` (src_start, dst_start, length); returns payload bytes.
+        """Sends runs `[n, 3]` (src_start, dst_start, length) as one WRITE frame.
 
         A started frame is always sent whole (the receiver drains what it no longer wants), so `stop`
         is not consulted: the in-flight write of an aborted room takes at most one frame's time.
@@ -43,15 +81,13 @@ class SocketPath:
         iov = page_iov(self._src.data_ptr(), self._regions, runs[:, 0], runs[:, 2], pb)
         body = np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
         payload = int(runs[:, 2].sum()) * len(self._regions) * pb
-        with self._ch.send_lock:
-            if self._ch.closed:
+        ch = self.ch
+        with ch.send_lock:
+            if ch.closed:
                 raise ConnectionError("channel closed")
-            self._ch.sock.sendall(HEADER.pack(Kind.WRITE, len(body), room, payload) + body)
-            send_iov(self._ch.sock, iov, self._native)
+            ch.sock.sendall(HEADER.pack(Kind.WRITE, len(body), room, payload) + body)
+            send_iov(ch.sock, iov, self._native)
         return payload
-
-    def close(self) -> None:
-        pass
 
 
 def recv_pages(channel: Channel, buffer: torch.Tensor, layout: PoolLayout, runs: np.ndarray,

@@ -22,11 +22,13 @@ sent only to receivers whose metadata has `"progress": true`. It needs no versio
 from before it never advertises the flag (an unknown frame kind would drop the connection), and a
 sender from before it never sends one, so D falls back to its fixed timeout.
 
-Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON:
+Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON with sorted keys:
 `{"version": 2, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
-  "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype},
-  "shm": null | {"path": str, "size": int, "offset": int, "nonce": hex str, "hostname": str},
-  "progress": bool}` (absent: false).
+  "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype}, "progress": bool,
+  "shm": null | {...}}` and one more entry for each data path that advertises one, under the path's
+name (what its `ReceiverPath.attach` returns; the protocol only carries it): "shm" (protocol/shm.py:
+path, size, offset, nonce, hostname; always written, null when the receiver offers no shm, as every
+v2 receiver did), "nixl" and "ucx" (kvtransfer/backends/). "progress" absent: false.
 `host:port` is the control socket (always present: even shm sends its control frames over it);
 `backends` lists the data paths the receiver accepts, in its order of preference.
 The opening exchange (CHALLENGE, HELLO, HELLO_ACK) and its proof of the shared secret: handshake.py.
@@ -42,7 +44,7 @@ import math
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvtransfer.base import PoolLayout, Progress, TransferError
@@ -83,13 +85,7 @@ class Timeouts:
     keepalive_cnt: int = 3
 
 
-@dataclass(frozen=True)
-class ShmInfo:
-    path: str
-    size: int
-    offset: int
-    nonce: str
-    hostname: str
+_CORE_KEYS = frozenset({"version", "worker_id", "backends", "host", "port", "layout", "progress"})
 
 
 @dataclass(frozen=True)
@@ -99,14 +95,14 @@ class ReceiverMetadata:
     host: str
     port: int
     backends: tuple[str, ...]
-    shm: ShmInfo | None = None
     progress: bool = False              # takes PROGRESS frames
+    entries: Mapping[str, dict] = dataclasses.field(default_factory=dict)   # data path name -> its entry
 
     def to_bytes(self) -> bytes:
         d = {
             "version": VERSION, "worker_id": self.worker_id, "backends": list(self.backends),
             "host": self.host, "port": self.port, "layout": dataclasses.asdict(self.layout),
-            "shm": dataclasses.asdict(self.shm) if self.shm else None, "progress": self.progress,
+            "shm": None, "progress": self.progress, **self.entries,
         }
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
@@ -118,10 +114,10 @@ class ReceiverMetadata:
                 raise TransferError(f"unsupported kvtransfer metadata version {d.get('version')!r}")
             return cls(
                 worker_id=str(d["worker_id"]), layout=PoolLayout(**d["layout"]), host=str(d["host"]),
-                port=int(d["port"]), backends=tuple(d["backends"]),
-                shm=ShmInfo(**d["shm"]) if d.get("shm") else None, progress=d.get("progress") is True,
+                port=int(d["port"]), backends=tuple(d["backends"]), progress=d.get("progress") is True,
+                entries={k: v for k, v in d.items() if k not in _CORE_KEYS and isinstance(v, dict)},
             )
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise TransferError(f"bad kvtransfer metadata: {e}") from e
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from kvtransfer import create_receiver, create_sender
@@ -39,7 +40,7 @@ class _Host:
         return wait_done(lambda: rx.poll(room), timeout)
 
     def segment_path(self, key: str) -> str:
-        return self.objs[key]._segment.path
+        return json.loads(self.objs[key].metadata())["shm"]["path"]
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)

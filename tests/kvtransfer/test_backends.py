@@ -25,6 +25,28 @@ def test_unknown_backend_lists_the_known_ones():
         create_sender("rdma", random_pool(SMALL, 0), SMALL, "P")
 
 
+def test_options_reach_the_parts_that_take_them_and_nothing_else():
+    with pytest.raises(TypeError, match="takes no option ucx"):
+        create_receiver("tcp", SMALL, "127.0.0.1", "D", ucx=None)
+    with pytest.raises(TypeError, match="takes no option require_rdma"):
+        create_sender("auto", random_pool(SMALL, 0), SMALL, "P", require_rdma=True)
+    # native_iov is tcp's (auto carries it to its tcp path), secret the protocol's: one round trip with both.
+    rx = create_receiver("auto", SMALL, "127.0.0.1", uid("D"), native_iov=False, secret=b"k" * 32)
+    pool = random_pool(SMALL, 1)
+    tx = create_sender("tcp", pool, SMALL, uid("P"), native_iov=False, secret=b"k" * 32, boot_epoch=7)
+    try:
+        tx.connect(rx.worker_id, rx.metadata())
+        assert tx.path_kind(rx.worker_id) == "tcp"
+        rx.expect(1, [3, 4], tx.worker_id, 7)
+        tx.write(rx.worker_id, 1, [5, 6], [3, 4])
+        tx.finish(rx.worker_id, 1, b"aux")
+        assert wait_done(lambda: rx.poll(1)).state == RoomState.SUCCESS
+        assert page_bytes(rx.buffer, [3, 4]) == page_bytes(pool, [5, 6])
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_importing_kvtransfer_loads_neither_nixl_nor_ucxx():
     code = ("import os, sys, kvtransfer; "
             "assert not {'nixl', 'nixl_cu12', 'ucxx'} & set(sys.modules), sorted(sys.modules); "

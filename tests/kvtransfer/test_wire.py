@@ -15,7 +15,6 @@ from kvtransfer.protocol.wire import (
     Kind,
     ProtocolError,
     ReceiverMetadata,
-    ShmInfo,
     parse_progress,
     progress_body,
 )
@@ -23,14 +22,31 @@ from kvtransfer.protocol.wire import (
 LAYOUT = PoolLayout(2, 64, 4, 2, 8, "bfloat16")
 
 
+SHM_ENTRY = {"path": "/dev/shm/tandem-kv-D-1-1-ab", "size": 4096 + 1024, "offset": 4096, "nonce": "00ff",
+             "hostname": "node-a"}
+
+
 def test_metadata_round_trip():
-    meta = ReceiverMetadata("D-1", LAYOUT, "10.0.0.5", 4242, ("shm", "tcp"),
-                            ShmInfo("/dev/shm/tandem-kv-D-1-1-ab", 4096 + 1024, 4096, "00ff", "node-a"))
+    meta = ReceiverMetadata("D-1", LAYOUT, "10.0.0.5", 4242, ("shm", "tcp"), progress=True,
+                            entries={"shm": SHM_ENTRY, "ucx": {"port": 7, "error_handling": "peer"}})
     data = meta.to_bytes()
     assert ReceiverMetadata.from_bytes(data) == meta
     assert json.loads(data)["version"] == VERSION
     plain = ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",))
     assert ReceiverMetadata.from_bytes(plain.to_bytes()) == plain
+
+
+def test_metadata_bytes_are_the_v2_format():
+    """The data paths' entries sit beside the core keys, sorted; "shm" is always there (null: none)."""
+    layout = '{"dtype":"bfloat16","head_dim":8,"kv_heads":2,"num_layers":2,"num_pages":64,"page_size":4}'
+    plain = ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",), progress=True)
+    assert plain.to_bytes().decode() == ('{"backends":["tcp"],"host":"h","layout":' + layout + ',"port":1,'
+                                         '"progress":true,"shm":null,"version":2,"worker_id":"D-2"}')
+    shm = ReceiverMetadata("D-1", LAYOUT, "h", 1, ("shm", "tcp"), entries={"shm": SHM_ENTRY})
+    assert json.loads(shm.to_bytes())["shm"] == SHM_ENTRY
+    nixl = ReceiverMetadata("D-3", LAYOUT, "h", 1, ("nixl",), entries={"nixl": {"agent": "a"}}).to_bytes()
+    assert nixl.decode().startswith('{"backends":["nixl"],"host":"h","layout":' + layout + ',"nixl":{"agent":"a"},')
+    assert json.loads(nixl)["shm"] is None
 
 
 @pytest.mark.parametrize("bad", [b"", b"not json", b'{"version": 99}', b'{"version": 1, "worker_id": "x"}'])
