@@ -17,7 +17,6 @@ The environment is read here and nowhere else (`InternalAuth.load`).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import logging
@@ -31,7 +30,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
-from services.common.arg_groups import SECURITY, arg_group
+from services.common.arg_groups import SECURITY
+from services.common.flags import SERVICES, Flag, Owner
 from services.common.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -160,18 +160,18 @@ def load_api_key(value: str | None, environ: Mapping[str, str] | None = None) ->
     return value.strip() if value is not None else None
 
 
-def add_internal_auth_arguments(p: argparse.ArgumentParser) -> None:
-    """The shared-secret flag of every service (workers, router, gateway, `tandem up`)."""
-    g = arg_group(p, SECURITY)
-    g.add_argument("--internal-token-file", default=None, metavar="PATH",
-                   help=f"file holding the shared secret that internal gRPC calls and KV transfers must present "
-                        f"(default: ${TOKEN_ENV}; neither set: internal endpoints are open; `tandem up` generates "
-                        f"one for its children). Health checks and metrics stay open")
-
-
-def add_api_key_argument(p: argparse.ArgumentParser, what: str) -> None:
-    g = arg_group(p, SECURITY)
-    g.add_argument("--api-key", default=None, help=f"{what} (default: ${API_KEY_ENV}; unset = no key required)")
+INTERNAL_TOKEN_FILE = Flag(
+    ("--internal-token-file",), SERVICES, SECURITY,
+    f"file holding the shared secret that internal gRPC calls and KV transfers must present (default: "
+    f"${TOKEN_ENV}; neither set: internal endpoints are open; `tandem up` generates one for its children). "
+    f"Health checks and metrics stay open", metavar="PATH")
+# `tandem up` passes it to its router and gateway in their environment (argv shows in `ps`).
+API_KEY = Flag(
+    ("--api-key",), Owner.ROUTER | Owner.GATEWAY | Owner.LAUNCHER, SECURITY,
+    f"require this key of API callers: `Authorization: Bearer KEY` on the HTTP gateway, the metadata "
+    f"`authorization: Bearer KEY` on the router's tandem.v1.Generation and its reflection (where the internal "
+    f"token, which the gateway sends, is accepted too) (default: ${API_KEY_ENV}; unset = no key required)",
+    up=Owner.LAUNCHER)
 
 
 def _host(peer: str) -> str:

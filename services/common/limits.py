@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from services.common.arg_groups import LIMITS, arg_group
+from services.common.arg_groups import LIMITS
+from services.common.flags import Flag, Owner
+
+_OWNERS = Owner.ROUTER | Owner.GATEWAY
 
 
 @dataclass(frozen=True)
@@ -64,29 +67,21 @@ class RequestLimits:
                                      f"are allowed (--max-stop-length)", param)
 
 
-def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    """The limit flags of the gateway, the router and `tandem up` (which forwards them to both)."""
-    d = RequestLimits()
-    g = arg_group(p, LIMITS)
-    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="BYTES",
-                   help="largest request: HTTP body on the gateway (413 beyond it), gRPC message on the router "
-                        "(RESOURCE_EXHAUSTED), like TGI's --payload-limit")
-    g.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens,
-                   help="most prompt tokens a request may have (HTTP 400 / INVALID_ARGUMENT beyond it; the router "
-                        "counts token-id prompts, text is counted by the gateway and the workers); 0: only the "
-                        "model's context length bounds them")
-    g.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens,
-                   help="the largest max_tokens a request may ask for (400 beyond it); 0: only the context length "
-                        "bounds it")
-    g.add_argument("--max-stop-sequences", type=int, default=d.max_stop_sequences,
-                   help="most stop strings per request (400 beyond it)")
-    g.add_argument("--max-stop-length", type=int, default=d.max_stop_length,
-                   help="most characters in one stop string (400 beyond it)")
-
-
-def limit_argv(args: argparse.Namespace) -> list[str]:
-    """The limit flags of `args` as a command line (`tandem up` -> gateway and router)."""
-    limits = RequestLimits.from_args(args)
-    return ["--max-request-bytes", str(limits.max_request_bytes), "--max-input-tokens", str(limits.max_input_tokens),
-            "--max-output-tokens", str(limits.max_output_tokens), "--max-stop-sequences",
-            str(limits.max_stop_sequences), "--max-stop-length", str(limits.max_stop_length)]
+# The gateway and the router enforce them; `tandem up` gives both what the user set.
+LIMIT_FLAGS = (
+    Flag(("--max-request-bytes",), _OWNERS, LIMITS,
+         "largest request: HTTP body on the gateway (413 beyond it), gRPC message on the router "
+         "(RESOURCE_EXHAUSTED), like TGI's --payload-limit", field="limits.max_request_bytes", type=int,
+         metavar="BYTES"),
+    Flag(("--max-input-tokens",), _OWNERS, LIMITS,
+         "most prompt tokens a request may have (HTTP 400 / INVALID_ARGUMENT beyond it; the router counts "
+         "token-id prompts, text is counted by the gateway and the workers); 0: only the model's context length "
+         "bounds them", field="limits.max_input_tokens", type=int),
+    Flag(("--max-output-tokens",), _OWNERS, LIMITS,
+         "the largest max_tokens a request may ask for (400 beyond it); 0: only the context length bounds it",
+         field="limits.max_output_tokens", type=int),
+    Flag(("--max-stop-sequences",), _OWNERS, LIMITS, "most stop strings per request (400 beyond it)",
+         field="limits.max_stop_sequences", type=int),
+    Flag(("--max-stop-length",), _OWNERS, LIMITS, "most characters in one stop string (400 beyond it)",
+         field="limits.max_stop_length", type=int),
+)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.arg_groups import SECURITY, arg_group
+from services.common.arg_groups import SECURITY
+from services.common.flags import Flag, Owner
 
 
 class TlsConfigError(ValueError):
@@ -57,27 +58,15 @@ class TlsFiles:
                                             certificate_chain=self.cert)
 
 
-def add_tls_arguments(p: argparse.ArgumentParser) -> None:
-    """Internal mTLS flags of workers, the router and `tandem up` (which forwards them)."""
-    g = arg_group(p, SECURITY)
-    g.add_argument("--tls-cert", default=None, metavar="PEM",
-                   help="internal gRPC mutual TLS: this process's certificate (with --tls-key and --tls-ca; "
-                        "default: none, internal gRPC in plaintext). Not used on public ports")
-    g.add_argument("--tls-key", default=None, metavar="PEM", help="internal gRPC mutual TLS: this process's private "
-                                                                  "key (default: none)")
-    g.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="internal gRPC mutual TLS: the CA that signed every internal peer's certificate "
-                        "(default: none)")
+TLS_FLAGS = tuple(
+    Flag((f"--tls-{name}",), Owner.WORKER | Owner.ROUTER, SECURITY, f"internal gRPC mutual TLS: {what}", metavar="PEM")
+    for name, what in (
+        ("cert", "this process's certificate (with --tls-key and --tls-ca; default: none, internal gRPC in "
+                 "plaintext). Not used on public ports"),
+        ("key", "this process's private key (default: none)"),
+        ("ca", "the CA that signed every internal peer's certificate (default: none)")))
 
 
 def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles.load(args.tls_cert, args.tls_key, args.tls_ca)
 
-
-def tls_argv(args: argparse.Namespace) -> list[str]:
-    """The TLS flags of `args` as a command line (`tandem up` -> workers and router)."""
-    out: list[str] = []
-    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-        if value:
-            out += [flag, value]
-    return out

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
-from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL, RESILIENCE, SECURITY, arg_group
-from services.common.auth import InternalAuth, add_internal_auth_arguments
-from services.common.limits import RequestLimits, add_limit_arguments
-
-API_KEY_ENV = "TANDEM_API_KEY"
+from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL
+from services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
+from services.common.flags import Flag, Owner, add_flags
+from services.common.limits import LIMIT_FLAGS, RequestLimits
+from services.common.shared_flags import DRAIN_TIMEOUT, HOST, MAX_INFLIGHT, PORT, REQUEST_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -45,10 +44,9 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
-        # The one place the gateway reads the environment: a key in argv would show in `ps`.
-        api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
         config = cls(
-            host=args.host, port=args.port, router=args.router, api_key=api_key, tokenizer=args.tokenizer,
+            host=args.host, port=args.port, router=args.router, api_key=load_api_key(args.api_key),
+            tokenizer=args.tokenizer,
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
             limits=RequestLimits.from_args(args),
@@ -57,27 +55,18 @@ class GatewayConfig:
         return config
 
 
+GATEWAY_FLAGS = (
+    HOST, PORT,
+    Flag(("--router",), Owner.GATEWAY, DEPLOYMENT, "the router's gRPC address host:port", field="router",
+         up=Owner.NONE),
+    Flag(("--tokenizer",), Owner.GATEWAY, MODEL,
+         "model folder to load the tokenizer (and generation_config.json) from (default: resolve the served "
+         "model id)", field="tokenizer"),
+    API_KEY, MAX_INFLIGHT,
+    Flag(("--max-n",), Owner.GATEWAY, LIMITS, "the largest `n` a request may ask for", field="max_n", type=int),
+    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS,
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = GatewayConfig()
-    where = arg_group(p, DEPLOYMENT)
-    where.add_argument("--host", default=d.host, help="address to listen on")
-    where.add_argument("--port", type=int, default=d.port, help="HTTP port (0 = pick a free one)")
-    where.add_argument("--router", default=d.router, help="the router's gRPC address host:port")
-    arg_group(p, MODEL).add_argument(
-        "--tokenizer", default=None,
-        help="model folder to load the tokenizer (and generation_config.json) from (default: resolve the "
-             "served model id)")
-    arg_group(p, SECURITY).add_argument(
-        "--api-key", default=None,
-        help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}; unset = no auth)")
-    limits = arg_group(p, LIMITS)
-    limits.add_argument("--max-inflight", type=int, default=d.max_inflight,
-                        help="requests in flight beyond which new ones get HTTP 429 at once")
-    limits.add_argument("--max-n", type=int, default=d.max_n, help="the largest `n` a request may ask for")
-    timeouts = arg_group(p, RESILIENCE)
-    timeouts.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
-                          help="seconds per generation (0 = none)")
-    timeouts.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
-                          help="seconds to let in-flight requests finish on SIGTERM")
-    add_internal_auth_arguments(p)
-    add_limit_arguments(p)
+    add_flags(p, GATEWAY_FLAGS, {Owner.GATEWAY: GatewayConfig()})

@@ -11,7 +11,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from services.common.auth import API_KEY_ENV, deployment_env  # the key the router and the gateway read
 from services.common.auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
@@ -23,6 +22,7 @@ from services.common.cpu_cores import (
     pin,
     plan_cores,
 )
+from services.launcher.config import UpConfig
 from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.supervisor import Supervisor
@@ -34,31 +34,6 @@ READY_JSON_PREFIX = "TANDEM_UP "
 RESTARTED_JSON_PREFIX = "TANDEM_RESTARTED "
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class UpConfig:
-    mode: str = "disagg"                 # disagg | colocated
-    num_prefill: int = 1
-    num_decode: int = 1
-    num_colocated: int = 1               # co-located workers (data-parallel replicas; --mode colocated)
-    host: str = "127.0.0.1"
-    port: int = 50051                    # router's public gRPC port (0: any free port)
-    redis_url: str | None = None         # None: embedded redis-server
-    transfer_backend: str = "auto"
-    policy: str = "cache_aware"
-    worker_args: tuple[str, ...] = ()    # engine flags forwarded to every worker
-    router_args: tuple[str, ...] = ()
-    ready_timeout_s: float = 600.0       # first run imports the default model
-    quiet: bool = False                  # no banner, no progress, no worker logs (errors only)
-    ready_json: bool = False             # print READY_JSON_PREFIX + summary JSON on stdout once up
-    stop_grace_s: float = 20.0           # SIGTERM -> SIGKILL; above the workers' drain timeout
-    gateway_port: int = 8000             # OpenAI-compatible HTTP gateway (0: any free port, -1: none)
-    gateway_args: tuple[str, ...] = ()
-    api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
-    cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
-    max_restarts: int = 20               # per process; 0: nothing is restarted (a dead router/gateway stops all)
-    internal_token_file: str | None = None  # None: $TANDEM_INTERNAL_TOKEN, else a fresh secret in the children's env
 
 
 def _printer(quiet: bool):
@@ -87,6 +62,26 @@ def worker_threads(cfg: UpConfig) -> int:
     """Split the machine's cores between the workers (oversubscribed torch threads spin and crawl)."""
     workers = sum(n for _, n in worker_roles(cfg))
     return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def worker_argv(cfg: UpConfig, role: str, name: str, url: str, cores: tuple[int, ...] | None) -> list[str]:
+    """A worker's command line: the flags `tandem up` forwards, then where it runs (its cores, or its
+    share of torch threads unless --num-threads was given; any free port; the registry; its id)."""
+    if cores is not None:   # a pinned worker runs one torch thread per core of its own (unless --num-threads)
+        placed = ["--cpu-cores", format_cpu_list(cores)]
+    else:
+        placed = ["--num-threads", str(worker_threads(cfg))] if "--num-threads" not in cfg.worker_args else []
+    return [role, *cfg.worker_args, *placed, "--port", "0", "--redis-url", url, "--worker-id", f"{name}-{os.getpid()}"]
+
+
+def router_argv(cfg: UpConfig, port: int, url: str) -> list[str]:
+    """The router's: the flags `tandem up` forwards, then its port, the registry and a metrics port."""
+    return ["router", *cfg.router_args, "--port", str(port), "--redis-url", url, "--metrics-port", "0"]
+
+
+def gateway_argv(cfg: UpConfig, port: int, router_addr: str) -> list[str]:
+    """The gateway's (after `python -m services.gateway`): forwarded flags, its port, its router."""
+    return [*cfg.gateway_args, "--port", str(port), "--router", router_addr]
 
 
 class _Interrupted(Exception):
@@ -172,16 +167,10 @@ def run_up(cfg: UpConfig) -> int:
             redis.start()
             url = redis.url
         env = _children_env(cfg)
-        threads = ["--num-threads", str(worker_threads(cfg))] if "--num-threads" not in cfg.worker_args else []
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
-                cores = plan.workers[len(workers)]
-                # A pinned worker runs one torch thread per core of its own (unless --num-threads).
-                placed = ["--cpu-cores", format_cpu_list(cores)] if cores is not None else threads
-                argv = python_cmd(role, *cfg.worker_args, *placed, "--host", cfg.host, "--port", "0",
-                                  "--redis-url", url, "--worker-id", f"{name}-{os.getpid()}",
-                                  "--transfer-backend", cfg.transfer_backend)
+                argv = python_cmd(*worker_argv(cfg, role, name, url, plan.workers[len(workers)]))
                 workers.append(Child(name, argv, env=env, on_line=on_line))
         say(f"Starting Tandem ({cfg.mode}): {len(workers)} worker(s), router"
             + (", gateway" if cfg.gateway_port >= 0 else "") + " ...")
@@ -190,10 +179,8 @@ def run_up(cfg: UpConfig) -> int:
             w.start()
         ready = [_wait_ready(w, cfg.ready_timeout_s, stop) for w in workers]
         def router_child(port: int) -> Child:
-            return Child("router", python_cmd(
-                "router", "--host", cfg.host, "--port", str(port), "--redis-url", url, "--mode", cfg.mode,
-                "--policy", cfg.policy, "--metrics-port", "0", *cfg.router_args), env=_router_env(cfg, env),
-                on_line=on_line)
+            return Child("router", python_cmd(*router_argv(cfg, port, url)), env=_router_env(cfg, env),
+                         on_line=on_line)
 
         router = router_child(cfg.port)
         router.start()
@@ -205,9 +192,9 @@ def run_up(cfg: UpConfig) -> int:
         if cfg.gateway_port >= 0:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
             def gateway_child(port: int) -> Child:
-                return Child("gateway", [sys.executable, "-m", "services.gateway", "--host", cfg.host,
-                                         "--port", str(port), "--router", router_ready["grpc_addr"],
-                                         *cfg.gateway_args], env=_router_env(cfg, env), on_line=on_line)
+                return Child("gateway", [sys.executable, "-m", "services.gateway",
+                                         *gateway_argv(cfg, port, router_ready["grpc_addr"])],
+                             env=_router_env(cfg, env), on_line=on_line)
 
             gateway = gateway_child(cfg.gateway_port)
             gateway.start()

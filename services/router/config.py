@@ -5,20 +5,24 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.common.arg_groups import (
-    DEPLOYMENT,
-    LIMITS,
-    OBSERVABILITY,
-    RESILIENCE,
-    ROUTING,
-    SCHEDULER,
-    arg_group,
+from services.common.arg_groups import DEPLOYMENT, RESILIENCE, ROUTING
+from services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
+from services.common.flags import Flag, Owner, add_flags
+from services.common.limits import LIMIT_FLAGS, RequestLimits
+from services.common.shared_flags import (
+    DRAIN_TIMEOUT,
+    HOST,
+    MAX_INFLIGHT,
+    METRICS_PORT,
+    MODEL_FLAG,
+    PORT,
+    QUEUE_FLAGS,
+    REDIS_URL,
+    REQUEST_TIMEOUT,
 )
-from services.common.auth import InternalAuth, add_api_key_argument, add_internal_auth_arguments, load_api_key
-from services.common.limits import RequestLimits, add_limit_arguments
-from services.common.tls import add_tls_arguments, tls_from_args
+from services.common.tls import TLS_FLAGS, tls_from_args
 from services.router.policy import policy_names
-from services.router.route_config import RouteConfig, add_route_arguments, route_config_from_args
+from services.router.route_config import ROUTE_FLAGS, RouteConfig, route_config_from_args
 from tandem.v1 import worker_pb2
 
 MODES = ("disagg", "colocated")
@@ -133,7 +137,7 @@ class RouterConfig:
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
             max_retries=args.retry_max_retries,
-            circuit_breaker=not args.disable_circuit_breaker,
+            circuit_breaker=args.circuit_breaker,
             cb_failure_threshold=args.cb_failure_threshold,
             cb_timeout_s=args.cb_timeout_duration_secs,
             discovery=args.discovery or "",
@@ -154,75 +158,61 @@ def _addr_list(values: list[str] | None) -> tuple[str, ...]:
     return tuple(a.strip() for v in values or () for a in v.split(",") if a.strip())
 
 
+def _addresses(role: str) -> Flag:
+    # A homonym of `tandem up`'s worker counts (tests/tandem/test_flags.py).
+    return Flag((f"--{role}",), Owner.ROUTER, DEPLOYMENT, f"static {role} worker addresses host:port, comma "
+                f"separated or repeated", action="append", metavar="ADDR", up=Owner.NONE)
+
+
+MODE = Flag(("--mode",), Owner.ROUTER | Owner.LAUNCHER, DEPLOYMENT,
+            "disagg: separate prefill and decode workers, a request goes to a pair; colocated: each worker does "
+            "both", field="mode", choices=MODES)
+POLICY = Flag(("--policy",), Owner.ROUTER, ROUTING,
+              "how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill work "
+              "(least_load), or the best prefix-cache match unless loads are imbalanced (cache_aware)",
+              field="policy", choices=policy_names)
+# Discovery: `tandem up` runs the router on its own Redis, so none of these is a flag of `up`.
+_DISCOVERY_FLAGS = (
+    Flag(("--discovery",), Owner.ROUTER, DEPLOYMENT,
+         "where workers are found: redis, static (--prefill/--decode lists) or k8s (ready EndpointSlices labelled "
+         "tandem.ai/role; default: redis with --redis-url, else static)", choices=DISCOVERY, up=Owner.NONE),
+    Flag(("--k8s-namespace",), Owner.ROUTER, DEPLOYMENT, "k8s discovery: namespace (default: the pod's)",
+         field="k8s_namespace", up=Owner.NONE),
+    Flag(("--k8s-selector",), Owner.ROUTER, DEPLOYMENT, "k8s discovery: label selector of worker EndpointSlices",
+         field="k8s_selector", up=Owner.NONE),
+    Flag(("--k8s-api-server",), Owner.ROUTER, DEPLOYMENT,
+         "k8s discovery: API server URL (default: in-cluster service account, then ~/.kube/config)",
+         field="k8s_api_server", up=Owner.NONE),
+    Flag(("--registry-prefix",), Owner.ROUTER, DEPLOYMENT, "key prefix of the Redis registry",
+         field="registry_prefix", up=Owner.NONE),
+    _addresses("prefill"), _addresses("decode"), _addresses("colocated"),
+    Flag(("--probe-interval",), Owner.ROUTER, DEPLOYMENT,
+         "seconds between probes of static workers: gRPC health, and what each worker says it is "
+         "(WorkerIdentity: id, boot epoch, model); 0: asked once, never dropped", field="probe_s", type=float,
+         up=Owner.NONE),
+)
+# Retries and circuit breakers, under SGLang router's names.
+RESILIENCE_FLAGS = (
+    Flag(("--retry-max-retries",), Owner.ROUTER, RESILIENCE,
+         "a request that fails with UNAVAILABLE before anything reached the client is tried again on another "
+         "(prefill, decode) pair, up to this many times", field="max_retries", type=int),
+    Flag(("--cb-failure-threshold",), Owner.ROUTER, RESILIENCE,
+         "consecutive UNAVAILABLE failures after which a worker's circuit opens (it gets no new requests until "
+         "the timeout passes, unless every worker of its role is open)", field="cb_failure_threshold", type=int),
+    Flag(("--cb-timeout-duration-secs",), Owner.ROUTER, RESILIENCE,
+         "seconds an opened circuit keeps its worker out; doubles while it keeps failing", field="cb_timeout_s",
+         type=float),
+    Flag(("--disable-circuit-breaker",), Owner.ROUTER, RESILIENCE,
+         "never skip a failing worker (requests are still retried on another pair; default: a worker's circuit "
+         "opens after --cb-failure-threshold failures)", field="circuit_breaker", action="store_false",
+         dest="circuit_breaker"),
+)
+ROUTER_FLAGS = (
+    HOST, PORT, MODE, REDIS_URL, *_DISCOVERY_FLAGS, MODEL_FLAG, POLICY, *ROUTE_FLAGS, METRICS_PORT, MAX_INFLIGHT,
+    *QUEUE_FLAGS, REQUEST_TIMEOUT, DRAIN_TIMEOUT, API_KEY, INTERNAL_TOKEN_FILE, *TLS_FLAGS, *LIMIT_FLAGS,
+    *RESILIENCE_FLAGS,
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = RouterConfig()
-    where = arg_group(p, DEPLOYMENT)
-    where.add_argument("--host", default=d.host, help="address to listen on")
-    where.add_argument("--port", type=int, default=d.port, help="gRPC port (0 = pick a free one)")
-    where.add_argument("--mode", choices=MODES, default=d.mode,
-                       help="route to prefill+decode pairs or to co-located workers")
-    where.add_argument("--redis-url", default=None,
-                       help="registry, e.g. redis://127.0.0.1:6379/0 or unix:///path/redis.sock")
-    where.add_argument("--discovery", choices=DISCOVERY, default=None,
-                       help="where workers are found: redis, static (--prefill/--decode lists) or k8s (ready "
-                            "EndpointSlices labelled tandem.ai/role; default: redis with --redis-url, else static)")
-    where.add_argument("--k8s-namespace", default=d.k8s_namespace,
-                       help="k8s discovery: namespace (default: the pod's)")
-    where.add_argument("--k8s-selector", default=d.k8s_selector,
-                       help="k8s discovery: label selector of worker EndpointSlices")
-    where.add_argument("--k8s-api-server", default=None,
-                       help="k8s discovery: API server URL (default: in-cluster service account, then "
-                            "~/.kube/config)")
-    where.add_argument("--registry-prefix", default=d.registry_prefix, help="key prefix of the Redis registry")
-    where.add_argument("--prefill", action="append", help="static prefill worker addresses host:port, comma separated")
-    where.add_argument("--decode", action="append", help="static decode worker addresses, comma separated")
-    where.add_argument("--colocated", action="append", help="static co-located worker addresses, comma separated")
-    where.add_argument("--model", default=d.model, help="model id of static workers (reported by ListModels)")
-    where.add_argument("--probe-interval", type=float, default=d.probe_s,
-                       help="seconds between gRPC health probes of static workers (0 = never drop them)")
-    arg_group(p, ROUTING).add_argument(
-        "--policy", choices=policy_names(), default=d.policy,
-        help="how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill work "
-             f"(least_load), or the best prefix-cache match unless loads are imbalanced (cache_aware) "
-             f"(default: {d.policy})")
-    add_route_arguments(p)
-    arg_group(p, OBSERVABILITY).add_argument("--metrics-port", type=int, default=d.metrics_port,
-                                             help="Prometheus port (0 = pick free, -1 = off)")
-    arg_group(p, LIMITS).add_argument("--max-inflight", type=int, default=d.max_inflight,
-                                      help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED at once")
-    queue = arg_group(p, SCHEDULER)
-    queue.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                       help="requests beyond --max-inflight that wait for a slot; when full, the one that would "
-                            "be served last (the newcomer unless it outranks someone) gets RESOURCE_EXHAUSTED at "
-                            "once; 0: none wait")
-    queue.add_argument("--enable-priority-scheduling", action="store_true",
-                       help="waiting requests are served by `priority`, then arrival (default: arrival only)")
-    queue.add_argument("--low-priority-values-first", action="store_true",
-                       help="a lower `priority` value is more urgent (default: a higher one)")
-    timeouts = arg_group(p, RESILIENCE)
-    timeouts.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
-                          help="seconds per request (0 = none)")
-    timeouts.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
-                          help="seconds to let in-flight requests finish on SIGTERM")
-    add_api_key_argument(p, "callers of tandem.v1.Generation (and of reflection) must send the gRPC metadata "
-                            "`authorization: Bearer KEY` (or the internal token, as the gateway does)")
-    add_internal_auth_arguments(p)
-    add_tls_arguments(p)
-    add_limit_arguments(p)
-    add_resilience_arguments(p, d)
-
-
-def add_resilience_arguments(p: argparse.ArgumentParser, d: RouterConfig) -> None:
-    """Retry and circuit-breaker flags (SGLang router names); `tandem up` takes and forwards them too."""
-    g = arg_group(p, RESILIENCE)
-    g.add_argument("--retry-max-retries", type=int, default=d.max_retries,
-                   help="a request that fails with UNAVAILABLE before anything reached the client is tried again "
-                        "on another (prefill, decode) pair, up to this many times")
-    g.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
-                   help="consecutive UNAVAILABLE failures after which a worker's circuit opens (it gets no new "
-                        "requests until the timeout passes, unless every worker of its role is open)")
-    g.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_s,
-                   help="seconds an opened circuit keeps its worker out; doubles while it keeps failing")
-    g.add_argument("--disable-circuit-breaker", action="store_true",
-                   help="never skip a failing worker (requests are still retried on another pair; default: a "
-                        "worker's circuit opens after --cb-failure-threshold failures)")
+    add_flags(p, ROUTER_FLAGS, {Owner.ROUTER: RouterConfig()})

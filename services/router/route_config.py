@@ -1,12 +1,13 @@
-"""How the router weighs cache, load and local prefill: one frozen dataclass and its flags, shared by
-`tandem router` and `tandem up` (which forwards every one of them that was set)."""
+"""How the router weighs cache, load and local prefill: one frozen dataclass and its flags (which
+`tandem up` takes too and forwards when set)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from services.common.arg_groups import ROUTING, arg_group
+from services.common.arg_groups import ROUTING
+from services.common.flags import Flag, Owner
 
 # Measured (docs/benchmarks.md, "KV-aware routing"): under long-prompt load a prompt of up to 1,024
 # tokens got its first token sooner from the decode worker's own mixed-chunk prefill than through a
@@ -33,27 +34,23 @@ class RouteConfig:
             raise ValueError(f"--prefix-cache-ttl must be > 0, got {self.prefix_cache_ttl_s}")
 
 
-def add_route_arguments(p: argparse.ArgumentParser) -> None:
-    d = RouteConfig()
-    g = arg_group(p, ROUTING)
-    g.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
-                   help="disagg: a prompt whose part not cached on its decode worker is at most this many tokens "
-                        "is prefilled there (mixed chunks) instead of on a prefill worker; 0: only fully cached "
-                        f"prompts, -1: never by size (default: {d.local_prefill_max_tokens})")
-    g.add_argument("--max-prefill-queue-tokens", type=int, default=d.max_prefill_queue_tokens,
-                   help="disagg: a prefill worker with more prompt tokens than this queued is saturated; when all "
-                        "are, a prompt is prefilled on its decode worker if that is sooner "
-                        f"(0: never saturated; default: {d.max_prefill_queue_tokens})")
-    g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-                   help="cache_aware: when the busiest worker has more than this many requests over the idlest "
-                        "(and --balance-rel-threshold times as many), pick by load, not cache "
-                        f"(default: {d.balance_abs_threshold})")
-    g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
-                   help="cache_aware: ... and more than this many times the idlest's requests "
-                        f"(default: {d.balance_rel_threshold})")
-    g.add_argument("--prefix-cache-ttl", type=float, default=d.prefix_cache_ttl_s,
-                   help="seconds after its last use that the router stops counting a routed prefix as cached "
-                        f"on a worker (default: {d.prefix_cache_ttl_s:g})")
+ROUTE_FLAGS = tuple(
+    Flag((name,), Owner.ROUTER, ROUTING, text, field=f"route.{field}", type=kind)
+    for name, field, kind, text in (
+        ("--local-prefill-max-tokens", "local_prefill_max_tokens", int,
+         "disagg: a prompt whose part not cached on its decode worker is at most this many tokens is prefilled "
+         "there (mixed chunks) instead of on a prefill worker; 0: only fully cached prompts, -1: never by size"),
+        ("--max-prefill-queue-tokens", "max_prefill_queue_tokens", int,
+         "disagg: a prefill worker with more prompt tokens than this queued is saturated; when all are, a prompt "
+         "is prefilled on its decode worker if that is sooner (0: never saturated)"),
+        ("--balance-abs-threshold", "balance_abs_threshold", int,
+         "cache_aware: when the busiest worker has more than this many requests over the idlest (and "
+         "--balance-rel-threshold times as many), pick by load, not cache"),
+        ("--balance-rel-threshold", "balance_rel_threshold", float,
+         "cache_aware: ... and more than this many times the idlest's requests"),
+        ("--prefix-cache-ttl", "prefix_cache_ttl_s", float,
+         "seconds after its last use that the router stops counting a routed prefix as cached on a worker"),
+    ))
 
 
 def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
@@ -67,14 +64,3 @@ def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
     cfg.validate()
     return cfg
 
-
-def route_argv(args: argparse.Namespace) -> list[str]:
-    """The routing flags of `args` that differ from their defaults, as a router command line."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_route_arguments(parser)
-    out: list[str] = []
-    for action in parser._actions:
-        value = getattr(args, action.dest)
-        if value != action.default:
-            out += [action.option_strings[0], str(value)]
-    return out

@@ -1,13 +1,19 @@
-"""A worker process's service-level config (the engine's is engine.config.EngineConfig)."""
+"""A worker process's service-level config (the engine's is engine.config.EngineConfig) and its flags."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import socket
 from dataclasses import dataclass, field
 
-from services.common.auth import InternalAuth
+from services.common.arg_groups import DEPLOYMENT, DISAGGREGATION, OBSERVABILITY, RESILIENCE
+from services.common.auth import INTERNAL_TOKEN_FILE, InternalAuth
+from services.common.cpu_cores import CpuListError, parse_worker_cores
+from services.common.flags import Flag, Owner
+from services.common.shared_flags import DRAIN_TIMEOUT, HOST, METRICS_PORT, PORT, REDIS_URL
+from services.common.tls import TLS_FLAGS
 from services.worker.faults import FaultConfig
 
 
@@ -53,3 +59,73 @@ class WorkerConfig:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+
+def _cpu_cores(text: str) -> tuple[int, ...] | None:
+    try:
+        return parse_worker_cores(text)
+    except CpuListError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_W = Owner.WORKER
+WORKER_FLAGS = (
+    HOST, PORT,
+    Flag(("--advertise-host",), _W, DEPLOYMENT, "address peers use to reach this worker (default: --host)",
+         field="advertise_host", up=Owner.NONE),
+    Flag(("--worker-id",), _W, DEPLOYMENT,
+         "this worker's id in the registry and in logs (default: ROLE-HOSTNAME-PID)", field="worker_id",
+         up=Owner.NONE),
+    REDIS_URL,
+    Flag(("--pod-uid",), _W, DEPLOYMENT,
+         "Kubernetes pod UID (downward API metadata.uid), reported to Kubernetes discovery", field="pod_uid",
+         up=Owner.NONE),
+    # A homonym of `tandem up --cpu-cores`, which places every worker (tests/tandem/test_flags.py).
+    Flag(("--cpu-cores",), _W, DEPLOYMENT,
+         "pin this worker to these cores (Linux cpulist: 0, 0-3, 0,2) and run one torch thread per core unless "
+         "--num-threads is given; none/nobind: no pinning (the default)", field="cpu_cores", type=_cpu_cores,
+         metavar="LIST", up=Owner.NONE),
+    Flag(("--transfer-backend",), _W, DISAGGREGATION, "auto | shm | tcp | nixl | ucx", field="transfer_backend"),
+    Flag(("--bootstrap-timeout",), _W, DISAGGREGATION,
+         "seconds a request waits for its peer worker's half of the bootstrap handshake before it fails on both "
+         "sides", field="bootstrap_timeout_s", type=float),
+    Flag(("--transfer-timeout",), _W, DISAGGREGATION,
+         "seconds without progress before a request's KV transfer fails on both sides: on a decode worker, since "
+         "the bootstrap or the prefill worker's last progress report (a long prefill on a slow CPU is waited for "
+         "while it keeps reporting); on a prefill worker, after its last chunk is computed",
+         field="transfer_timeout_s", type=float),
+    Flag(("--max-queue",), _W, DISAGGREGATION,
+         "prefill: bootstrap rooms (requests waiting for their decode worker's half of the handshake) beyond "
+         "which new ones get RESOURCE_EXHAUSTED; queues waiting for compute are bounded by --max-queued-requests",
+         field="max_queue", type=int),
+    Flag(("--require-rdma",), _W, DISAGGREGATION,
+         "nixl/ucx: exit at start without an RDMA device, refuse peers UCX reaches without RDMA",
+         field="require_rdma", action="store_true"),
+    Flag(("--watchdog-timeout",), _W, RESILIENCE,
+         "an engine step (scheduling + forward pass) still running after this long logs every thread's stack and "
+         "exits the worker non-zero, for its supervisor to restart; 0: off", field="watchdog_timeout_s",
+         type=float, metavar="SECONDS"),
+    DRAIN_TIMEOUT, METRICS_PORT,
+    Flag(("--log-stats-interval",), _W, OBSERVABILITY,
+         "while busy, log one line this often: running/queued requests, prefill and decode tokens/s, KV usage "
+         "(like SGLang's decode log); 0: off", field="log_stats_interval_s", type=float, metavar="SECONDS"),
+    Flag(("--profile-dir",), _W, OBSERVABILITY,
+         "where `POST /profile?steps=N` on the metrics port writes torch.profiler Chrome traces (default: "
+         "$TANDEM_CACHE_DIR/profiles, else ~/.cache/tandem/profiles)", field="profile_dir"),
+    Flag(("--step-trace-dir",), _W, OBSERVABILITY,
+         "append one JSON line per forward pass (end time, kind, decode tokens, prefill tokens, seconds) to "
+         "DIR/<worker id>.jsonl; `python -m bench.sched_sim` fits its step costs to these (default: off)",
+         field="step_trace_dir", metavar="DIR"),
+    Flag(("--peer-probe-interval",), _W, RESILIENCE,
+         "probe the liveness of every peer worker this one has requests with this often; a peer that misses 3 "
+         "probes in a row fails only its own requests, at once; 0: off", field="peer_probe_s", type=float,
+         metavar="SECONDS"),
+    Flag(("--fault-inject",), _W, RESILIENCE,
+         "inject faults for tests and chaos drills, e.g. transfer_fail=0.1,transfer_delay_ms=50,forward_delay_ms=20 "
+         "(also seed=N); refused without --enable-fault-injection or TANDEM_ALLOW_FAULTS=1 (default: none)",
+         default="", metavar="SPEC"),
+    Flag(("--enable-fault-injection",), _W, RESILIENCE,
+         "allow --fault-inject (off by default: it makes requests fail on purpose)", default=False,
+         action="store_true"),
+    INTERNAL_TOKEN_FILE, *TLS_FLAGS,
+)

@@ -96,8 +96,8 @@ def test_up_help_shows_every_flag_once_in_its_group_with_its_default_once():
     entries = {f: e for t in titles for e in sections[t] for f in _flag_of(e)}
     assert "(default: on)" in entries["--enable-mixed-chunk"] and "default" not in entries["--disable-mixed-chunk"]
     from services.worker.config import WorkerConfig
-    assert f"(default: {WorkerConfig(role='').drain_timeout_s:g})" in entries["--drain-timeout"]
-    assert entries["--policy"].rstrip().endswith("cache_aware (default: cache_aware)")
+    assert f"(default: {WorkerConfig(role='').drain_timeout_s})" in entries["--drain-timeout"]
+    assert entries["--policy"].rstrip().endswith("(cache_aware) (default: cache_aware)")
 
 
 @pytest.mark.parametrize(("path", "parser"), [(p, parser) for p, parser, _ in ALL if len(p) > 1],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.router.config import RouterConfig
 from tandem.cli import build_parser
 from tandem.engine_args import engine_config_from_args
-from tandem.up_cmd import _engine_argv, _router_argv
+from tandem.up_cmd import router_args, worker_args
 
 FLAGS = ["--max-queued-requests", "7", "--enable-priority-scheduling", "--low-priority-values-first",
          "--priority-preemption-threshold", "3"]
@@ -22,20 +22,20 @@ def test_worker_flags_build_the_engine_config():
 
 def test_up_forwards_them_to_workers_and_router():
     args = build_parser().parse_args(["up", *FLAGS, "--watchdog-timeout", "9"])
-    worker = build_parser().parse_args(["decode", *_engine_argv(args)])
+    worker = build_parser().parse_args(["decode", *worker_args(args)])
     assert engine_config_from_args(worker).max_queued_requests == 7 and worker.watchdog_timeout == 9
     assert worker.enable_priority_scheduling and worker.low_priority_values_first
     router = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
-                                                                *_router_argv(args)]))
+                                                                *router_args(args)]))
     assert (router.max_queued_requests, router.enable_priority_scheduling, router.low_priority_values_first) == \
         (7, True, True)
-    traced = build_parser().parse_args(["colocated", *_engine_argv(build_parser().parse_args(
+    traced = build_parser().parse_args(["colocated", *worker_args(build_parser().parse_args(
         ["up", "--step-trace-dir", "/tmp/steps"]))])
     assert traced.step_trace_dir == "/tmp/steps"
     # Not given: the router keeps its own default (no queue), the workers theirs.
     default = build_parser().parse_args(["up"])
-    assert "--max-queued-requests" not in _router_argv(default)
-    assert "--watchdog-timeout" not in _engine_argv(default) and "--step-trace-dir" not in _engine_argv(default)
+    assert "--max-queued-requests" not in router_args(default)
+    assert "--watchdog-timeout" not in worker_args(default) and "--step-trace-dir" not in worker_args(default)
 
 
 def test_up_forwards_every_engine_flag_to_workers():
@@ -67,7 +67,7 @@ def test_up_forwards_every_engine_flag_to_workers():
         set(values) | set(switches), "a new engine flag needs a value here"
     argv = [x for kv in values.items() for x in kv] + switches
     up = build_parser().parse_args(["up", *argv])
-    worker = engine_config_from_args(build_parser().parse_args(["colocated", *_engine_argv(up)]))
+    worker = engine_config_from_args(build_parser().parse_args(["colocated", *worker_args(up)]))
     assert worker == engine_config_from_args(build_parser().parse_args(["colocated", *argv]))
     default = dataclasses.asdict(EngineConfig())
     no_flag = {"seed", "init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps"}
@@ -81,7 +81,7 @@ def test_up_forwards_the_routing_flags_to_the_router():
              "3", "--balance-rel-threshold", "2.5", "--prefix-cache-ttl", "7"]
     args = build_parser().parse_args(["up", "--policy", "cache_aware", *flags])
     router = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
-                                                                "--policy", args.policy, *_router_argv(args)]))
+                                                                "--policy", args.policy, *router_args(args)]))
     assert router.policy == "cache_aware"
     assert router.route == RouteConfig(-1, 100, 3, 2.5, 7.0)
-    assert not set(_router_argv(build_parser().parse_args(["up"]))) & set(flags[::2])  # defaults: the router's own
+    assert not set(router_args(build_parser().parse_args(["up"]))) & set(flags[::2])  # defaults: the router's own

@@ -6,18 +6,18 @@ from __future__ import annotations
 from services.common.auth import API_KEY_ENV, TOKEN_ENV
 from services.launcher.up import UpConfig, _children_env, _router_env
 from tandem.cli import build_parser
-from tandem.up_cmd import _engine_argv, _router_argv, _token_file_flag
+from tandem.up_cmd import gateway_args, router_args, worker_args
 
 
 def test_a_token_file_given_to_up_goes_to_workers_router_and_gateway(tmp_path):
     path = str(tmp_path / "token")
     up = build_parser().parse_args(["up", "--internal-token-file", path])
     for role in ("prefill", "decode", "colocated"):
-        assert build_parser().parse_args([role, *_engine_argv(up)]).internal_token_file == path
-    router = build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2", *_router_argv(up)])
+        assert build_parser().parse_args([role, *worker_args(up)]).internal_token_file == path
+    router = build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2", *router_args(up)])
     assert router.internal_token_file == path
-    assert build_parser().parse_args(["gateway", *_token_file_flag(up)]).internal_token_file == path
-    assert "--internal-token-file" not in _engine_argv(build_parser().parse_args(["up"]))
+    assert build_parser().parse_args(["gateway", *gateway_args(up)]).internal_token_file == path
+    assert "--internal-token-file" not in worker_args(build_parser().parse_args(["up"]))
 
 
 def test_up_gives_its_children_a_secret_in_their_environment_and_the_key_to_the_api_services(monkeypatch):

@@ -28,7 +28,7 @@ from engine.scheduler.batch import SeqStep, StepBatch  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
 from tandem.cli import build_parser  # noqa: E402
 from tandem.engine_args import engine_config_from_args  # noqa: E402
-from tandem.up_cmd import _engine_argv  # noqa: E402
+from tandem.up_cmd import worker_args  # noqa: E402
 from tests.engine.test_engine_vs_hf import random_prompts  # noqa: E402
 
 SIZES = (1, 4)
@@ -198,7 +198,7 @@ def test_graph_flags_build_the_config():
     assert engine_config_from_args(build_parser().parse_args(["decode"])).enable_graph is None
     # `tandem up` forwards them to its workers (the prefill worker then turns graphs off itself).
     up = build_parser().parse_args(["up", "--disable-cuda-graph", "--graph-bs", "2,1"])
-    worker = engine_config_from_args(build_parser().parse_args(["decode", *_engine_argv(up)]))
+    worker = engine_config_from_args(build_parser().parse_args(["decode", *worker_args(up)]))
     assert (worker.enable_graph, worker.graph_bs) == (False, (1, 2))
 
 

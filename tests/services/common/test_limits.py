@@ -13,7 +13,7 @@ from engine.errors import InvalidRequest
 from services.common.limits import RequestLimits
 from services.router.config import RouterConfig
 from tandem.cli import build_parser
-from tandem.up_cmd import _router_argv
+from tandem.up_cmd import router_args
 from tandem.v1 import generation_pb2
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import FakeDecode, FakePrefill
@@ -91,7 +91,7 @@ def test_up_forwards_the_limits_to_router_and_gateway():
     up = build_parser().parse_args(["up", *flags])
     expected = RequestLimits(5000, 7, 9, 3, 11)
     router = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
-                                                               *_router_argv(up)]))
+                                                               *router_args(up)]))
     assert router.limits == expected
     gateway = GatewayConfig.from_args(build_parser().parse_args(["gateway", *flags]))
     assert gateway.limits == expected

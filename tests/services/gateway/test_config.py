@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from services.gateway.config import API_KEY_ENV, GatewayConfig
+from services.common.auth import API_KEY_ENV
+from services.gateway.config import GatewayConfig
 from tandem import gateway_cmd
 
 

@@ -103,12 +103,12 @@ def test_a_decode_failure_due_to_its_prefill_peer_is_retried_without_that_prefil
 def test_up_forwards_the_retry_and_breaker_flags_to_the_router():
     from services.router.config import RouterConfig
     from tandem.cli import build_parser
-    from tandem.up_cmd import _router_argv
+    from tandem.up_cmd import router_args
 
     up = build_parser().parse_args(["up", "--retry-max-retries", "2", "--cb-failure-threshold", "7",
                                     "--cb-timeout-duration-secs", "1.5", "--disable-circuit-breaker"])
     cfg = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2",
-                                                            *_router_argv(up)]))
+                                                            *router_args(up)]))
     assert (cfg.max_retries, cfg.cb_failure_threshold, cfg.cb_timeout_s, cfg.circuit_breaker) == (2, 7, 1.5, False)
     default = RouterConfig.from_args(build_parser().parse_args(["router", "--prefill", "a:1", "--decode", "b:2"]))
     assert default.circuit_breaker and default.max_retries == 1

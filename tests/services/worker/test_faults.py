@@ -11,7 +11,7 @@ from kvtransfer.base import RoomState
 from services.worker.fault_sender import FaultySender, wrap_sender
 from services.worker.faults import ALLOW_ENV, HANG_AT_ENV, FaultConfig, FaultInjector, FaultSpecError
 from tandem.cli import build_parser
-from tandem.up_cmd import _engine_argv
+from tandem.up_cmd import worker_args
 from tandem.worker_cmd import fault_config
 from tests.kvtransfer.helpers import SMALL, random_pool, uid, wait_done
 
@@ -38,9 +38,9 @@ def test_bad_specs_say_what_is_wrong(bad):
 def test_up_forwards_the_fault_flags_and_workers_parse_them():
     up = build_parser().parse_args(["up", "--fault-inject", SPEC, "--enable-fault-injection",
                                     "--peer-probe-interval", "0.5"])
-    worker = build_parser().parse_args(["prefill", *_engine_argv(up)])
+    worker = build_parser().parse_args(["prefill", *worker_args(up)])
     assert fault_config(worker).transfer_fail == 0.25 and worker.peer_probe_interval == 0.5
-    assert "--fault-inject" not in _engine_argv(build_parser().parse_args(["up"]))
+    assert "--fault-inject" not in worker_args(build_parser().parse_args(["up"]))
 
 
 def test_forward_delay_slows_every_step():

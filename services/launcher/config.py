@@ -1,0 +1,74 @@
+"""`tandem up`'s own config and flags: which processes it starts and where. Its children's flags are
+theirs (the engine's, a worker's, the router's, the gateway's); `tandem up` takes those too and
+forwards what the user set (tandem/up_cmd.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.arg_groups import DEPLOYMENT, OBSERVABILITY, RESILIENCE
+from services.common.auth import API_KEY
+from services.common.flags import Flag, Owner
+from services.common.shared_flags import HOST, PORT, REDIS_URL
+from services.router.config import MODE
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    mode: str = "disagg"                 # disagg | colocated
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 1               # co-located workers (data-parallel replicas; --mode colocated)
+    host: str = "127.0.0.1"
+    port: int = 50051                    # router's public gRPC port (0: any free port)
+    redis_url: str | None = None         # None: embedded redis-server
+    worker_args: tuple[str, ...] = ()    # the flags every worker gets (forwarded from `tandem up`'s)
+    router_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 600.0       # first run imports the default model
+    quiet: bool = False                  # no banner, no progress, no worker logs (errors only)
+    ready_json: bool = False             # print READY_JSON_PREFIX + summary JSON on stdout once up
+    stop_grace_s: float = 20.0           # SIGTERM -> SIGKILL; above the workers' drain timeout
+    gateway_port: int = 8000             # OpenAI-compatible HTTP gateway (0: any free port, -1: none)
+    gateway_args: tuple[str, ...] = ()
+    api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
+    cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
+    max_restarts: int = 20               # per process; 0: nothing is restarted (a dead router/gateway stops all)
+    internal_token_file: str | None = None  # None: $TANDEM_INTERNAL_TOKEN, else a fresh secret in the children's env
+
+
+def _count(role: str, *aliases: str, what: str) -> Flag:
+    # A homonym of the router's static address lists (tests/tandem/test_flags.py).
+    return Flag((f"--{role}", *aliases), Owner.LAUNCHER, DEPLOYMENT, what, field=f"num_{role}", type=int,
+                dest=role, metavar="N")
+
+
+_L = Owner.LAUNCHER
+LAUNCHER_FLAGS = (
+    MODE,
+    _count("prefill", what="prefill workers (disagg)"),
+    _count("decode", what="decode workers (disagg)"),
+    _count("colocated", "--dp-size",
+           what="co-located workers (colocated): N data-parallel replicas, each with its own share of the cores, "
+                "behind the router (like SGLang's --dp-size)"),
+    HOST, PORT,
+    Flag(("--gateway-port",), _L, DEPLOYMENT,
+         "OpenAI-compatible HTTP gateway's port (0: any free port, -1: no gateway)", field="gateway_port", type=int),
+    REDIS_URL,
+    Flag(("--cpu-cores",), _L, DEPLOYMENT,
+         "CPU placement. auto: give each worker its own share of the cores this process may use (prefill workers "
+         "first; gateway/router/Redis get a core of their own when there are more cores than workers and at least "
+         "3); a core list (0-7): split those instead; one list per worker separated by '|' (0-3|4-7, like "
+         "VLLM_CPU_OMP_THREADS_BIND); none or nobind: no pinning. A pinned worker runs one torch thread per core "
+         "unless --num-threads is given", field="cpu_cores", metavar="SPEC"),
+    Flag(("--max-restarts",), _L, RESILIENCE,
+         "restart a worker, the router, the gateway or the embedded Redis that dies, at most N times each "
+         "(exponential backoff from 0.5s; each restart is logged with the exit status); 0: never (a dead router "
+         "or gateway then stops everything)", field="max_restarts", type=int, metavar="N"),
+    API_KEY,
+    Flag(("--quiet",), _L, OBSERVABILITY,
+         "no banner and no service logs, only the services' readiness lines and errors", field="quiet",
+         action="store_true"),
+    Flag(("--ready-json",), _L, OBSERVABILITY,
+         "once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of router, gateway, "
+         "workers, metrics ports): for scripts and tests", field="ready_json", action="store_true"),
+)
