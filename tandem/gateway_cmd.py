@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+SUMMARY = "run the OpenAI-compatible HTTP gateway in front of a router"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from services.gateway.config import add_arguments as add_gateway_arguments

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+SUMMARY = "run the router: the public gRPC API, pairing prefill and decode workers"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from services.router.config import add_arguments as add_router_arguments

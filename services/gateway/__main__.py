@@ -1,22 +1,20 @@
-"""`python -m services.gateway ...`: the same as `tandem gateway ...`."""
+"""`python -m services.gateway ...`: `tandem gateway ...`, the same parser (its flags are declared once)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from services.gateway.config import add_arguments
-from services.gateway.server import run
+from tandem import gateway_cmd
+from tandem.command import standalone_parser, start
+
+
+def parser() -> argparse.ArgumentParser:
+    return standalone_parser("python -m services.gateway", gateway_cmd.SUMMARY, gateway_cmd.add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway", description="Tandem OpenAI-compatible gateway")
-    parser.add_argument("--log-level", default="WARNING")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return start(parser().parse_args(argv), gateway_cmd.run)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,20 @@
-"""`python -m services.router ...`: the same as `tandem router ...`."""
+"""`python -m services.router ...`: `tandem router ...`, the same parser (its flags are declared once)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from services.router.config import add_arguments
-from services.router.server import run
+from tandem import router_cmd
+from tandem.command import standalone_parser, start
+
+
+def parser() -> argparse.ArgumentParser:
+    return standalone_parser("python -m services.router", router_cmd.SUMMARY, router_cmd.add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.router", description="Tandem router")
-    parser.add_argument("--log-level", default="INFO")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return start(parser().parse_args(argv), router_cmd.run)
 
 
 if __name__ == "__main__":
