@@ -9,6 +9,11 @@ import os
 import shlex
 import sys
 
+from engine.config import EngineConfig
+from services.common.flags import Owner
+from services.common.shared_flags import MODEL_FLAG
+from tandem.engine_args import DTYPE
+
 
 def _floats(text: str) -> tuple[float, ...]:
     try:
@@ -65,6 +70,19 @@ def _dataset(args: argparse.Namespace, default_prompts: int):
         priority_mix=args.priority_mix)
 
 
+def _add_model_argument(p: argparse.ArgumentParser) -> None:
+    """The engine's --model: the one serve asks for (and counts tokens with), the one sweep deploys."""
+    MODEL_FLAG.add_to(p, MODEL_FLAG.default_in({Owner.ENGINE: EngineConfig()}))
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, num_warmups: int, slo: str, out: str | None) -> None:
+    """What serve and sweep both take, declared once (their defaults differ)."""
+    p.add_argument("--num-warmups", type=int, default=num_warmups,
+                   help="requests sent one by one before measuring (sweep: before each deployment's runs)")
+    p.add_argument("--slo", default=slo, help="goodput SLOs, e.g. ttft=2s,tpot=150ms (bare numbers are ms)")
+    p.add_argument("--out", default=out, help="results JSON (plots are written beside it)")
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from bench.serve.backends import BACKENDS, FORCE_OUTPUT_LEN
 
@@ -74,14 +92,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="openai-http: http://HOST:PORT (default http://127.0.0.1:8000); "
                         "tandem-grpc: HOST:PORT (default 127.0.0.1:50051)")
     p.add_argument("--endpoint", default="/v1/completions", help="openai-http: /v1/completions or /v1/chat/completions")
-    p.add_argument("--model", default="smollm2-135m", help="model name for requests and the tokenizer")
+    _add_model_argument(p)
     p.add_argument("--served-model-name", default=None,
                    help="name sent in requests (default: --model for openai-http, the router's default for gRPC)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, a model folder or an alias (default: --model)")
     p.add_argument("--request-rate", type=_floats, default=(math.inf,),
                    help="requests/s, comma-separated for several runs (inf = all at once)")
-    p.add_argument("--num-warmups", type=int, default=1, help="requests sent one by one before measuring")
-    p.add_argument("--slo", default="", help="goodput SLOs, e.g. ttft=2s,tpot=150ms (bare numbers are ms)")
+    _add_run_arguments(p, num_warmups=1, slo="", out=None)
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--force-output-len", default="ignore-eos", choices=FORCE_OUTPUT_LEN,
                    help="how to make the server produce exactly --output-len tokens")
@@ -91,23 +108,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $TANDEM_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--label", default="", help="name of this endpoint in output and plots")
-    p.add_argument("--out", default=None, help="results JSON (plots are written beside it)")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only, no PNG plots")
     _add_workload_arguments(p)
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="Tandem alias or HF folder (the peer gets the folder)")
+    _add_model_argument(p)
     p.add_argument("--deployments", default="colocated,1p1d,transformers",
                    help="comma-separated: colocated, NpMd (e.g. 1p1d), transformers, vllm (`make vllm-venv` first)")
     p.add_argument("--request-rates", type=_floats, default=(0.5, 1.0, 2.0, 4.0),
                    help="requests/s of each run, comma-separated (inf = all at once)")
-    p.add_argument("--num-warmups", type=int, default=2, help="requests sent one by one before each deployment's runs")
-    p.add_argument("--slo", default="ttft=2s,tpot=150ms", help="goodput SLOs (bare numbers are ms)")
+    _add_run_arguments(p, num_warmups=2, slo="ttft=2s,tpot=150ms", out="bench/results/sweep.json")
     p.add_argument("--tandem-backend", default="openai-http", choices=["openai-http", "tandem-grpc"],
                    help="how to reach Tandem deployments: its OpenAI HTTP gateway (as the peer) or the router's gRPC API")
-    p.add_argument("--dtype", default="auto",
-                   help="for every deployment, the peers too; auto: what Tandem picks for the model on this machine")
+    # The engine's --dtype, which sweep gives every deployment (the peers too).
+    DTYPE.add_to(p, DTYPE.default_in({Owner.ENGINE: EngineConfig()}))
     p.add_argument("--up-args", default="", help="extra `tandem up` flags, e.g. \"--kv-cache-gb 0.5\"")
     p.add_argument("--peer-kv-cache-gb", type=float, default=1.0,
                    help="transformers serve's KV cache (its CPU default takes 60%% of RAM and crawls)")
@@ -118,7 +133,6 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM's --max-model-len")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's OpenAI api_server")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to come up")
-    p.add_argument("--out", default="bench/results/sweep.json", help="results JSON (plots are written beside it)")
     _add_workload_arguments(p)
 
 
