@@ -1,0 +1,178 @@
+"""Every flag is declared once (services/common/flags.py). Walking every parser of `tandem` (each
+subcommand, `bench serve|sweep`) and of `python -m services.router|gateway`, each option string comes
+from exactly one declaration: a `Flag`, or for a flag added by hand (bench, generate) one
+`add_argument` call. The exceptions are names that mean different things in different commands,
+listed here with each meaning (one declaration each)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import defaultdict
+
+import pytest
+
+from services.common.flags import OWNER_ORDER, Flag, Owner, declaration_of, flags_of, owner_names
+
+# option -> {who declares it (a Flag's owners, or the module of a hand-made flag): what it is there}
+HOMONYMS: dict[str, dict[str, str]] = {
+    "--prefill": {"launcher": "how many prefill workers `tandem up` starts",
+                  "router": "static prefill worker addresses"},
+    "--decode": {"launcher": "how many decode workers `tandem up` starts",
+                 "router": "static decode worker addresses"},
+    "--colocated": {"launcher": "how many co-located workers `tandem up` starts",
+                    "router": "static co-located worker addresses"},
+    "--cpu-cores": {"launcher": "`tandem up`'s placement of every worker (auto, one list per worker)",
+                    "workers": "the cores of one worker"},
+    "--api-key": {"launcher+router+gateway": "the key a server requires",
+                  "tandem.bench_cmd": "the key a load generator sends"},
+    "--tokenizer": {"gateway": "where the gateway loads the served model's tokenizer from",
+                    "tandem.bench_cmd": "what the load generator counts tokens with"},
+    "--seed": {"tandem.generate_cmd": "the sampling seed", "tandem.bench_cmd": "the workload's seed"},
+    "--temperature": {"tandem.generate_cmd": "sampling temperature (default: the model's)",
+                      "tandem.bench_cmd": "every request's temperature in a load test (default: greedy)"},
+}
+
+
+def _walk(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _walk(child)
+
+
+def _build_parsers(monkeypatch) -> tuple[list[argparse.ArgumentParser], dict[int, tuple[str, int]]]:
+    """Every parser, and for each flag added by hand where it was added (module, line)."""
+    sites: dict[int, tuple[str, int]] = {}
+    add = argparse._ActionsContainer.add_argument
+
+    def recording(self, *args, **kwargs):
+        action = add(self, *args, **kwargs)
+        caller = sys._getframe(1)
+        sites[id(action)] = (caller.f_globals["__name__"], caller.f_lineno)
+        return action
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", recording)
+    from services.gateway.__main__ import parser as gateway_main
+    from services.router.__main__ import parser as router_main
+    from tandem.cli import build_parser
+
+    return [*_walk(build_parser()), router_main(), gateway_main()], sites
+
+
+def repeated_declarations(monkeypatch) -> dict[str, list[str]]:
+    """option -> who declares it, for every option declared more than once (homonyms: other than listed)."""
+    parsers, sites = _build_parsers(monkeypatch)
+    declared: dict[str, set] = defaultdict(set)
+    for parser in parsers:
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            flag = declaration_of(action)
+            # A Flag is one declaration wherever it is added; a hand-made flag, one per add_argument call.
+            key = flag if flag is not None else sites[id(action)]
+            for option in action.option_strings:
+                declared[option].add(key)
+    out = {}
+    for option, keys in declared.items():
+        who = sorted(owner_names(k.owners) if isinstance(k, Flag) else k[0] for k in keys)
+        if who != sorted(HOMONYMS.get(option, who[:1])):
+            out[option] = who
+    return out
+
+
+def test_each_flag_is_declared_once(monkeypatch):
+    assert repeated_declarations(monkeypatch) == {}
+
+
+def test_a_copied_flag_is_caught(monkeypatch):
+    # What `tandem up` did before: its own --bootstrap-timeout with a literal default.
+    import tandem.up_cmd as up_cmd
+
+    real = up_cmd.up_flags
+
+    def with_a_copy() -> list[Flag]:
+        return [dataclasses.replace(f, owners=Owner.LAUNCHER, field=None, default=30.0)
+                if f.name == "--bootstrap-timeout" else f for f in real()]
+
+    monkeypatch.setattr(up_cmd, "up_flags", with_a_copy)
+    assert repeated_declarations(monkeypatch) == {"--bootstrap-timeout": ["launcher", "workers"]}
+
+
+def test_a_flag_added_again_by_hand_is_caught(monkeypatch):
+    # What the router did before: its own --max-queued-requests beside the engine's.
+    import services.router.config as router_config
+
+    flags = tuple(f for f in router_config.ROUTER_FLAGS if f.name != "--max-queued-requests")
+    real = router_config.add_arguments
+
+    def by_hand(p: argparse.ArgumentParser) -> None:
+        monkeypatch.setattr(router_config, "ROUTER_FLAGS", flags)
+        real(p)
+        p.add_argument("--max-queued-requests", type=int, default=0, help="requests waiting for a slot")
+
+    monkeypatch.setattr(router_config, "add_arguments", by_hand)
+    assert repeated_declarations(monkeypatch) == {"--max-queued-requests": ["engine+router", __name__]}
+
+
+def _all_flags() -> list[Flag]:
+    from tandem.up_cmd import up_flags
+
+    parsers = [p for p in _walk(__import__("tandem.cli").cli.build_parser())]
+    return list({id(f): f for p in parsers for f in flags_of(p)}.values()) + up_flags()
+
+
+def test_defaults_come_from_each_owners_config():
+    from engine.config import EngineConfig
+    from services.gateway.config import GatewayConfig
+    from services.router.config import RouterConfig
+    from services.worker.config import WorkerConfig
+    from tandem.cli import build_parser
+    from tandem.up_cmd import _configs
+
+    configs = _configs()
+    for flag in _all_flags():
+        for owner in OWNER_ORDER:
+            if flag.field and owner & flag.owners:   # the field exists in every owner's config
+                flag.default_in({owner: configs[owner]})
+    parse = build_parser().parse_args
+    assert parse(["up"]).bootstrap_timeout == WorkerConfig(role="").bootstrap_timeout_s
+    assert parse(["up"]).drain_timeout == parse(["decode"]).drain_timeout == WorkerConfig(role="").drain_timeout_s
+    assert parse(["router"]).drain_timeout == RouterConfig().drain_timeout_s
+    assert parse(["gateway"]).drain_timeout == GatewayConfig().drain_timeout_s
+    assert parse(["router"]).max_queued_requests == RouterConfig().max_queued_requests
+    assert parse(["up"]).max_queued_requests == parse(["prefill"]).max_queued_requests == \
+        EngineConfig().max_queued_requests
+    assert parse(["router"]).model == "" and parse(["up"]).model == EngineConfig().model
+
+
+def test_up_takes_every_flag_of_its_children_but_their_placement():
+    from tandem.cli import build_parser
+
+    parsers = {p.prog.split()[-1]: p for p in _walk(build_parser())}
+    up = {s for a in parsers["up"]._actions for s in a.option_strings}
+    for child in ("prefill", "router", "gateway"):
+        taken = {s for f in flags_of(parsers[child]) if f.up_targets for s in (*f.names, *f.off)}
+        assert taken <= up, (child, taken - up)
+    left = {f.name for child in ("prefill", "router", "gateway") for f in flags_of(parsers[child]) if not f.up_targets}
+    assert left == {"--advertise-host", "--worker-id", "--pod-uid", "--cpu-cores", "--metrics-port", "--discovery",
+                    "--k8s-namespace", "--k8s-selector", "--k8s-api-server", "--registry-prefix", "--prefill",
+                    "--decode", "--colocated", "--probe-interval", "--router"}
+
+
+@pytest.mark.parametrize("name", ["router", "gateway"])
+def test_python_m_services_is_the_tandem_subcommand(name):
+    import importlib
+
+    from tandem.cli import build_parser
+
+    sub = next(p for p in _walk(build_parser()) if p.prog == f"tandem {name}")
+    alone = importlib.import_module(f"services.{name}.__main__").parser()
+
+    def described(p: argparse.ArgumentParser) -> dict:
+        return {a.option_strings[0]: (a.default, a.help, a.type, declaration_of(a)) for a in p._actions
+                if a.option_strings and not isinstance(a, argparse._HelpAction)}
+
+    assert described(alone) == {**described(sub), "--log-level": described(build_parser())["--log-level"]}
