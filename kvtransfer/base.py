@@ -22,8 +22,11 @@ order they were issued.
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -183,3 +186,99 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None:
         """Safe to call twice."""
+
+
+# ---- what the protocol's receiver and sender share (kvtransfer/protocol/) -------------------------------
+
+@dataclass(eq=False, kw_only=True)
+class Room:
+    """One room's bookkeeping, on either side."""
+
+    state: RoomState
+    error: str = ""
+    bytes: int = 0
+    t_first: float | None = None     # first write (D: first byte; P: first write queued)
+    t_done: float | None = None      # SUCCESS or FAILED
+
+    def fail(self, why: str) -> bool:
+        """FAILED with `why`, unless the room is done already; True if it changed."""
+        if self.state.done:
+            return False
+        self.state, self.error, self.t_done = RoomState.FAILED, why, time.monotonic()
+        return True
+
+    def status(self) -> RoomStatus:
+        end = self.t_done if self.state.done else time.monotonic()
+        seconds = max(0.0, end - self.t_first) if self.t_first is not None and end is not None else 0.0
+        return RoomStatus(state=self.state, error=self.error, bytes_moved=self.bytes, seconds=seconds)
+
+
+class RoomTable(ABC):
+    """The room table of a receiver or a sender, and the one lifecycle both follow.
+
+    create (the side's __init__) -> serve -> `release` each finished room -> `close`: stop taking work,
+    fail every unfinished room, then `_shutdown` (the side's connections and threads first, its data
+    paths last). `close` is safe to call twice, from any thread: only the first call tears down.
+    Subclasses keep their rooms (a `Room` each) in `_rooms` under `_lock`; `_cond` is notified when a
+    room finishes."""
+
+    side: ClassVar[str] = ""         # "receiver" | "sender", for errors and reasons
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._rooms: dict[int, Room] = {}
+        self._closed = False
+
+    @abstractmethod
+    def abort(self, room: int) -> None: ...
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """The side's own teardown, after `close` failed its rooms. Runs once."""
+
+    def release(self, room: int) -> None:
+        """Forget a room; one not finished yet is aborted first."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return
+            done = r.state.done
+        if not done:
+            self.abort(room)
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for r in self._rooms.values():
+                r.fail(f"{self.side} closed")
+            self._cond.notify_all()
+        self._shutdown()
+
+    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
+        """Block until the room is SUCCESS or FAILED (or `timeout` passes); returns its status.
+        An extra of the protocol's sides, not part of KVReceiver / KVSender."""
+        with self._lock:
+            self._cond.wait_for(lambda: self._status(room).state.done, timeout)
+            return self._status(room)
+
+    def _status(self, room: int) -> RoomStatus:
+        """Caller holds the lock."""
+        r = self._rooms.get(room)
+        if r is None:
+            raise KeyError(f"unknown room {room}")
+        return r.status()
+
+    def _fail(self, r: Room, why: str) -> None:
+        """Caller holds the lock."""
+        if r.fail(why):
+            self._cond.notify_all()
+
+    def _check_open(self) -> None:
+        """Caller holds the lock."""
+        if self._closed:
+            raise TransferError(f"{self.side} is closed")

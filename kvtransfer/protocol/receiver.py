@@ -21,11 +21,16 @@ paths: shm, nixl, where P writes the pages itself) sends ABORT and waits for P's
 for that room. If the sender has not connected yet, the room is remembered and listed in the hello
 acknowledgement, so P learns before it can write. If an abort is not settled within
 `Timeouts.abort`, the connection is dropped (failing that sender's other rooms too).
+
+Close (`RoomTable.close`, kvtransfer/base.py, once): every unfinished room fails, then `_shutdown`:
+the data paths stop being reachable (shm's file goes), the listener and every connection are shut
+down and their threads joined, and last the data paths release what they hold.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import socket
 import threading
@@ -36,7 +41,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.base import KVReceiver, PoolLayout, Progress, RoomState, RoomStatus, TransferError
+from kvtransfer.base import (
+    KVReceiver,
+    PoolLayout,
+    Progress,
+    Room,
+    RoomState,
+    RoomStatus,
+    RoomTable,
+    TransferError,
+)
 from kvtransfer.datapath import ReceiverPath
 from kvtransfer.protocol import handshake
 from kvtransfer.protocol.wire import (
@@ -71,22 +85,23 @@ class _Conn:
         self.thread: threading.Thread | None = None
 
 
-@dataclass(eq=False)
-class _Room:
+@dataclass(eq=False, kw_only=True)
+class _Room(Room):
     peer_id: str
     pages: np.ndarray                        # sorted destination pages
     peer_epoch: int = 0                      # the sender instance paired with the room (0: any)
     state: RoomState = RoomState.WAITING_FOR_INPUT
     aux: bytes | None = None
-    error: str = ""
-    bytes: int = 0
-    t_first: float | None = None
-    t_done: float | None = None
     conn: _Conn | None = None                # the connection that first wrote to it
     progress: Progress | None = None         # the sender's latest PROGRESS report
 
+    def status(self) -> RoomStatus:
+        return dataclasses.replace(super().status(), aux=self.aux, progress=self.progress)
 
-class Receiver(KVReceiver):
+
+class Receiver(RoomTable, KVReceiver):
+    side = "receiver"
+
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str,
                  paths: Sequence[ReceiverPath], timeouts: Timeouts = Timeouts(), secret: bytes | None = None):
         """`paths`: the data paths senders may use, in order of preference (registry.py makes them);
@@ -100,13 +115,10 @@ class Receiver(KVReceiver):
         self._paths = {p.kind: p for p in paths}
         self._backends = tuple(self._paths)
         self._timeouts = timeouts
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._rooms: dict[int, _Room] = {}
+        RoomTable.__init__(self)
         self._conns: set[_Conn] = set()
         self._peer_conn: dict[str, _Conn] = {}
         self._tombstones: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
-        self._closed = False
         self.progress_reports = 0            # PROGRESS frames kept (an extra of this implementation)
         try:
             self._buffer = next((m for p in self._paths.values() if (m := p.memory()) is not None), None)
@@ -148,8 +160,7 @@ class Receiver(KVReceiver):
         if pages.size != len(dst_pages):
             raise ValueError(f"room {room}: duplicate destination pages")
         with self._lock:
-            if self._closed:
-                raise TransferError("receiver is closed")
+            self._check_open()
             if room in self._rooms:
                 raise ValueError(f"room {room} is already expected")
             self._rooms[room] = _Room(peer_id=peer_id, pages=pages, peer_epoch=peer_epoch)
@@ -157,22 +168,6 @@ class Receiver(KVReceiver):
     def poll(self, room: int) -> RoomStatus:
         with self._lock:
             return self._status(room)
-
-    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
-        """Block until the room is SUCCESS or FAILED (or `timeout` passes); returns its status.
-        An extra of this implementation, not part of KVReceiver."""
-        with self._lock:
-            self._cond.wait_for(lambda: self._status(room).state.done, timeout)
-            return self._status(room)
-
-    def _status(self, room: int) -> RoomStatus:
-        r = self._rooms.get(room)
-        if r is None:
-            raise KeyError(f"unknown room {room}")
-        end = r.t_done if r.state.done else time.monotonic()
-        seconds = max(0.0, end - r.t_first) if r.t_first is not None and end is not None else 0.0
-        return RoomStatus(state=r.state, aux=r.aux, error=r.error, bytes_moved=r.bytes, seconds=seconds,
-                          progress=r.progress)
 
     def abort(self, room: int) -> None:
         with self._lock:
@@ -205,26 +200,11 @@ class Receiver(KVReceiver):
             if conn.thread is not None and conn.thread is not threading.current_thread():
                 conn.thread.join(self._timeouts.abort)
 
-    def release(self, room: int) -> None:
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None:
-                return
-            done = r.state.done
-        if not done:
-            self.abort(room)
-        with self._lock:
-            self._rooms.pop(room, None)
+    # ---- teardown (RoomTable.close calls it once, after failing every room) -------------------------
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for r in self._rooms.values():
-                self._fail(r, "receiver closed")
-            conns = list(self._conns)
-            self._cond.notify_all()
+            conns = list(self._conns)        # no new one: the accept loop sees _closed
         for p in self._paths.values():
             p.shutdown()                     # first: nothing below (joins with timeouts) can keep a path reachable
         try:
@@ -246,14 +226,6 @@ class Receiver(KVReceiver):
             p.close()
 
     # ---- helpers ------------------------------------------------------------------------------------
-
-    def _fail(self, r: _Room, why: str) -> None:
-        """Caller holds the lock."""
-        if not r.state.done:
-            r.state = RoomState.FAILED
-            r.error = why
-            r.t_done = time.monotonic()
-        self._cond.notify_all()
 
     def _tombstone(self, peer_id: str, room: int) -> None:
         self._tombstones[(peer_id, room)] = None

@@ -2,8 +2,9 @@
 
 Per peer, two threads: a sender thread that runs the peer's FIFO of jobs (writes through the peer's
 data path `Link` — bytes on the socket for tcp, copies into D's mapped pool for shm, NIXL WRITEs, UCX
-messages — then FINISH, ABORT, ABORT_ACK frames), and a reader thread for D's replies (DONE -> SUCCESS, ABORT -> FAILED) that also
-notices a dead connection at once (EOF/reset; keepalive for a silent host).
+messages — then FINISH, ABORT, ABORT_ACK frames), and a reader thread for D's replies (DONE ->
+SUCCESS, ABORT -> FAILED) that also notices a dead connection at once (EOF/reset; keepalive for a
+silent host).
 
 Progress: `progress()` only queues a PROGRESS frame at the head of the peer's queue (the engine step
 never waits on the socket); a report not yet sent is updated in place, so a slow connection holds at
@@ -17,6 +18,10 @@ room too), and waits until the sender thread is not working on the room (queued 
 are skipped; an shm copy stops at the next run; a tcp frame already started is sent whole). After it
 returns P never reads the room's source pages again, so they may be reused; bytes already handed to the
 socket reach D before the ABORT frame, and D's own state decides what lands (see receiver.py).
+
+Close (`RoomTable.close`, kvtransfer/base.py, once): every unfinished room fails, then `_shutdown`:
+every peer's connection is dropped and its threads joined (each link is closed as its reader ends),
+and last the data paths release what they hold.
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.base import KVSender, PoolLayout, Progress, RoomState, RoomStatus, TransferError
+from kvtransfer.base import (
+    KVSender,
+    PoolLayout,
+    Progress,
+    Room,
+    RoomState,
+    RoomStatus,
+    RoomTable,
+    TransferError,
+)
 from kvtransfer.datapath import Link, SenderPath
 from kvtransfer.protocol import handshake
 from kvtransfer.protocol.runs import merge_runs
@@ -77,18 +91,16 @@ class _Peer:
         self.writer: threading.Thread | None = None
 
 
-@dataclass(eq=False)
-class _Room:
+@dataclass(eq=False, kw_only=True)
+class _Room(Room):
     peer_id: str | None                      # None: aborted before any write named a peer
     state: RoomState = RoomState.TRANSFERRING
-    error: str = ""
-    bytes: int = 0
-    t_first: float | None = None
-    t_done: float | None = None
     finished: bool = False                   # finish() was called
 
 
-class Sender(KVSender):
+class Sender(RoomTable, KVSender):
+    side = "sender"
+
     def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str,
                  paths: Sequence[SenderPath], timeouts: Timeouts = Timeouts(), secret: bytes | None = None,
                  boot_epoch: int = 0):
@@ -100,6 +112,7 @@ class Sender(KVSender):
             raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} does not match {layout}")
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("the socket-based backends need a contiguous CPU pool")
+        RoomTable.__init__(self)
         self.name = name
         self.layout = layout
         self.worker_id = worker_id
@@ -114,12 +127,8 @@ class Sender(KVSender):
         self._timeouts = timeouts
         self._key = secret
         self.boot_epoch = boot_epoch
-        self._lock = threading.Lock()
-        self._room_done = threading.Condition(self._lock)
         self._connect_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
-        self._rooms: dict[int, _Room] = {}
-        self._closed = False
 
     # ---- KVSender -------------------------------------------------------------------------------------
 
@@ -133,8 +142,7 @@ class Sender(KVSender):
             raise TransferError(f"incompatible pool layouts: sender {self.layout}, receiver {meta.layout}")
         with self._connect_lock:
             with self._lock:
-                if self._closed:
-                    raise TransferError("sender is closed")
+                self._check_open()
                 old = self._peers.get(peer_id)
                 if old is not None and old.alive and old.meta_bytes == metadata:
                     return
@@ -146,7 +154,7 @@ class Sender(KVSender):
                 if not closed:
                     self._peers[peer_id] = peer
                     for room in aborted:
-                        self._fail(self._rooms.setdefault(room, _Room(peer_id)), "aborted by receiver")
+                        self._fail(self._rooms.setdefault(room, _Room(peer_id=peer_id)), "aborted by receiver")
             if closed:
                 peer.ch.close()
                 peer.link.close()
@@ -213,26 +221,11 @@ class Sender(KVSender):
         with self._lock:
             return self._status(room)
 
-    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
-        """Block until the room is SUCCESS or FAILED (or `timeout` passes); returns its status.
-        An extra of this implementation, not part of KVSender."""
-        with self._lock:
-            self._room_done.wait_for(lambda: self._status(room).state.done, timeout)
-            return self._status(room)
-
-    def _status(self, room: int) -> RoomStatus:
-        r = self._rooms.get(room)
-        if r is None:
-            raise KeyError(f"unknown room {room}")
-        end = r.t_done if r.state.done else time.monotonic()
-        seconds = max(0.0, end - r.t_first) if r.t_first is not None and end is not None else 0.0
-        return RoomStatus(state=r.state, error=r.error, bytes_moved=r.bytes, seconds=seconds)
-
     def abort(self, room: int) -> None:
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
-                self._rooms[room] = _Room(None, RoomState.FAILED, "aborted by sender")
+                self._rooms[room] = _Room(peer_id=None, state=RoomState.FAILED, error="aborted by sender")
                 return
             if r.state.done:
                 return
@@ -250,25 +243,11 @@ class Sender(KVSender):
         with self._lock:
             self._wait_idle(peer, room, self._timeouts.abort)
 
-    def release(self, room: int) -> None:
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None:
-                return
-            done = r.state.done
-        if not done:
-            self.abort(room)
-        with self._lock:
-            self._rooms.pop(room, None)
+    # ---- teardown (RoomTable.close calls it once, after failing every room) -------------------------
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for r in self._rooms.values():
-                self._fail(r, "sender closed")
-            peers = list(self._peers.values())
+            peers = list(self._peers.values())   # no new one: connect() sees _closed
         for peer in peers:
             self._peer_lost(peer, "sender closed")
         for peer in peers:
@@ -284,8 +263,7 @@ class Sender(KVSender):
 
     def _peer(self, peer_id: str) -> _Peer:
         with self._lock:
-            if self._closed:
-                raise TransferError("sender is closed")
+            self._check_open()
             peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(f"unknown peer {peer_id!r}: connect() it first")
@@ -297,7 +275,7 @@ class Sender(KVSender):
             peer = self._peers[peer_id]
             r = self._rooms.get(room)
             if r is None:
-                r = self._rooms[room] = _Room(peer_id)
+                r = self._rooms[room] = _Room(peer_id=peer_id)
             elif r.peer_id is None:
                 r.peer_id = peer_id
             elif r.peer_id != peer_id:
@@ -315,14 +293,6 @@ class Sender(KVSender):
             if job is not None:
                 peer.queue.append(job)
                 peer.cond.notify_all()
-
-    def _fail(self, r: _Room, why: str) -> None:
-        """Caller holds the lock."""
-        if not r.state.done:
-            r.state = RoomState.FAILED
-            r.error = why
-            r.t_done = time.monotonic()
-            self._room_done.notify_all()
 
     def _wait_idle(self, peer: _Peer, room: int, timeout: float) -> bool:
         """Caller holds the lock. True once the sender thread is not working on `room`."""
@@ -413,7 +383,7 @@ class Sender(KVSender):
                     if kind == Kind.DONE:
                         if mine and not r.state.done:
                             r.state, r.t_done = RoomState.SUCCESS, time.monotonic()
-                            self._room_done.notify_all()
+                            self._cond.notify_all()
                     elif kind == Kind.ABORT:
                         if mine:
                             self._fail(r, f"aborted by receiver: {body.decode(errors='replace')}")

@@ -55,6 +55,13 @@ def test_importing_kvtransfer_loads_neither_nixl_nor_ucxx():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(kvtransfer.__path__[0]))
 
 
+def test_a_receiver_that_cannot_listen_leaves_no_segment():
+    worker = uid("D")
+    with pytest.raises(TransferError, match="cannot listen"):
+        create_receiver("auto", SMALL, "203.0.113.1", worker)    # TEST-NET-3: no address of this host
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"{PREFIX}{worker.replace('-', '_')}-")]
+
+
 def test_sender_rejects_a_pool_that_does_not_match_its_layout():
     with pytest.raises(ValueError):
         create_sender("tcp", random_pool(SMALL, 0)[:1], SMALL, "P")

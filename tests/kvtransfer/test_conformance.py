@@ -340,6 +340,45 @@ def test_close_twice_is_safe(backend):
         tx.write(rx.worker_id, 3, [0], [0])
 
 
+def _threads_of(*worker_ids: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if any(w in t.name for w in worker_ids)]
+
+
+def test_close_from_two_threads_fails_open_rooms_and_leaves_no_thread(backend):
+    """One teardown for every backend (kvtransfer/base.py RoomTable.close): concurrent and repeated
+    closes tear down once, unfinished rooms fail, every connection thread and data path goes."""
+    rx = create_receiver(backend, SMALL, "127.0.0.1", uid("D"))
+    pool = random_pool(SMALL, 0)
+    tx = create_sender(backend, pool, SMALL, uid("P"))
+    tx.connect(rx.worker_id, rx.metadata())
+    assert _threads_of(rx.worker_id) and _threads_of(tx.worker_id)
+    done, open_ = random.getrandbits(63), random.getrandbits(63)
+    for room in (done, open_):
+        rx.expect(room, [room % SMALL.num_pages], tx.worker_id)
+        tx.write(rx.worker_id, room, [1], [room % SMALL.num_pages])
+    tx.finish(rx.worker_id, done, b"aux")
+    assert wait_done(lambda: tx.status(done)).state == RoomState.SUCCESS
+    assert wait_until(lambda: rx.poll(open_).state == RoomState.TRANSFERRING)
+    for side in (rx, tx):
+        closers = [threading.Thread(target=side.close) for _ in range(2)]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(30)
+        side.close()
+        if side is rx:      # the receiver went first: the sender sees its connection end
+            st = wait_done(lambda: tx.status(open_))
+            assert st.state == RoomState.FAILED and "lost" in st.error, st
+    assert rx.poll(done).state == tx.status(done).state == RoomState.SUCCESS    # finished rooms stay as they were
+    assert rx.poll(open_).state == RoomState.FAILED and rx.poll(open_).error == "receiver closed"
+    assert wait_until(lambda: not _threads_of(rx.worker_id, tx.worker_id), 5.0), _threads_of(rx.worker_id)
+    for side in (rx, tx):
+        side.release(done)
+        side.release(open_)                                    # after close: forgets, nothing to abort
+    with pytest.raises(KeyError):
+        rx.poll(open_)
+
+
 def test_layout_mismatch_is_rejected(child, backend):
     rx_id = uid("D")
     meta = child.call("receiver", rx_id, backend, SMALL, rx_id)
