@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.v1 import worker_pb2
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +314,18 @@ class RedisRegistry(WorkerRegistry):
 class StaticRegistry(WorkerRegistry):
     """A fixed list of worker addresses (`--prefill/--decode/--colocated`).
 
-    Each address becomes a WorkerInfo with worker_id = grpc_addr = bootstrap_addr = the address and
-    `model` as given (empty matches any requested model). With `probe_s > 0` every address is
-    health-checked over gRPC every `probe_s` and only those answering SERVING (or that have no
-    health service) are listed; the order of the lists is kept.
+    An address is not a worker's identity: pairing needs each worker's id and boot epoch (a decode
+    worker checks them in the bootstrap handshake), and a worker restarted at the same address is a
+    new one. So, as the Kubernetes registry does for its endpoints, the registry asks every address
+    what is there (`WorkerIdentity.GetWorkerInfo`: id, role, boot epoch, model, limits, load) and
+    lists that, at the address it was given. A worker without that service (UNIMPLEMENTED) is listed
+    by its address: worker_id = grpc_addr = bootstrap_addr = the address and `model` as given (empty
+    matches any requested model); one that answers with another role than its list's is skipped.
+
+    With `probe_s > 0` every address is asked again, and health-checked over gRPC, every `probe_s`:
+    only those answering SERVING (or that have no health service) and that said what they are are
+    listed, and a restarted worker's new identity replaces the old one. With `probe_s == 0` each is
+    asked at start only and never dropped. The order of the lists is kept.
     """
 
     def __init__(
@@ -335,7 +343,7 @@ class StaticRegistry(WorkerRegistry):
         self._open = channel
         self.probe_s = probe_s
         self.probe_timeout_s = probe_timeout_s
-        self._configured: list[worker_pb2.WorkerInfo] = []
+        self._configured: list[worker_pb2.WorkerInfo] = []   # what an address stands for when nothing says more
         for role, addrs in (
             (worker_pb2.WORKER_ROLE_PREFILL, prefill),
             (worker_pb2.WORKER_ROLE_DECODE, decode),
@@ -369,18 +377,44 @@ class StaticRegistry(WorkerRegistry):
         self._channels.clear()
 
     async def refresh(self) -> None:
-        if self.probe_s <= 0:
-            await self._publish(self._configured)
+        described = await asyncio.gather(*(self._describe(w) for w in self._configured))
+        if self.probe_s <= 0:   # never dropped: what could not be asked stands for its address
+            await self._publish(info or w for w, info in zip(self._configured, described, strict=True))
             return
         alive = await asyncio.gather(*(self._probe(w.grpc_addr) for w in self._configured))
-        await self._publish(w for w, ok in zip(self._configured, alive, strict=True) if ok)
+        await self._publish(info for info, ok in zip(described, alive, strict=True) if ok and info is not None)
 
-    async def _probe(self, addr: str) -> bool:
+    def _channel(self, addr: str) -> grpc.aio.Channel:
         channel = self._channels.get(addr)
         if channel is None:
             channel = self._channels[addr] = self._open(addr)
+        return channel
+
+    async def _describe(self, configured: worker_pb2.WorkerInfo) -> worker_pb2.WorkerInfo | None:
+        """What the worker at `configured.grpc_addr` says it is (None: it did not say)."""
+        addr = configured.grpc_addr
         try:
-            resp = await health_pb2_grpc.HealthStub(channel).Check(
+            info = await worker_pb2_grpc.WorkerIdentityStub(self._channel(addr)).GetWorkerInfo(
+                worker_pb2.WorkerInfoRequest(), timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:   # no identity service: known by its address
+                return configured
+            log.debug("worker at %s did not describe itself: %s", addr, e.code().name)
+            return None
+        if info.role != configured.role:
+            log.warning("%s is listed as a %s worker but the worker there is %s: skipped", addr,
+                        ROLE_NAMES.get(configured.role), worker_pb2.WorkerRole.Name(info.role))
+            return None
+        # The address the router was given is the one it (and a decode worker, for the bootstrap) can
+        # reach, whatever the worker advertises.
+        if info.bootstrap_addr == info.grpc_addr:
+            info.bootstrap_addr = addr
+        info.grpc_addr = addr
+        return info
+
+    async def _probe(self, addr: str) -> bool:
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel(addr)).Check(
                 health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s
             )
         except grpc.aio.AioRpcError as e:

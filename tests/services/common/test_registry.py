@@ -180,6 +180,50 @@ def test_static_registry_probe_drops_dead_and_not_serving():
     arun(body())
 
 
+def test_static_registry_learns_what_each_address_is_and_a_restart():
+    # A listed address is asked what is there: pairing needs the worker's id and boot epoch, not its address.
+    from tests.services.common.fake_worker import FakeWorker
+    from tests.services.router.fakes import dead_addr
+
+    port = int(dead_addr().rsplit(":", 1)[1])
+
+    async def body():
+        worker = await FakeWorker("127.0.0.1", port, PREFILL, "prefill-host-7", "", 11).start()
+        worker.info.grpc_addr = worker.info.bootstrap_addr = "advertised-host:9"   # not what the router dials
+        addr = f"127.0.0.1:{port}"
+        reg = StaticRegistry(prefill=[addr], decode=[addr], probe_s=0.05, probe_timeout_s=0.5)
+        await reg.start()
+        [p] = reg.workers(PREFILL)
+        assert (p.worker_id, p.boot_epoch, p.model, p.max_context_len) == ("prefill-host-7", 11, "tiny", 256)
+        assert (p.grpc_addr, p.bootstrap_addr) == (addr, addr)
+        assert reg.workers(DECODE) == []            # the worker there is not a decode worker
+        await worker.stop()
+        await wait_until(lambda: not reg.workers(PREFILL))
+        restarted = await FakeWorker("127.0.0.1", port, PREFILL, "prefill-host-8", "", 12).start()
+        await wait_until(lambda: [(w.worker_id, w.boot_epoch) for w in reg.workers(PREFILL)] == [("prefill-host-8", 12)])
+        await reg.close()
+        await restarted.stop()
+
+    arun(body())
+
+
+def test_static_registry_without_probes_asks_once_and_keeps_every_address():
+    from tests.services.common.fake_worker import FakeWorker
+    from tests.services.router.fakes import dead_addr
+
+    port, dead = int(dead_addr().rsplit(":", 1)[1]), dead_addr()
+
+    async def body():
+        worker = await FakeWorker("127.0.0.1", port, DECODE, "decode-host-1", "", 5).start()
+        reg = StaticRegistry(decode=[f"127.0.0.1:{port}", dead], model="m", probe_s=0, probe_timeout_s=0.5)
+        await reg.start()
+        assert [(w.worker_id, w.model) for w in reg.workers(DECODE)] == [("decode-host-1", "tiny"), (dead, "m")]
+        await reg.close()
+        await worker.stop()
+
+    arun(body())
+
+
 def test_registry_factory():
     assert {"redis", "static"} <= set(registry_names())
     assert isinstance(create_registry("static", prefill=["a:1"]), StaticRegistry)
