@@ -38,8 +38,8 @@ class RouterConfig:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
-    model: str = ""  # what ListModels reports for static workers; empty = accept any requested model
-    probe_s: float = 2.0  # health-probe period of static workers; 0 = never drop them
+    model: str = ""  # the model of static workers without WorkerIdentity; empty = accept any requested model
+    probe_s: float = 2.0  # static workers: health and WorkerIdentity period; 0 = asked at start, never dropped
     policy: str = "cache_aware"  # measured better than round_robin (docs/benchmarks.md)
     mode: str = "disagg"
     metrics_port: int = -1  # 0 = pick a free port, -1 = no metrics endpoint
