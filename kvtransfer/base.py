@@ -250,6 +250,8 @@ class RoomTable(ABC):
             self._rooms.pop(room, None)
 
     def close(self) -> None:
+        """Stop taking work, fail every unfinished room, release connections, threads and data paths.
+        Safe to call twice; a second call returns at once."""
         with self._lock:
             if self._closed:
                 return

@@ -17,8 +17,8 @@ or, if it was that sender's current connection, not yet bound to any — becomes
 
 Abort: `abort(room)` fails the room, then (two-sided paths: tcp, ucx) waits until the reader is not
 receiving into the room's pages (later writes of the room are drained and discarded) or (one-sided
-paths: shm, nixl, where P writes the pages itself) sends ABORT and waits for P's ABORT_ACK, which P sends once its sender thread is past any copy
-for that room. If the sender has not connected yet, the room is remembered and listed in the hello
+paths: shm, nixl, where P writes the pages itself) sends ABORT and waits for P's ABORT_ACK, which P
+sends once its sender thread is past any copy for that room. If the sender has not connected yet, the room is remembered and listed in the hello
 acknowledgement, so P learns before it can write. If an abort is not settled within
 `Timeouts.abort`, the connection is dropped (failing that sender's other rooms too).
 
@@ -80,7 +80,7 @@ class _Conn:
         self.path = ""                       # data path the sender announced (a key of Receiver._paths)
         self.alive = True
         self.busy_room: int | None = None    # room whose WRITE payload is being received into the pool
-        self.awaiting: set[int] = set()      # shm rooms an abort() waits to see acknowledged
+        self.awaiting: set[int] = set()      # rooms of a one-sided path whose abort() waits for P's ack
         self.acked: set[int] = set()
         self.thread: threading.Thread | None = None
 
@@ -206,7 +206,7 @@ class Receiver(RoomTable, KVReceiver):
         with self._lock:
             conns = list(self._conns)        # no new one: the accept loop sees _closed
         for p in self._paths.values():
-            p.shutdown()                     # first: nothing below (joins with timeouts) can keep a path reachable
+            p.shutdown()                     # first: the joins below may wait; shm's file must not
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
