@@ -9,12 +9,16 @@ microseconds of dispatch. `paged_decode_attention` reads every key and value onc
 its page (no gather, no padding, fp32 softmax); `rms_norm` and `rope_` do in one call what took
 8-10 ops. `paged_extend_attention` is the prefill/extend counterpart: causal, straight from the
 sequence's pages (SDPA needs a gather and an explicit mask once a prefix is cached), an online
-softmax, fp32 compute. vLLM's CPU backend has kernels of the same kind; these are our own.
+softmax, fp32 compute. `linear` is the fp32 projection on weights packed once into panels
+(`pack_linear`): at decode's 1-64 rows MKL's and oneDNN's fp32 GEMMs use a third to a half of the
+core, and the projections are ~95% of an fp32 decode step (engine/models/prepack.py).
+vLLM's CPU backend has kernels of the same kind; these are our own.
 
 Numerics: fp32 arithmetic throughout, rounding to the model dtype where the torch code rounds. RoPE
 and the norm's element-wise part are bit-identical to the torch code (ops.cpp is compiled with
 `-ffp-contract=off`: no fused multiply-adds); the norm's sum of squares and attention's dot products
-sum in another order, and attention keeps its scores and probabilities in fp32. The one exception
+sum in another order, and attention keeps its scores and probabilities in fp32; `linear` sums each
+output over k in order (not MKL's order), deterministic for any thread count. The one exception
 is bf16 extend attention in the `avx512_bf16` variant, which multiplies bf16 pairs with
 `vdpbf16ps` (fp32 sums, ~2x the rate of fp32 FMAs) and splits each probability into two bf16
 parts (~16 significant bits) for the P.V products (extend.cpp).
@@ -65,7 +69,7 @@ MODULE = "tandem_cpu_ops"
 # Kernel sources with their own flags: RoPE and the norm must not fuse multiply-adds (bit-identical to
 # the torch code); attention may.
 KERNELS = {"ops.cpp": ["-ffp-contract=off"], "attention.cpp": ["-ffp-contract=fast"],
-           "extend.cpp": ["-ffp-contract=fast"]}
+           "extend.cpp": ["-ffp-contract=fast"], "linear.cpp": ["-ffp-contract=fast"]}
 HEADERS = ["kernels.h", "common.h"]
 BINDING = "binding.cpp"
 # -fopenmp: the kernels run OpenMP teams; the libgomp.so.1 they link is the one torch ships and has

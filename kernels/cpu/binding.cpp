@@ -137,6 +137,48 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
                   x->data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), threads()});
 }
 
+// [n, k] -> [ceil(n / panel)][k][panel] in `dtype` (fp32 or bf16), the last panel zero-padded (linear.cpp).
+at::Tensor pack_linear(const at::Tensor& weight, c10::optional<at::ScalarType> dtype) {
+  check_cpu(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) >= 1 && weight.size(1) >= 1, "weight must be [out, in]");
+  TORCH_CHECK(weight.is_floating_point(), "weight must be a floating-point tensor");
+  const at::ScalarType to = dtype.value_or(at::kFloat);
+  TORCH_CHECK(to == at::kFloat || to == at::kBFloat16, "packed weights are float32 or bfloat16, not ", to);
+  const int64_t n = weight.size(0), k = weight.size(1), panel = tandem_cpu::linear_panel();
+  const int64_t panels = (n + panel - 1) / panel;
+  auto padded = at::zeros({panels * panel, k}, weight.options().dtype(to));
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, panel, k}).transpose(1, 2).contiguous();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n) {
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "x must be float32 [rows, in] with unit stride in in (got ", x.scalar_type(), " ", x.sizes(), ")");
+  const int64_t panel = tandem_cpu::linear_panel();
+  TORCH_CHECK((packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) && packed.dim() == 3 &&
+                  packed.size(2) == panel && packed.is_contiguous(),
+              "packed must be pack_linear's float32 or bfloat16 [panels, in, ", panel, "] (", tandem_cpu::level(),
+              " kernels)");
+  TORCH_CHECK(packed.size(1) == x.size(1), "x has ", x.size(1), " input features, the weight ", packed.size(1));
+  TORCH_CHECK(n > (packed.size(0) - 1) * panel && n <= packed.size(0) * panel, "n = ", n, " does not fit ",
+              packed.size(0), " panels of ", panel);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bias must be contiguous float32 [", n, "]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  tandem_cpu::linear(tandem_cpu::LinearArgs{kernel_dtype(packed.scalar_type()), x.size(0), n, x.size(1), x.stride(0),
+                                            y.stride(0), x.data_ptr<float>(), packed.data_ptr(), bp,
+                                            y.data_ptr<float>(), threads()});
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -149,4 +191,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_extend_attention takes this dtype (a torch.dtype) and head dim");
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, optionally adding x into the fp32 residual in place first");
   m.def("rope_", &rope_, "rotate-half RoPE applied to q and k in place");
+  m.attr("LINEAR_PANEL") = tandem_cpu::linear_panel();
+  m.def("pack_linear", &pack_linear, "an [out, in] weight packed for linear: [panels, in, LINEAR_PANEL], fp32 or bf16",
+        py::arg("weight"), py::arg("dtype") = py::none());
+  m.def("linear", &linear, "y = x · Wᵀ (+ bias) in fp32 from pack_linear's weight; n: W's rows (out features)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"));
 }

@@ -60,11 +60,23 @@ struct RopeArgs {           // x[t, h, :] rotated in place (rotate-half) by cos/
   int threads;
 };
 
+struct LinearArgs {         // y[m, :] = x[m, :] · Wᵀ (+ bias) in fp32; W packed as [ceil(n / panel)][k][panel]
+  DType w_dtype;            // f32, or bf16 (converted in registers)
+  int64_t m, n, k, x_row, y_row;
+  const float* x;           // [m, k], unit stride in k
+  const void* w;            // linear_panel() columns per panel, the last one zero-padded
+  const float* bias;        // [n], or null
+  float* y;                 // [m, n], unit stride in n
+  int threads;
+};
+
 const char* level();                               // the ISA level this variant was compiled for
 bool extend_supported(DType dtype, int64_t dim);   // whether extend_attention takes these
 void decode_attention(const DecodeArgs& a);
 void extend_attention(const ExtendArgs& a);
 void rms_norm(const NormArgs& a);
 void rope(const RopeArgs& a);
+int64_t linear_panel();                            // output columns per weight panel in this variant
+void linear(const LinearArgs& a);
 
 }  // namespace tandem_cpu

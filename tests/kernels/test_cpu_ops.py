@@ -15,16 +15,7 @@ from engine.errors import InvalidRequest
 from engine.models.layers import RMSNorm
 from engine.models.rope import _rotate
 from engine.sampling_params import SamplingParams
-from kernels.cpu import load, runnable_levels
 from tests.engine.test_engine_vs_hf import random_prompts
-
-
-@pytest.fixture(scope="module", params=runnable_levels())
-def ops(request):
-    ops = load(request.param)
-    assert ops is not None, f"the {request.param} CPU kernels did not build (run `python -m kernels.cpu -v`)"
-    assert ops.LEVEL == request.param
-    return ops
 
 
 def _cache(num_pages, page_size, kv_heads, dim, dtype, seed):
