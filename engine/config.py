@@ -62,8 +62,9 @@ class EngineConfig:
     enable_graph: bool | None = None
     graph_max_bs: int | None = None       # largest captured batch (<= max_running_requests); None: 256 CUDA, 32 CPU
     graph_bs: tuple[int, ...] | None = None   # the sizes to capture (<= graph_max_bs); None: the device's list
-    # bf16 linear layers on CPU from weights reordered once into oneDNN's packed layout
-    # (engine/models/prepack.py); None: wherever oneDNN supports it and decode graphs are off.
+    # Linear layers on CPU from weights packed once at load (engine/models/prepack.py): bf16 in oneDNN's
+    # layout, fp32 for Tandem's linear kernel; None: bf16 where oneDNN supports it, fp32 where the CPU
+    # kernels are on, and decode graphs off.
     enable_weight_prepack: bool | None = None
     # Fused C++ kernels on CPU for decode attention, RMSNorm and RoPE (kernels/cpu); None: on CPU with
     # decode graphs off, wherever they build (the torch code otherwise).

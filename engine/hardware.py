@@ -143,14 +143,21 @@ def resolve_dtype(name: str, hw: Hardware, model_dtype: str = "float32") -> Choi
     return choose_dtype(hw, model_dtype)
 
 
-def choose_weight_prepack(hw: Hardware, dtype: torch.dtype, graphs: bool) -> Choice:
-    """bf16 linears from oneDNN-packed weights (engine/models/prepack.py)."""
-    if not hw.is_cpu or dtype != torch.bfloat16:
-        return Choice(False, "only bf16 on CPU")
-    if not hw.onednn_bf16:
+def choose_weight_prepack(hw: Hardware, dtype: torch.dtype, graphs: bool, cpu_kernels: bool = False) -> Choice:
+    """Linears on weights packed once at load time (engine/models/prepack.py): bf16 in oneDNN's layout,
+    fp32 in the panel layout of Tandem's linear kernel (kernels/cpu/linear.cpp; `cpu_kernels`: they
+    are loaded)."""
+    if not hw.is_cpu or dtype not in (torch.bfloat16, torch.float32):
+        return Choice(False, "only bf16 and fp32 on CPU")
+    if dtype == torch.bfloat16 and not hw.onednn_bf16:
         return Choice(False, "oneDNN has no bf16 on this CPU")
+    if dtype == torch.float32 and not cpu_kernels:
+        return Choice(False, "fp32 packs for Tandem's CPU linear kernel, and the CPU kernels are off")
     if graphs:
         return Choice(False, "decode graphs manage their own weights")
+    if dtype == torch.float32:
+        return Choice(True, "fp32 through Tandem's CPU linear kernel: MKL/oneDNN waste most of a core at "
+                            "decode batch sizes")
     return Choice(True, "bf16 on a CPU whose oneDNN takes bf16")
 
 

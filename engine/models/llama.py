@@ -24,7 +24,7 @@ from engine.forward_context import ForwardContext
 from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm, SiluAndMul
 from engine.models.logits import compute_logits
-from engine.models.prepack import PackedLinear, prepack_linears
+from engine.models.prepack import PanelEmbedding, linear_packer, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
 
@@ -92,7 +92,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.vocab_projection: PackedLinear | None = None   # set by prepack()
+        self.vocab_projection: torch.nn.Module | None = None   # packed copy of the vocab projection (prepack())
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Returns fp32 logits `[len(ctx.logits_indices), vocab]` for the positions that sample."""
@@ -105,15 +105,24 @@ class LlamaForCausalLM(torch.nn.Module):
         h = self.norm.forward_fp32((x + residual).index_select(0, ctx.logits_indices))
         return compute_logits(h, self._vocab_weight(), self.vocab_projection)
 
-    def _vocab_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def _vocab_weight(self) -> torch.Tensor | None:
+        """The plain vocab projection weight; None once the packed one is the only copy (fp32 prepack)."""
+        owner = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+        return getattr(owner, "weight", None)
 
-    def prepack(self) -> int:
-        """Decoder projections on oneDNN-packed weights (engine/models/prepack.py), and a packed copy
-        of the vocab projection for the logits (the plain weight stays: the embedding and the fp32
-        rescoring of the top candidates read its rows). Returns how many layers were packed."""
-        self.vocab_projection = PackedLinear(self._vocab_weight(), None)
-        return prepack_linears(self.layers) + 1
+    def prepack(self, ops=None) -> int:
+        """Decoder projections on packed weights (engine/models/prepack.py): oneDNN's layout in bf16,
+        the panel layout of Tandem's fp32 kernel with `ops` (kernels.cpu). The vocab projection is
+        packed too. In bf16 its plain weight stays (the embedding and the fp32 rescoring of the top
+        candidates read its rows); in fp32 the packed weight is the only copy: a tied embedding reads
+        its rows from the panels, an untied lm_head is dropped. Returns how many layers were packed."""
+        self.vocab_projection = linear_packer(ops)(self._vocab_weight(), None)
+        if ops is not None:
+            if self.cfg.tie_word_embeddings:
+                self.embed_tokens = PanelEmbedding(self.vocab_projection)
+            else:
+                self.lm_head = None
+        return prepack_linears(self.layers, ops) + 1
 
     # --- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -24,12 +24,13 @@ import torch.nn.functional as F
 RESCORE_TOP_K = 16
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor,
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor | None,
                    projection: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """fp32 logits `[S, vocab]` for normalised hidden states `hidden` `[S, d]` (any float dtype).
-    `projection`, if given, computes `hidden · weightᵀ` in the weight's dtype (a packed copy of it)."""
-    if weight.dtype == torch.float32:
-        return F.linear(hidden.float(), weight)
+    `projection`, if given, computes `hidden · weightᵀ` in the weight's dtype (a packed copy of it);
+    `weight` None: the projection is fp32 and the only copy."""
+    if weight is None or weight.dtype == torch.float32:
+        return F.linear(hidden.float(), weight) if projection is None else projection(hidden.float())
     h = hidden.to(weight.dtype)
     logits = (F.linear(h, weight) if projection is None else projection(h)).float()
     if logits.shape[0] == 0:

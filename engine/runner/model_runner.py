@@ -76,11 +76,11 @@ class ModelRunner:
         self.dtype = self.choices["dtype"].value
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        self.cpu_ops = self._cpu_kernels()   # before the model: fp32 weights are packed for their linear kernel
         self.model = self._load_model(context_len)
         spec = self._pool_spec()
         self.pool = KVPool(spec, self.device, kv_allocator(spec) if kv_allocator else None)
         self.attn = create_backend(cfg.attention_backend, self.pool, model_cfg.num_heads, model_cfg.head_dim)
-        self.cpu_ops = self._cpu_kernels()
         if self.cpu_ops is not None:
             use_cpu_kernels(self.model, self.cpu_ops)
             if hasattr(self.attn, "cpu_ops"):
@@ -131,22 +131,25 @@ class ModelRunner:
         model.load_weights(iter_weights(self.model_cfg.path, self.dtype))
         model.eval()
         if self._weight_prepack():
-            log.info("prepacked %d linear layers (oneDNN layout)", model.prepack())
+            ops = self.cpu_ops if self.dtype == torch.float32 else None
+            log.info("prepacked %d linear layers (%s)", model.prepack(ops),
+                     "oneDNN layout" if ops is None else f"{ops.LEVEL} kernel's panels of {ops.LINEAR_PANEL}")
         log.info("loaded %s (%s, %s) in %.1fs", self.model_cfg.path, self.dtype, self.device,
                  time.perf_counter() - t0)
         return model
 
     def _weight_prepack(self) -> bool:
         graphs = graph_enabled(self.cfg, self.device)
-        auto = choose_weight_prepack(self.hardware, self.dtype, graphs)
+        kernels = self.cpu_ops is not None
+        auto = choose_weight_prepack(self.hardware, self.dtype, graphs, kernels)
         want = self.cfg.enable_weight_prepack
         self.choices["weight prepack"] = auto if want is None else Choice(want, "--enable/--disable-weight-prepack")
         if want is None:
             return auto.value
-        supported = choose_weight_prepack(self.hardware, self.dtype, graphs=False).value
-        if want and not supported:
-            raise InvalidRequest("--enable-weight-prepack needs bf16 on a CPU whose oneDNN supports bf16",
-                                 "enable_weight_prepack")
+        supported = choose_weight_prepack(self.hardware, self.dtype, False, kernels)
+        if want and not supported.value:
+            raise InvalidRequest("--enable-weight-prepack needs bf16 on a CPU whose oneDNN supports bf16, or fp32 "
+                                 f"with the CPU kernels on ({supported.reason})", "enable_weight_prepack")
         if want and graph_enabled(self.cfg, self.device):
             raise InvalidRequest("--enable-weight-prepack and decode graphs (--enable-graph) do not go together: "
                                  "the compiled graph manages its own weights", "enable_weight_prepack")

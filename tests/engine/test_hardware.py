@@ -58,7 +58,10 @@ def test_explicit_dtype_wins():
 def test_other_defaults_per_device():
     assert choose_weight_prepack(ZEN4, torch.bfloat16, graphs=False).value
     assert not choose_weight_prepack(ZEN4, torch.bfloat16, graphs=True).value
-    assert not choose_weight_prepack(ZEN4, torch.float32, graphs=False).value
+    assert not choose_weight_prepack(ZEN4, torch.float32, graphs=False).value     # the CPU kernels are off
+    assert choose_weight_prepack(AVX2, torch.float32, graphs=False, cpu_kernels=True).value   # their linear kernel
+    assert not choose_weight_prepack(AVX2, torch.float32, graphs=True, cpu_kernels=True).value
+    assert not choose_weight_prepack(A100, torch.float32, graphs=False, cpu_kernels=True).value
     assert not choose_weight_prepack(AVX2, torch.bfloat16, graphs=False).value   # oneDNN has no bf16 there
     assert choose_cpu_kernels(AVX2, graphs=False).value and "avx2" in choose_cpu_kernels(AVX2, False).reason
     assert not choose_cpu_kernels(AVX2, graphs=True).value
