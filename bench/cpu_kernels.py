@@ -2,8 +2,9 @@
 
     python -m bench.cpu_kernels --out bench/results/cpu_kernels.json
     python -m bench.cpu_kernels --parts extend --out bench/results/cpu_extend.json
+    python -m bench.cpu_kernels --parts linear --out bench/results/cpu_linear.json
 
-Three parts (`--parts`):
+Four parts (`--parts`):
 - **ops**: one layer's decode attention through the torch backend as a step runs it, with and
   without the kernel (rows x keys of SmolLM2's 9 query / 3 KV heads, head dim 64, pages in random
   order: `bench.kernels.make_case`), and RMSNorm + residual and RoPE at 1 / 12 / 256 tokens;
@@ -12,7 +13,14 @@ Three parts (`--parts`):
   the SDPA path it replaces (fp32 causal SDPA without a prefix; with one, the gathered pages and an
   explicit mask), in fp32 and bf16, 256-2,048 tokens with and without a cached prefix; for the
   variant this CPU loads and again, in a child process, for the avx2 variant under the AVX2
-  emulation (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: torch's SDPA runs its AVX2 code too).
+  emulation (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`: torch's
+  SDPA, oneDNN and MKL run their AVX2 code too).
+- **linear**: fp32 `y = x Wᵀ` at SmolLM2's projection shapes (fused QKV 960x576, O 576x576, gate/up
+  3072x576, down 576x1536, the vocab 49152x576) and 1-256 rows: MKL (`F.linear`), oneDNN on a
+  prepacked weight (`_linear_pointwise`), Tandem's kernel (`linear`, panel-packed fp32 weights, the
+  engine's fp32 default) and the same kernel on bf16-stored weights; GFLOP/s, best of 5 calls, each
+  call over enough copies of the weight (~160 MB) that it streams from memory as in a real step. For
+  the variant this CPU loads and, in a child under the AVX2 emulation, the avx2 one.
 - **steps**: whole decode steps of the real model (`LLMEngine.step()`, 300-token prompts) at several
   batch sizes on two engines, one with the kernels and one without, measured alternately; the median
   of each engine's steps.
@@ -35,6 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from bench.engine import prompts_of
 from bench.kernels import decode_context, extend_context, make_case
@@ -49,15 +58,20 @@ from kernels.cpu import load, runnable_levels
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 
 
-def median_ms(fn, n: int = 50) -> float:
-    for _ in range(5):
+def call_times(fn, n: int, warmup: int) -> list[float]:
+    """Seconds of each of `n` calls of `fn`, after `warmup` untimed ones."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return times
+
+
+def median_ms(fn, n: int = 50) -> float:
+    return statistics.median(call_times(fn, n, warmup=5)) * 1e3
 
 
 CASE = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
@@ -85,7 +99,7 @@ def bench_attention(ops, rows: int, keys: int) -> dict:
 
 # (new tokens, cached prefix): prefills, a prefix-cache hit on half the prompt, a last 256-token chunk.
 EXTEND_CASES = [(256, 0), (1024, 0), (2048, 0), (128, 128), (512, 512), (1024, 1024), (256, 768), (256, 1792)]
-EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def bench_extend(ops, tokens: int, prefix: int, dtype: str) -> dict:
@@ -111,14 +125,51 @@ def extend_rows(ops) -> list[dict]:
     return rows
 
 
-def emulated_avx2_extend_rows() -> list[dict]:
-    """extend_rows() of the avx2 variant, in a child process under the AVX2 emulation (the caps must
-    be in the environment before torch starts)."""
+def emulated_avx2_rows(part: str) -> list[dict]:
+    """The rows of `part` for the avx2 variant, in a child process under the AVX2 emulation (the caps
+    must be in the environment before torch starts)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "extend.json"
-        subprocess.run([sys.executable, "-m", "bench.cpu_kernels", "--parts", "extend", "--no-emulation",
+        out = Path(tmp) / f"{part}.json"
+        subprocess.run([sys.executable, "-m", "bench.cpu_kernels", "--parts", part, "--no-emulation",
                         "--out", str(out)], env={**os.environ, **EMULATE_AVX2}, check=True)
-        return json.loads(out.read_text())["extend"]
+        return json.loads(out.read_text())[part]
+
+
+LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                 "vocab": (49152, 576)}
+LINEAR_ROWS = (1, 4, 8, 16, 32, 64, 256)
+STREAM_BYTES = 160e6   # weights per timed call: past the L3, so they stream from memory as in a step
+
+
+def best_s(fn, n: int = 5) -> float:
+    return min(call_times(fn, n, warmup=1))
+
+
+def linear_rows(ops) -> list[dict]:
+    rows = []
+    for name, (n, k) in LINEAR_SHAPES.items():
+        g = torch.Generator().manual_seed(n + k)
+        weights = [torch.randn(n, k, generator=g) for _ in range(max(1, int(STREAM_BYTES // (n * k * 4))))]
+        impls = {
+            "mkl": (weights, F.linear),
+            "onednn": ([torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights],
+                       lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
+            "kernel": ([ops.pack_linear(w) for w in weights], lambda x, w, n=n: ops.linear(x, w, None, n)),
+            "kernel_bf16_weights": ([ops.pack_linear(w, torch.bfloat16) for w in weights],
+                                    lambda x, w, n=n: ops.linear(x, w, None, n)),
+        }
+        for m in LINEAR_ROWS:
+            x = torch.randn(m, k, generator=g)
+            row = {"op": "linear", "level": ops.LEVEL, "torch_cpu": torch.backends.cpu.get_cpu_capability(),
+                   "shape": name, "n": n, "k": k, "rows": m}
+            for impl, (ws, fn) in impls.items():
+                seconds = best_s(lambda ws=ws, fn=fn, x=x: [fn(x, w) for w in ws]) / len(ws)
+                row[f"{impl}_gflops"] = 2 * m * n * k / seconds / 1e9
+            row["speedup_vs_best_library"] = row["kernel_gflops"] / max(row["mkl_gflops"], row["onednn_gflops"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del impls, weights
+    return rows
 
 
 def bench_norm_rope(ops, tokens: int) -> list[dict]:
@@ -155,9 +206,9 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--parts", default="ops,extend,steps", help="any of ops, extend, steps")
+    ap.add_argument("--parts", default="ops,extend,linear,steps", help="any of ops, extend, linear, steps")
     ap.add_argument("--no-emulation", action="store_true",
-                    help="skip the avx2 variant's extend rows under the AVX2 emulation")
+                    help="skip the avx2 variant's extend and linear rows under the AVX2 emulation")
     ap.add_argument("--batches", default="1,12,24")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--steps", type=int, default=40, help="decode steps per batch and engine")
@@ -180,7 +231,11 @@ def main() -> None:
     if "extend" in parts:
         out["extend"] = extend_rows(ops)
         if not args.no_emulation and ops.LEVEL not in ("generic", "avx2") and "avx2" in runnable_levels():
-            out["extend"] += emulated_avx2_extend_rows()
+            out["extend"] += emulated_avx2_rows("extend")
+    if "linear" in parts:
+        out["linear"] = linear_rows(ops)
+        if not args.no_emulation and ops.LEVEL not in ("generic", "avx2") and "avx2" in runnable_levels():
+            out["linear"] += emulated_avx2_rows("linear")
     if "steps" in parts:
         out["steps"] = bench_steps(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

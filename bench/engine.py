@@ -14,6 +14,13 @@ the engine; `--compare-graph` builds a second engine with graphs on and measures
 back to back (the cores are shared, so only a ratio measured this way means much):
 
     python -m bench.engine --batches 1,8,32 --input-lens 512 --mixed-requests 0 --skip-hf --compare-graph
+
+Packed weights (engine/models/prepack.py): `--compare-prepack` does the same with the first engine on
+plain weights (`--disable-weight-prepack`) and a second on packed ones, prefill included (in fp32: MKL
+against Tandem's linear kernel):
+
+    python -m bench.engine --dtype float32 --threads 1 --batches 1,8,32 --input-lens 256 --mixed-requests 0 \
+        --skip-hf --compare-prepack --repeat 3
 """
 
 from __future__ import annotations
@@ -143,9 +150,13 @@ def main() -> None:
     ap.add_argument("--compare-graph", action="store_true",
                     help="also run every decode row on a second engine with graphs on (the first: --graph off)")
     ap.add_argument("--graph-bs", default=None, help="with graphs on: the captured batch sizes (default: the engine's)")
+    ap.add_argument("--compare-prepack", action="store_true",
+                    help="also run every row on a second engine with packed weights (the first: plain weights)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="measure each decode row this many times (alternating engines with --compare-graph) and "
-                         "keep the fastest: on shared cores the best run is the least disturbed one")
+                    help="measure each row this many times (alternating engines with --compare-graph or "
+                         "--compare-prepack) and keep the fastest: on shared cores the best run is the least "
+                         "disturbed one")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -158,12 +169,15 @@ def main() -> None:
     # pure decode steps measured run fewer than b).
     cfg = dataclasses.replace(EngineConfig(), model=args.model, dtype=args.dtype, enable_prefix_cache=False,
                               kv_cache_gb=2.0, chunked_prefill_size=8192, max_running_requests=max_batch,
-                              enable_mixed_chunk=False,
+                              enable_mixed_chunk=False, num_threads=args.threads or None,
+                              enable_weight_prepack=False if args.compare_prepack else None,
                               enable_graph=graph,
                               graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None)
     engines = {"tandem": cfg}
     if args.compare_graph:
         engines["graph"] = dataclasses.replace(cfg, enable_graph=True)
+    if args.compare_prepack:
+        engines["prepack"] = dataclasses.replace(cfg, enable_weight_prepack=True)
     startup = {}
     for name, c in list(engines.items()):
         t0 = time.perf_counter()
@@ -179,10 +193,13 @@ def main() -> None:
     rows = []
     for input_len in input_lens:
         for b in batches:
-            row = {"input_len": input_len, "batch": b,
-                   "tandem_prefill_tok_s": bench_tandem_prefill(engine, b, input_len)}
+            row = {"input_len": input_len, "batch": b}
+            prefills = [e for e in engines if e != "graph"]   # graphs run decode steps only
             runs: dict[str, list[dict]] = {name: [] for name in engines}
             for _ in range(args.repeat):
+                for name in prefills:
+                    row[f"{name}_prefill_tok_s"] = max(row.get(f"{name}_prefill_tok_s", 0.0),
+                                                      bench_tandem_prefill(engines[name], b, input_len))
                 for name, e in engines.items():
                     runs[name].append(bench_tandem_decode(e, b, input_len, args.output_len))
             for name, results in runs.items():
@@ -190,6 +207,9 @@ def main() -> None:
                 row.update({f"{name}_{k}": v for k, v in best.items()})
             if "graph" in engines:
                 row["graph_speedup"] = row["graph_decode_tok_s"] / row["tandem_decode_tok_s"]
+            if "prepack" in engines:
+                row["prepack_speedup"] = row["prepack_decode_tok_s"] / row["tandem_decode_tok_s"]
+                row["prepack_prefill_speedup"] = row["prepack_prefill_tok_s"] / row["tandem_prefill_tok_s"]
             rows.append(row)
             print(json.dumps(row))
     mixed = {}
