@@ -117,9 +117,10 @@ def prepack_linears(model: torch.nn.Module, ops=None) -> int:
     """Replace every `nn.Linear` under `model` by its packed form (`linear_packer(ops)`; the dense
     weight is freed). Returns how many were replaced."""
     pack = linear_packer(ops)
-    swaps = [(parent, name, child) for parent in model.modules()
+    swaps = [(parent, name) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is torch.nn.Linear]
     with torch.no_grad():
-        for parent, name, child in swaps:
+        for parent, name in swaps:   # no list holds the old layers: each plain weight is freed once packed
+            child = getattr(parent, name)
             setattr(parent, name, pack(child.weight, child.bias))
     return len(swaps)
