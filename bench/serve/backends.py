@@ -88,7 +88,8 @@ class OpenAIHTTPBackend:
         body: dict = {"model": self.cfg.model, "max_tokens": req.output_len, "temperature": self.cfg.temperature,
                       "stream": True, "stream_options": {"include_usage": True}}
         if self.chat:
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            history = req.messages if req.messages is not None else (("user", req.prompt),)
+            body["messages"] = [{"role": role, "content": content} for role, content in history]
         else:
             body["prompt"] = req.prompt
         mode = self.cfg.force_output_len
@@ -130,6 +131,7 @@ class OpenAIHTTPBackend:
                     if self._is_token_event(data):
                         rec.token_times.append(now)
                         events += 1
+                    rec.output_text += self._text(data)
                     usage = data.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         usage_tokens = int(usage["completion_tokens"])
@@ -146,6 +148,13 @@ class OpenAIHTTPBackend:
             rec.end = time.perf_counter()
         return rec
 
+    def _text(self, data: dict) -> str:
+        choices = data.get("choices") or []
+        if not choices:
+            return ""
+        c = choices[0]
+        return ((c.get("delta") or {}).get("content") if self.chat else c.get("text")) or ""
+
     def _is_token_event(self, data: dict) -> bool:
         """A chunk with generated output. Text may be empty for a token whose characters are held
         back; an empty chunk that only carries finish_reason is a terminator, not a token."""
@@ -153,8 +162,7 @@ class OpenAIHTTPBackend:
         if not choices:
             return False
         c = choices[0]
-        text = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
-        if text:
+        if self._text(data):
             return True
         if self.chat and "role" in (c.get("delta") or {}):
             return False  # the opening role-only chunk
@@ -211,6 +219,7 @@ class TandemGrpcBackend:
                 if resp.token_ids:
                     rec.token_times.append(now)
                     rec.output_tokens += len(resp.token_ids)
+                rec.output_text += resp.text
                 if resp.HasField("usage"):
                     rec.cached_tokens = resp.usage.cached_tokens
             if not rec.token_times:

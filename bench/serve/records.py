@@ -19,6 +19,9 @@ class BenchRequest:
     output_len: int
     prompt_ids: tuple[int, ...] | None = None
     priority: int | None = None          # sent as the request's `priority` when set (--priority-mix)
+    # A chat history, (role, content) pairs ending with the user's turn: what a chat endpoint is sent
+    # instead of `prompt` (multi-turn); `prompt` is then the same contents concatenated.
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass
@@ -39,6 +42,9 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     priority: int | None = None          # the request's priority class, if the workload sets one
+    output_text: str = ""                # the generated text as streamed (a multi-turn answer goes into the next turn)
+    conversation: int | None = None      # multi-turn: which conversation (0-based) and which turn (1-based)
+    turn: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -68,6 +74,8 @@ class RequestRecord:
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
             "priority": self.priority,
+            "conversation": self.conversation,
+            "turn": self.turn,
             "output_tokens": self.output_tokens,
             "cached_tokens": self.cached_tokens,
             "success": self.success,

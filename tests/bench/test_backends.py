@@ -61,7 +61,7 @@ def test_completions_stream_timing_and_usage():
     assert seen["body"]["prompt"] == " alpha bravo" and seen["body"]["max_tokens"] == 3
     assert seen["body"]["stream"] is True and seen["body"]["stream_options"] == {"include_usage": True}
     assert seen["body"]["ignore_eos"] is True and seen["body"]["temperature"] == 0.0
-    assert rec.success and rec.output_tokens == 3
+    assert rec.success and rec.output_tokens == 3 and rec.output_text == " one two"
     assert len(rec.token_times) == 3                 # the finish-only chunk is not a token
     # The mock server sleeps 20 ms before each chunk, and the client pulls chunks one by one, so no
     # gap is shorter (5 ms of timer slack); the upper bound only catches a wrong clock (a busy 2-core
@@ -131,7 +131,17 @@ def test_chat_endpoint():
                  "[DONE]")
     rec, seen = run_http(chunks, cfg=BackendConfig(base_url="http://s", endpoint="/v1/chat/completions"))
     assert seen["body"]["messages"] == [{"role": "user", "content": " alpha bravo"}]
-    assert rec.success and len(rec.token_times) == 2 and rec.output_tokens == 2
+    assert rec.success and len(rec.token_times) == 2 and rec.output_tokens == 2 and rec.output_text == "hi there"
+
+
+def test_chat_endpoint_sends_a_requests_history_and_completions_its_prompt():
+    history = BenchRequest(prompt="q1 a1 q2", prompt_len=3, output_len=1,
+                           messages=(("user", "q1"), ("assistant", " a1"), ("user", " q2")))
+    chat = OpenAIHTTPBackend(BackendConfig(base_url="http://x", endpoint="/v1/chat/completions")).body(history)
+    assert chat["messages"] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": " a1"},
+                                {"role": "user", "content": " q2"}]
+    plain = OpenAIHTTPBackend(BackendConfig(base_url="http://x")).body(history)
+    assert plain["prompt"] == "q1 a1 q2" and "messages" not in plain
 
 
 def test_tandem_grpc_backend_streams_and_maps_errors():
@@ -153,7 +163,7 @@ def test_tandem_grpc_backend_streams_and_maps_errors():
     assert list(sent.token_ids.ids) == [11, 12] and sent.sampling.ignore_eos
     assert sent.sampling.max_tokens == 3 and sent.sampling.temperature == pytest.approx(0.5)
     assert servicer.requests[1].text == "hello"
-    assert ok.success and ok.output_tokens == 3 and len(ok.itl) == 2
+    assert ok.success and ok.output_tokens == 3 and len(ok.itl) == 2 and ok.output_text == " t0 t1 t2"
     # The fake waits 10 ms before its first chunk; the upper bound only catches a wrong clock (a busy
     # 2-core machine adds tens of ms).
     assert 0.01 <= ok.ttft < 1.0
