@@ -33,18 +33,29 @@ def _priority_mix(text: str) -> tuple[tuple[int, float], ...]:
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt"],
-                   help="random token prompts, groups of prompts sharing a prefix, or ShareGPT conversations")
+    g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt", "multi-turn"],
+                   help="random token prompts, groups of prompts sharing a prefix, ShareGPT conversations, or "
+                        "multi-turn conversations (closed loop: each turn is sent after the previous answer, "
+                        "whose text it includes)")
     g.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT-format JSON file")
-    g.add_argument("--num-prompts", type=int, default=None, help="requests per request rate")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per request rate (multi-turn: must equal conversations x turns if given)")
     g.add_argument("--input-len", type=int, default=256,
-                   help="prompt tokens (shared-prefix: tokens after the shared prefix)")
+                   help="prompt tokens (shared-prefix: tokens after the shared prefix; multi-turn: unused)")
     g.add_argument("--output-len", type=int, default=None,
-                   help="output tokens (default 64; sharegpt: the reference reply's length)")
+                   help="output tokens (default 64; sharegpt: the reference reply's length; multi-turn: each answer's)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes")
-    g.add_argument("--seed", type=int, default=0, help="seed of the prompts, their lengths and the arrival times")
+    g.add_argument("--multi-turn-conversations", type=int, default=32,
+                   help="multi-turn: conversations per request rate; the rate is of conversation starts/s")
+    g.add_argument("--multi-turn-turns", type=int, default=6, help="multi-turn: turns (requests) per conversation")
+    g.add_argument("--multi-turn-user-len", type=int, default=200,
+                   help="multi-turn: user tokens each turn adds after the previous answer (--range-ratio applies)")
+    g.add_argument("--multi-turn-think-time", type=float, default=1.0,
+                   help="multi-turn: mean seconds between an answer and the next turn (exponential, seeded; 0: none)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts, their lengths, the think times and the arrival times")
     g.add_argument("--priority-mix", type=_priority_mix, default=(),
                    help="send each request a `priority` drawn from these classes in these proportions, "
                         "PRIORITY:WEIGHT,... (e.g. 10:1,0:3: a quarter at 10); metrics are also "
@@ -63,11 +74,20 @@ def _dataset(args: argparse.Namespace, default_prompts: int):
     output_len = args.output_len
     if output_len is None and args.dataset_name != "sharegpt":
         output_len = 64
+    num_prompts = args.num_prompts or default_prompts
+    if args.dataset_name == "multi-turn":
+        turns = args.multi_turn_conversations * args.multi_turn_turns
+        if args.num_prompts is not None and args.num_prompts != turns:
+            raise ValueError(f"multi-turn sends --multi-turn-conversations x --multi-turn-turns = {turns} requests "
+                             f"per rate; --num-prompts {args.num_prompts} disagrees (leave it out)")
+        num_prompts = turns
     return DatasetConfig(
-        name=args.dataset_name, num_prompts=args.num_prompts or default_prompts, input_len=args.input_len,
+        name=args.dataset_name, num_prompts=num_prompts, input_len=args.input_len,
         output_len=output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,
         num_prefix_groups=args.num_prefix_groups, path=args.dataset_path, seed=args.seed,
-        priority_mix=args.priority_mix)
+        priority_mix=args.priority_mix, multi_turn_conversations=args.multi_turn_conversations,
+        multi_turn_turns=args.multi_turn_turns, multi_turn_user_len=args.multi_turn_user_len,
+        multi_turn_think_time=args.multi_turn_think_time)
 
 
 def _add_model_argument(p: argparse.ArgumentParser) -> None:

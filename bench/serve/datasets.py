@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: str = "random"                 # random | shared-prefix | sharegpt
+    name: str = "random"                 # random | shared-prefix | sharegpt | multi-turn
     num_prompts: int = 100
     input_len: int = 256                 # random: prompt tokens; shared-prefix: tokens after the prefix
     output_len: int | None = 64          # None: sharegpt takes the reference reply's length
@@ -43,6 +43,11 @@ class DatasetConfig:
     # (priority, share) classes: each request gets one priority, in these proportions (exact counts,
     # shuffled with the seed); () sends none. See parse_priority_mix.
     priority_mix: tuple[tuple[int, float], ...] = ()
+    # multi-turn (bench/serve/multiturn.py): closed-loop conversations; num_prompts and input_len unused
+    multi_turn_conversations: int = 32
+    multi_turn_turns: int = 6
+    multi_turn_user_len: int = 200       # user tokens each turn adds (range_ratio applies)
+    multi_turn_think_time: float = 1.0   # mean s between a turn's end and the next turn (exponential)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
@@ -199,6 +204,8 @@ DATASETS: dict[str, Callable[[DatasetConfig, Tokenizer], list[BenchRequest]]] = 
 
 
 def build_dataset(cfg: DatasetConfig, tok: Tokenizer) -> list[BenchRequest]:
+    if cfg.name == "multi-turn":
+        raise ValueError("multi-turn prompts depend on the server's answers: build them with bench.serve.multiturn")
     if cfg.name not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(DATASETS)}")
     if cfg.num_prompts < 1:

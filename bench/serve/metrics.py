@@ -233,3 +233,74 @@ def format_summary(m: BenchMetrics, title: str, slo: SLO | None = None) -> str:
     for msg, count in m.failures.items():
         lines.append(f"failure x{count}: {msg}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """One turn index of a multi-turn run, over every conversation that got that far."""
+
+    sent: int
+    completed: int
+    failed: int
+    mean_prompt_len: float            # tokens, as the workload's tokenizer counts them (nan if none sent)
+    ttft: LatencyStats                # of the completed turns
+
+
+@dataclass(frozen=True)
+class MultiTurnMetrics:
+    """The multi-turn workload's own view: conversations, and TTFT of first turns apart from later
+    ones (a later turn's prompt starts with a history the server may still hold)."""
+
+    conversations: int
+    turns: int                        # planned per conversation
+    conversations_completed: int      # every turn succeeded
+    conversations_failed: int         # ended by a failed turn
+    turns_sent: int
+    turns_not_sent: int               # the turns after a failed one
+    ttft_turn_1: LatencyStats
+    ttft_turns_2_plus: LatencyStats
+    by_turn: dict[int, TurnStats]     # turn index (1-based) -> its stats
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def multi_turn_metrics(records: Sequence[RequestRecord], conversations: int, turns: int,
+                       percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> MultiTurnMetrics:
+    """From the records of a multi-turn run (each with `conversation` and `turn` set); p50 and p99
+    are always among the percentiles."""
+    assert all(r.conversation is not None and r.turn is not None for r in records), "not a multi-turn run"
+    ps = sorted(set(percentiles) | {50.0, 99.0})
+    failed_convs = {r.conversation for r in records if not r.success}
+    by_turn = {}
+    for k in range(1, turns + 1):
+        sent = [r for r in records if r.turn == k]
+        ok = [r for r in sent if r.success]
+        by_turn[k] = TurnStats(
+            sent=len(sent), completed=len(ok), failed=len(sent) - len(ok),
+            mean_prompt_len=sum(r.prompt_len for r in sent) / len(sent) if sent else float("nan"),
+            ttft=LatencyStats.of([r.ttft for r in ok if r.ttft is not None], ps))
+
+    def ttfts(first: bool) -> LatencyStats:
+        return LatencyStats.of([r.ttft for r in records
+                                if r.success and r.ttft is not None and (r.turn == 1) == first], ps)
+
+    return MultiTurnMetrics(
+        conversations=conversations, turns=turns,
+        conversations_completed=conversations - len(failed_convs), conversations_failed=len(failed_convs),
+        turns_sent=len(records), turns_not_sent=conversations * turns - len(records),
+        ttft_turn_1=ttfts(first=True), ttft_turns_2_plus=ttfts(first=False), by_turn=by_turn)
+
+
+def format_multi_turn_summary(m: MultiTurnMetrics) -> str:
+    lines = [
+        f"{'Conversations':<42s}{m.conversations} x {m.turns} turns: {m.conversations_completed} completed, "
+        f"{m.conversations_failed} ended by a failed turn",
+        f"{'Turns sent / not sent':<42s}{m.turns_sent} / {m.turns_not_sent}",
+        f"{'(ms)':<16s}{'n':>6s}{'mean':>10s}{'p50':>10s}{'p99':>10s}",
+    ]
+    for label, s in (("TTFT turn 1", m.ttft_turn_1), ("TTFT turns >= 2", m.ttft_turns_2_plus)):
+        lines.append(f"{label:<16s}{s.n:>6d}{s.mean:>10.1f}{s.p(50):>10.1f}{s.p(99):>10.1f}")
+    lines.append("TTFT p50 by turn (ms): " + ", ".join(
+        f"{k}: {t.ttft.p(50):.1f}" for k, t in m.by_turn.items()))
+    return "\n".join(lines)

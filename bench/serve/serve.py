@@ -18,17 +18,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.serve import plots
+from bench.serve import multiturn, plots
 from bench.serve.backends import BackendConfig, make_backend
 from bench.serve.datasets import DatasetConfig, build_dataset, describe, load_tokenizer
 from bench.serve.metrics import (
     DEFAULT_PERCENTILES,
     SLO,
     BenchMetrics,
+    MultiTurnMetrics,
     compute_metrics,
+    format_multi_turn_summary,
     format_priority_summary,
     format_summary,
     metrics_by_priority,
+    multi_turn_metrics,
 )
 from bench.serve.runner import LoadConfig, run_load
 
@@ -62,11 +65,14 @@ class RateRun:
     metrics: BenchMetrics
     records: list[dict]                  # RequestRecord.to_dict()
     by_priority: dict[int, BenchMetrics] = field(default_factory=dict)  # per class (--priority-mix)
+    multi_turn: MultiTurnMetrics | None = None                          # the multi-turn dataset's view
 
     def to_dict(self, save_requests: bool) -> dict:
         d = {"request_rate": plots.rate_label(self.request_rate), "metrics": self.metrics.to_dict()}
         if self.by_priority:
             d["by_priority"] = {str(p): m.to_dict() for p, m in self.by_priority.items()}
+        if self.multi_turn is not None:
+            d["multi_turn"] = self.multi_turn.to_dict()
         if save_requests:
             d["requests"] = self.records
         return d
@@ -74,24 +80,38 @@ class RateRun:
 
 async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
     """Run `cfg`'s workload at each of its request rates against one already-running endpoint."""
+    multi = cfg.dataset.name == multiturn.NAME
+    if multi:
+        multiturn.validate(cfg.dataset)     # before the warm-ups: a bad flag is a usage error, not a run
     backend = make_backend(cfg.backend, cfg.backend_cfg)
     await backend.start()
     try:
         warmups = []
-        if cfg.num_warmups > 0:
-            warm_cfg = dataclasses.replace(cfg.dataset, num_prompts=cfg.num_warmups,
-                                           seed=cfg.dataset.seed + WARMUP_SEED_OFFSET)
+        warm_seed = cfg.dataset.seed + WARMUP_SEED_OFFSET
+        if multi:
+            warmups = multiturn.warmup_requests(cfg.dataset, cfg.num_warmups, warm_seed, tokenizer)
+        elif cfg.num_warmups > 0:
+            warm_cfg = dataclasses.replace(cfg.dataset, num_prompts=cfg.num_warmups, seed=warm_seed)
             warmups = build_dataset(warm_cfg, tokenizer)
         runs = []
         for i, rate in enumerate(cfg.request_rates):
-            reqs = build_dataset(dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + i), tokenizer)
-            if i == 0:
-                echo(f"workload: {cfg.dataset.name}, {describe(reqs)}")
+            dataset = dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + i)
             load = LoadConfig(request_rate=rate, burstiness=cfg.burstiness, max_concurrency=cfg.max_concurrency,
                               seed=cfg.dataset.seed + i)
             desc = f"{cfg.label + ' ' if cfg.label else ''}rate {plots.rate_label(rate)}"
-            result = await run_load(backend, reqs, load, warmups=warmups if i == 0 else (),
-                                    progress=cfg.progress, desc=desc)
+            if multi:
+                convs = multiturn.build_conversations(dataset, tokenizer)
+                if i == 0:
+                    echo(f"workload: {cfg.dataset.name}, {multiturn.describe(convs)}")
+                result = await multiturn.run_conversations(backend, convs, load, tokenizer,
+                                                           warmups=warmups if i == 0 else (),
+                                                           progress=cfg.progress, desc=desc)
+            else:
+                reqs = build_dataset(dataset, tokenizer)
+                if i == 0:
+                    echo(f"workload: {cfg.dataset.name}, {describe(reqs)}")
+                result = await run_load(backend, reqs, load, warmups=warmups if i == 0 else (),
+                                        progress=cfg.progress, desc=desc)
             metrics = compute_metrics(result.records, result.duration_s, cfg.slo, cfg.percentiles)
             conc = f", max concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
             echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}request rate "
@@ -100,7 +120,12 @@ async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
             by_priority = metrics_by_priority(result.records, result.duration_s, cfg.slo, cfg.percentiles)
             if by_priority:
                 echo(format_priority_summary(by_priority))
-            runs.append(RateRun(rate, metrics, [r.to_dict(result.t0) for r in result.records], by_priority))
+            turns = None
+            if multi:
+                turns = multi_turn_metrics(result.records, dataset.multi_turn_conversations,
+                                           dataset.multi_turn_turns, cfg.percentiles)
+                echo(format_multi_turn_summary(turns))
+            runs.append(RateRun(rate, metrics, [r.to_dict(result.t0) for r in result.records], by_priority, turns))
         return runs
     finally:
         await backend.close()

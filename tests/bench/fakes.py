@@ -1,10 +1,15 @@
-"""Test doubles for the harness: a fake `tandem.v1.Generation` server and a tiny BPE tokenizer."""
+"""Test doubles for the harness: a fake `tandem.v1.Generation` server, a fake OpenAI HTTP server and a
+tiny BPE tokenizer."""
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -68,3 +73,66 @@ class FakeServer:
 
     def __exit__(self, *exc) -> None:
         self.server.stop(None)
+
+
+class FakeOpenAIServer:
+    """Streaming /v1/completions and /v1/chat/completions on 127.0.0.1 (SSE, then a usage chunk and
+    [DONE]): `max_tokens` chunks `gap` s apart, " a{n}w{i}" for the n-th request, so every answer is
+    unique. A request `fail(body)` is true of gets HTTP 500. `bodies` holds every request body, in
+    arrival order. Use as a context manager."""
+
+    def __init__(self, gap: float = 0.002, fail: Callable[[dict], bool] = lambda body: False):
+        self.gap, self.fail = gap, fail
+        self.bodies: list[dict] = []
+        self._lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                chat = self.path == "/v1/chat/completions"
+                if not chat and self.path != "/v1/completions":
+                    self.send_error(404)
+                    return
+                with fake._lock:
+                    n = len(fake.bodies)
+                    fake.bodies.append(body)
+                if fake.fail(body):
+                    self.send_error(500, "told to fail")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                if chat:
+                    self._event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+                for i in range(body["max_tokens"]):
+                    time.sleep(fake.gap)
+                    piece = f" a{n}w{i}"
+                    self._event({"choices": [{"index": 0, "delta": {"content": piece}} if chat
+                                             else {"index": 0, "text": piece}]})
+                self._event({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": body["max_tokens"]}})
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def _event(self, data: dict) -> None:
+                self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())
+                self.wfile.flush()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FakeOpenAIServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
