@@ -25,24 +25,36 @@ def _rows(results: dict):
             yield name, run["request_rate"], run["metrics"]
 
 
+def _later_turns(results: dict) -> dict[tuple[str, str], dict] | None:
+    """(deployment, rate) -> TTFT stats of turns >= 2 when the workload was multi-turn, else None
+    (and the tables keep their usual columns)."""
+    out = {(name, run["request_rate"]): run["multi_turn"]["ttft_turns_2_plus"]
+           for name, dep in results["deployments"].items() for run in dep["runs"] if "multi_turn" in run}
+    return out or None
+
+
 def comparison_table(results: dict) -> str:
     def f(x, digits=0):
         return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
+    later = _later_turns(results)
     head = ("| deployment | offered req/s | achieved req/s | output tok/s | goodput req/s (% of requests) | "
-            "TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | ITL p99/p50 | failed |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "TTFT p50 / p99 ms | " + ("TTFT turns ≥ 2 p50 / p99 ms | " if later else "")
+            + "TPOT p50 / p99 ms | ITL p50 / p99 ms | ITL p99/p50 | failed |")
+    lines = [head, "|---|" + "---:|" * (9 if later else 8)]
 
-    def p(stats: dict, q: str):
-        return stats["percentiles"].get(q)
+    def p(stats: dict | None, q: str):
+        return stats["percentiles"].get(q) if stats else None
 
     for name, rate, m in _rows(results):
         total = m["completed"] + m["failed"]
         good_pct = 100.0 * m["good_requests"] / total if total else float("nan")
+        t2 = (later or {}).get((name, rate))
         lines.append(
             f"| {name} | {rate} | {f(m['request_throughput'], 2)} | {f(m['output_throughput'], 1)} | "
             f"{f(m['goodput'], 2)} ({f(good_pct)}%) | {f(p(m['ttft'], 'p50'))} / {f(p(m['ttft'], 'p99'))} | "
-            f"{f(p(m['tpot'], 'p50'))} / {f(p(m['tpot'], 'p99'))} | {f(p(m['itl'], 'p50'))} / {f(p(m['itl'], 'p99'))} | "
+            + (f"{f(p(t2, 'p50'))} / {f(p(t2, 'p99'))} | " if later else "")
+            + f"{f(p(m['tpot'], 'p50'))} / {f(p(m['tpot'], 'p99'))} | {f(p(m['itl'], 'p50'))} / {f(p(m['itl'], 'p99'))} | "
             f"{f(m['itl_p99_over_p50'], 2)} | {m['failed']} |")
     return "\n".join(lines)
 
@@ -52,14 +64,17 @@ def summary_table(results: dict, slo: SLO) -> str:
     def f(x, digits=0):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
+    later = _later_turns(results)
     rows = [("deployment", "rate req/s", "achieved req/s", "goodput req/s", "TTFT p50 ms", "TTFT p99 ms",
-             "TPOT p50 ms", "ITL p99/p50", "failed")]
+             *(("TTFT>=2 p50 ms", "TTFT>=2 p99 ms") if later else ()), "TPOT p50 ms", "ITL p99/p50", "failed")]
     for name, rate, m in _rows(results):
         total = m["completed"] + m["failed"]
         good = f"{f(m['goodput'], 2)} ({f(100.0 * m['good_requests'] / total) if total else '-'}%)"
         ttft, tpot = m["ttft"]["percentiles"], m["tpot"]["percentiles"]
-        rows.append((name, str(rate), f(m["request_throughput"], 2), good, f(ttft.get("p50")),
-                     f(ttft.get("p99")), f(tpot.get("p50")), f(m["itl_p99_over_p50"], 2), str(m["failed"])))
+        t2 = ((later or {}).get((name, rate)) or {}).get("percentiles", {})
+        rows.append((name, str(rate), f(m["request_throughput"], 2), good, f(ttft.get("p50")), f(ttft.get("p99")),
+                     *((f(t2.get("p50")), f(t2.get("p99"))) if later else ()),
+                     f(tpot.get("p50")), f(m["itl_p99_over_p50"], 2), str(m["failed"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [slo.describe() + " (the % is of the requests sent)"]
     for r in rows:

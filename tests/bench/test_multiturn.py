@@ -335,7 +335,7 @@ def test_num_prompts_must_agree_and_bad_settings_are_usage_errors(tokenizer_dir,
                "--base-url", "http://127.0.0.1:9") == 2
 
 
-def test_sweep_takes_the_multi_turn_flags(tokenizer_dir, tmp_path, monkeypatch):
+def test_sweep_takes_the_multi_turn_flags(tokenizer_dir, tmp_path, monkeypatch, capsys):
     from tests.bench.test_serve_and_sweep import FakeDeployment
 
     monkeypatch.setattr(sweep, "make_deployment", lambda name, cfg, echo=print: FakeDeployment(name))
@@ -348,3 +348,12 @@ def test_sweep_takes_the_multi_turn_flags(tokenizer_dir, tmp_path, monkeypatch):
     assert res["config"]["dataset"]["multi_turn_turns"] == 3
     m = res["deployments"]["colocated"]["runs"][0]["multi_turn"]
     assert m["turns_sent"] == 9 and m["ttft_turns_2_plus"]["n"] == 6
+    # The tables put turns >= 2 beside the overall TTFT, side by side across deployments.
+    head, _, row = out.with_suffix(".md").read_text().splitlines()[:3]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    at = columns.index("TTFT turns ≥ 2 p50 / p99 ms")
+    p50 = m["ttft_turns_2_plus"]["percentiles"]["p50"]
+    assert cells[at].startswith(f"{p50:.0f} / ") and len(cells) == len(columns)
+    printed = capsys.readouterr().out
+    assert "TTFT>=2 p50 ms" in printed[printed.rindex("goodput = "):]
