@@ -114,8 +114,10 @@ async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
                                         progress=cfg.progress, desc=desc)
             metrics = compute_metrics(result.records, result.duration_s, cfg.slo, cfg.percentiles)
             conc = f", max concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
-            echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}request rate "
-                                          f"{plots.rate_label(rate)} req/s, burstiness {cfg.burstiness:g}{conc}",
+            what = "conversation start rate" if multi else "request rate"
+            unit = "conversations/s" if multi else "req/s"
+            echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}{what} "
+                                          f"{plots.rate_label(rate)} {unit}, burstiness {cfg.burstiness:g}{conc}",
                                 cfg.slo))
             by_priority = metrics_by_priority(result.records, result.duration_s, cfg.slo, cfg.percentiles)
             if by_priority:

@@ -148,7 +148,7 @@ def test_next_turn_waits_for_the_answer_plus_the_think_time(tok):
         for k in (1, 2):
             prev, nxt = recs[k - 1], recs[k]
             assert nxt.start >= prev.end + convs[c].turns[k].think_s    # never early
-            assert nxt.start - prev.end < convs[c].turns[k].think_s + 0.5
+            assert nxt.start - prev.end < convs[c].turns[k].think_s + 2.0   # only a gross stall
             # The answer that came back is in the next prompt, verbatim, after the previous prompt.
             assert prompts[id(nxt)].prompt == prompts[id(prev)].prompt + prev.output_text + convs[c].turns[k].text
     offsets = arrival_offsets(3, 50.0, 1.0, random.Random(3))
