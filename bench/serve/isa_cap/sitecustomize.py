@@ -11,17 +11,29 @@ import os
 
 _LEVEL = os.environ.get("TANDEM_PEER_ISA", "")
 
-if _LEVEL in ("generic", "avx2", "avx512"):
-    import torch.cpu
+
+def _torch_cpu():
+    """torch.cpu, or None in an interpreter without torch: it cannot run vLLM, and an error here
+    would print before (and read like) the peer's own failure."""
+    try:
+        import torch.cpu
+    except ImportError:
+        return None
+    return torch.cpu
+
+
+_CPU = _torch_cpu() if _LEVEL in ("generic", "avx2", "avx512") else None
+
+if _CPU is not None:
 
     def _no() -> bool:
         return False
 
-    torch.cpu._is_avx512_bf16_supported = _no
-    torch.cpu._is_amx_tile_supported = _no
-    torch.cpu._is_amx_fp16_supported = _no
+    _CPU._is_avx512_bf16_supported = _no
+    _CPU._is_amx_tile_supported = _no
+    _CPU._is_amx_fp16_supported = _no
     if _LEVEL != "avx512":
-        torch.cpu._is_avx512_supported = _no
-        torch.cpu._is_vnni_supported = _no
+        _CPU._is_avx512_supported = _no
+        _CPU._is_vnni_supported = _no
     if _LEVEL == "generic":
-        torch.cpu._is_avx2_supported = _no
+        _CPU._is_avx2_supported = _no
