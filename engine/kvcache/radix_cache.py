@@ -7,21 +7,46 @@ partial page is never cached, so a page in the tree is always full and immutable
 Ownership: pages in the tree belong to the tree. A request that matched a prefix uses the tree's
 pages while it holds a lock on the match node; the pages it allocated itself are its own until it
 hands them over with `insert`, which gives back the ones the tree already had.
+
+Eviction hook (optional, for the KV tiers below the pool): `on_evict` hears every page leaving the
+tree, before it goes back to the allocator, so its KV can still be read. With `key_fn` the cache also
+hands each page's key, a chain `key_fn(parent_key, page_token_ids)` computed lazily at eviction from
+the root down and cached on the nodes: the cache never interprets keys (it stays hash-free), and
+without a hook nothing of this runs.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kvcache.page_allocator import PageAllocator
+
+# key_fn(parent key or None at the root, one page's token ids) -> that page's key (opaque here).
+KeyFn = Callable[[object | None, Sequence[int]], object]
+
+
+@dataclass(frozen=True)
+class EvictedRun:
+    """Consecutive pages of one edge leaving the tree (their KV is still in the pool).
+
+    `keys[i]` is the key of `pages[i]` and `parent` the key of the page before the run (None at the
+    root); both None-filled / None when the cache has no `key_fn`."""
+
+    page_tokens: list[tuple[int, ...]]
+    pages: list[int]
+    keys: list[object] | None
+    parent: object | None
+
+
+EvictHook = Callable[[EvictedRun], None]
 
 
 class RadixNode:
     """One edge of the tree (plus the node it leads to). Opaque to callers: a lock handle."""
 
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "page_keys")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None, uid: int):
         self.key = key  # token ids on this edge; len == len(pages) * page_size
@@ -33,6 +58,9 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.uid = uid  # creation order; breaks LRU ties deterministically
+        # One key_fn key per page, filled at the first eviction below this node (None until then);
+        # kept aligned with `pages` by split and trim.
+        self.page_keys: list[object] | None = None
 
     def __repr__(self) -> str:
         return f"RadixNode(uid={self.uid}, pages={self.pages}, lock_ref={self.lock_ref})"
@@ -64,12 +92,15 @@ class RadixCache:
     went becomes an eviction candidate in the same call.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True,
+                 on_evict: EvictHook | None = None, key_fn: KeyFn | None = None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
+        self.on_evict = on_evict
+        self.key_fn = key_fn
         self._next_uid = 0
         self._clock = 0  # monotonic LRU clock: deterministic, unlike wall time
         self._new_root()
@@ -190,6 +221,8 @@ class RadixCache:
         # inherits the count (and the protected/evictable totals stay unchanged).
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
+        if child.page_keys is not None:
+            mid.page_keys, child.page_keys = child.page_keys[:m], child.page_keys[m:]
         child.key = child.key[m * ps :]
         child.pages = child.pages[m:]
         child.parent = mid
@@ -237,11 +270,17 @@ class RadixCache:
             need = num_pages - len(freed)
             if need < len(leaf.pages):
                 # Trim the tail only: the remaining head is still a valid cached prefix.
+                if self.on_evict is not None:
+                    self._tell_evicted(leaf, len(leaf.pages) - need)
                 freed.extend(leaf.pages[-need:])
                 del leaf.pages[-need:]
+                if leaf.page_keys is not None:
+                    del leaf.page_keys[-need:]
                 leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
                 self._evictable_pages -= need
                 break
+            if self.on_evict is not None:
+                self._tell_evicted(leaf, 0)
             freed.extend(leaf.pages)
             self._evictable_pages -= len(leaf.pages)
             parent = leaf.parent
@@ -251,6 +290,35 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         self.allocator.free(freed)
         return len(freed)
+
+    def _tell_evicted(self, node: RadixNode, start: int) -> None:
+        """Call `on_evict` for `node.pages[start:]` (still in the tree, still in the pool)."""
+        ps = self.page_size
+        tokens = [node.key[i * ps : (i + 1) * ps] for i in range(start, len(node.pages))]
+        keys = parent = None
+        if self.key_fn is not None:
+            self._fill_keys(node)
+            keys = node.page_keys[start:]
+            parent = node.page_keys[start - 1] if start else self._last_key(node.parent)
+        self.on_evict(EvictedRun(tokens, node.pages[start:], keys, parent))
+
+    def _last_key(self, node: RadixNode | None) -> object | None:
+        return None if node is None or node is self._root else node.page_keys[-1]
+
+    def _fill_keys(self, node: RadixNode) -> None:
+        # Ancestors first (root down), each node's keys computed once and kept.
+        path = []
+        while node is not self._root and node.page_keys is None:
+            path.append(node)
+            node = node.parent
+        ps = self.page_size
+        for n in reversed(path):
+            prev = self._last_key(n.parent)
+            keys = []
+            for i in range(len(n.pages)):
+                prev = self.key_fn(prev, n.key[i * ps : (i + 1) * ps])
+                keys.append(prev)
+            n.page_keys = keys
 
     def _leaves(self) -> list[RadixNode]:
         leaves = []
