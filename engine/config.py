@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
@@ -42,6 +44,12 @@ class EngineConfig:
     # longer can is finished in the next step (0: the ITL bound always holds).
     mixed_chunk_ttft_target_s: float = 1.5
     enable_prefix_cache: bool = True
+    # Tiers below the KV pool (engine/kvcache/tiers/): pages the prefix cache evicts are kept in host
+    # memory (L2) and/or on local disk (L3) and loaded back instead of recomputed. Off by default
+    # until measured; co-located workers only so far.
+    kv_host_cache_gb: float = 0.0         # L2 size (0: no L2)
+    kv_disk_cache_dir: str | None = None  # L3 directory (None: no L3); shareable by a host's workers
+    kv_disk_cache_gb: float = 16.0        # L3 budget within that directory
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
     # device's default (on for CUDA, off for CPU; see engine.engine.overlap_enabled).
     enable_overlap_schedule: bool | None = None
@@ -115,8 +123,35 @@ class EngineConfig:
                 raise InvalidRequest(f"graph_bs {self.graph_bs} has no size <= graph_max_bs {self.graph_max_bs}",
                                      "graph_bs")
         self._validate_speculative()
+        self._validate_kv_tiers()
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("context_length must be >= 2", "context_length")
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_host_cache_gb > 0 or bool(self.kv_disk_cache_dir)
+
+    def without_kv_tiers(self, role: str) -> EngineConfig:
+        """This config with the KV tiers off, for the roles they are not wired into yet (a warning
+        says so when they were asked for: `tandem up` gives every worker the same flags)."""
+        if not self.kv_tiers_enabled:
+            return self
+        logging.getLogger(__name__).warning(
+            "--kv-host-cache-gb / --kv-disk-cache-dir: the KV tiers are not wired into %s workers yet; off here", role)
+        return dataclasses.replace(self, kv_host_cache_gb=0.0, kv_disk_cache_dir=None)
+
+    def _validate_kv_tiers(self) -> None:
+        if not self.kv_host_cache_gb >= 0:   # also catches NaN
+            raise InvalidRequest(f"--kv-host-cache-gb must be >= 0 (0: off), got {self.kv_host_cache_gb}",
+                                 "kv_host_cache_gb")
+        if self.kv_disk_cache_dir is not None and not self.kv_disk_cache_dir.strip():
+            raise InvalidRequest("--kv-disk-cache-dir is empty (unset it to turn L3 off)", "kv_disk_cache_dir")
+        if self.kv_disk_cache_dir and not self.kv_disk_cache_gb > 0:
+            raise InvalidRequest(f"--kv-disk-cache-gb must be > 0 with --kv-disk-cache-dir, got {self.kv_disk_cache_gb}",
+                                 "kv_disk_cache_gb")
+        if self.kv_tiers_enabled and not self.enable_prefix_cache:
+            raise InvalidRequest("--kv-host-cache-gb / --kv-disk-cache-dir keep what the prefix cache evicts: they "
+                                 "need it on (drop --disable-prefix-cache)", "kv_host_cache_gb")
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm
