@@ -27,6 +27,8 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ResourceExhausted
 from engine.hardware import choose_overlap
 from engine.kvcache.kv_pool import KVPoolSpec
+from engine.kvcache.tiers.block_hash import Namespace
+from engine.kvcache.tiers.link import TierLink, model_fingerprint, open_store
 from engine.models.config import ModelConfig, load_sampling_defaults
 from engine.models.source import resolve_model
 from engine.outputs import FinishReason, GenerationResult, RequestOutput, TokenLogprob, Usage
@@ -61,13 +63,15 @@ class LLMEngine:
         model_ctx = self.model_config.max_position_embeddings
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
-        self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len)
+        self.kv_tiers = self._open_kv_tiers() if cfg.kv_tiers_enabled else None
+        self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len, tiers=self.kv_tiers)
         self.spec = create_speculator(cfg, self.scheduler.kv, self.context_len, self.model_config, self.runner)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         # A verify step's input is the previous step's accepted tokens: speculation runs synchronously.
-        self.overlap = overlap_enabled(cfg, self.runner.device) and self.spec is None
+        # Tier loads and demotions copy pool pages on this thread, which must not race a forward pass.
+        self.overlap = overlap_enabled(cfg, self.runner.device) and self.spec is None and self.kv_tiers is None
         self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
         self._inflight: tuple[StepBatch, Future] | None = None
         self.num_overlapped_steps = 0   # steps launched before the previous one's tokens were known
@@ -187,11 +191,26 @@ class LLMEngine:
         sampled, elapsed = fut.result()
         return batch, self.scheduler.on_step_done(batch, sampled, elapsed)
 
+    def _open_kv_tiers(self) -> TierLink:
+        """The store below the KV pool (L2 host memory, L3 disk) and its link to the prefix cache.
+        Raises ValueError naming the flag when a tier cannot start."""
+        spec, cfg = self.runner.pool.spec, self.cfg
+        ns = Namespace(model_fingerprint(self.model_path), str(spec.dtype).removeprefix("torch."), spec.page_size,
+                       spec.num_layers, spec.kv_heads, spec.head_dim)
+        pool = self.runner.pool
+        store = open_store(ns, pool.block_bytes, cfg.kv_host_cache_gb, cfg.kv_disk_cache_dir, cfg.kv_disk_cache_gb)
+        log.info("KV tiers below the pool: %s", ", ".join(
+            f"{t.tier.label} {t.capacity_bytes / (1 << 30):.3g} GiB" for t in store.stats().tiers))
+        return TierLink(store, ns, pool.pack_page, pool.unpack_page)
+
     def close(self) -> None:
-        """Wait for a launched forward pass and stop the forward thread (overlap only)."""
+        """Wait for a launched forward pass and stop the forward thread (overlap only); close the KV
+        tiers (their pending disk writes finish first, within a timeout). Safe twice."""
         if self._forward is not None:
             self._drain()
             self._forward.shutdown(wait=True)
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def abort(self, rid: str) -> bool:
         """Stop a request and free its resources. Returns False if it was not in flight."""

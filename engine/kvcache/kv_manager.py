@@ -2,6 +2,11 @@
 
 Every path that ends a request's stay on this worker (finish, abort, retraction, failure) goes
 through `release`, which is the one place pages and slots are returned.
+
+With a `TierLink` (engine/kvcache/tiers/link.py; None by default, and then nothing of it runs) the
+pages the prefix cache evicts are demoted to the tiers below the pool, and `admit` loads the pages
+of a prompt the tiers hold past the L1 match instead of leaving them to be recomputed (synchronously,
+for now: see link.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.req_table import ReqToPageTable
 
 if TYPE_CHECKING:   # annotations only: the cache serves the scheduler and never imports it
+    from engine.kvcache.tiers.link import TierLink
     from engine.scheduler.request import Request
 
 
@@ -21,11 +27,16 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, max_slots: int, enable_prefix_cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, enable_prefix_cache: bool = True,
+                 tiers: TierLink | None = None):
+        assert tiers is None or enable_prefix_cache, "KV tiers sit below the prefix cache"
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache)
+        self.tiers = tiers
+        hooks = {} if tiers is None else {"on_evict": tiers.demote, "key_fn": tiers.key}
+        self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, **hooks)
         self.slots = ReqToPageTable(max_slots)
+        self.num_loaded_pages = 0   # pages `admit` loaded from the tiers instead of recomputing
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -62,6 +73,8 @@ class KVManager:
         if new_pages is None:
             self.cache.unlock(match.node)
             return False
+        if self.tiers is not None:
+            match = self._load_from_tiers(fill_ids, match, new_pages)
         slot = self.slots.alloc_slot()
         assert slot is not None
         req.slot, req.cache_node, req.cache_len = slot, match.node, match.num_tokens
@@ -70,6 +83,29 @@ class KVManager:
         req.num_computed = match.num_tokens
         req.fill_len = len(fill_ids)
         return True
+
+    def _load_from_tiers(self, fill_ids: list[int], match, new_pages: list[int]):
+        """Load the full pages after `match` (up to one token short of `fill_ids`) that the tiers
+        hold into the head of `new_pages`, hand them to the prefix cache (L1 again) and move the
+        request's lock to the longer match; returns that match. `new_pages` loses the pages the tree
+        took. Nothing can fail half-way: the pages were already the request's."""
+        ps = self.page_size
+        first = len(match.pages)
+        loaded = self.tiers.load_prefix(fill_ids, first, (len(fill_ids) - 1) // ps, new_pages)
+        if loaded == 0:
+            return match
+        n = first + loaded
+        dup = self.cache.insert(fill_ids[: n * ps], list(match.pages) + new_pages[:loaded])
+        # The match was the tree's longest and locked, so the loaded pages extend it: nothing
+        # comes back (a page in `dup` would still be freed, never leaked).
+        assert not dup, dup
+        longer = self.cache.match_prefix(fill_ids[: n * ps])
+        assert len(longer.pages) == n, (len(longer.pages), n)
+        self.cache.lock(longer.node)
+        self.cache.unlock(match.node)
+        del new_pages[:loaded]
+        self.num_loaded_pages += loaded
+        return longer
 
     def ensure_capacity(self, req: Request, num_tokens: int) -> bool:
         """Make `req.pages` cover `num_tokens` tokens, allocating (and evicting) as needed."""

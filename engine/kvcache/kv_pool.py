@@ -8,6 +8,7 @@ byte range per (layer, K|V): that is what the transfer layer merges and register
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +65,27 @@ class KVPool:
 
     def v_slots(self, layer: int) -> torch.Tensor:
         return self._v_flat[layer]
+
+    # --- one page as a block for the tiers below the pool (engine/kvcache/tiers/) ---------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one page across every layer, K and V: a tier block."""
+        return self.spec.page_bytes * self.spec.num_layers * 2
+
+    def pack_page(self, page: int) -> memoryview:
+        """Page `page` of every layer, K and V, as `[num_layers, 2, page_size, kv_heads, head_dim]`
+        bytes in the pool's dtype (one gather copy; one device-to-host copy on a GPU)."""
+        block = self.buffer[:, :, page].contiguous().view(torch.uint8)
+        return memoryview(block.cpu().numpy()).cast("B")
+
+    def unpack_page(self, page: int, payload: memoryview | bytes) -> None:
+        """Write a `pack_page` block back into page `page`."""
+        view = memoryview(payload).cast("B")
+        assert view.nbytes == self.block_bytes, f"block of {view.nbytes} bytes, a page is {self.block_bytes}"
+        with warnings.catch_warnings():
+            # Read only (copied into the pool right away): a read-only buffer is fine.
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(view, dtype=torch.uint8)
+        s = self.spec
+        dst = self.buffer[:, :, page]
+        dst.copy_(src.view(s.dtype).view(s.num_layers, 2, s.page_size, s.kv_heads, s.head_dim))

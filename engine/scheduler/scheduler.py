@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from time import monotonic, perf_counter
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ResourceExhausted
@@ -40,16 +41,19 @@ from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.stats import SchedulerStats
 from engine.scheduler.step_cost import StepCostModel
 
+if TYPE_CHECKING:
+    from engine.kvcache.tiers.link import TierLink
+
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, num_pages: int, context_len: int,
-                 clock: Callable[[], float] = monotonic):
+                 clock: Callable[[], float] = monotonic, tiers: TierLink | None = None):
         """`clock`: what request arrivals are on (queue age, TTFT deadlines); a simulation passes its own
-        (bench/sched_sim.py)."""
+        (bench/sched_sim.py). `tiers`: the KV store below the pool (KVManager), None: none."""
         self.cfg = cfg
         self.clock = clock
         self.context_len = context_len
-        self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache)
+        self.kv = KVManager(num_pages, cfg.page_size, cfg.max_running_requests, cfg.enable_prefix_cache, tiers)
         self.policy = QueuePolicy(cfg.enable_priority_scheduling, cfg.low_priority_values_first,
                                   cfg.priority_preemption_threshold)
         self.prefill_order = PrefillOrder(cfg.prefill_schedule_policy, cfg.prefill_max_wait_s)

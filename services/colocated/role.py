@@ -124,4 +124,5 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     return RoleParts(
         worker=worker, role_pb=worker_pb2.WORKER_ROLE_COLOCATED, service_names=["tandem.v1.Generation"],
         add_servicers=add_servicers, engine=engine, inflight=lambda: len(worker.streams),
+        close=engine.close,   # after the engine loop stopped: finishes the KV tiers' disk writes
     )

@@ -26,7 +26,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
                                        **transfer_options(wcfg, "receiver"))
         return holder["rx"].buffer
 
-    engine = LLMEngine(engine_cfg, kv_allocator=allocate)
+    engine = LLMEngine(engine_cfg.without_kv_tiers("decode"), kv_allocator=allocate)
     receiver = holder["rx"]
     peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s,
                             boot_epoch=wcfg.boot_epoch, auth=wcfg.auth)

@@ -23,7 +23,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     # are captured, and speculation (a decode-path feature; `tandem up` passes the same flags to every
     # worker) stays off.
     cfg = dataclasses.replace(engine_cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0, enable_graph=False,
-                              speculative_algorithm=None)
+                              speculative_algorithm=None).without_kv_tiers("prefill")
     engine = LLMEngine(cfg)
     sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
                            wcfg.id, **transfer_options(wcfg, "sender"))

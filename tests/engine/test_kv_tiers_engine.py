@@ -1,0 +1,121 @@
+"""The KV tiers below the pool, end to end on the tiny fp32 model: a prompt whose prefix the pool
+evicted gets the same greedy tokens whether its prefix is recomputed, loaded from L2 (host memory), or
+loaded from L3 (disk, by a fresh engine on the same directory: a warm restart); a corrupt block file is
+a miss and the prefix is recomputed; every page is back afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequest
+from engine.kvcache.tiers.base import Tier
+from engine.sampling_params import SamplingParams
+
+PS = 4
+# 12 pages of 4 tokens: the pool holds one 40-token prompt and its output, not two.
+POOL_TOKENS = 48
+PREFIX = [(7 * i + 3) % 500 + 3 for i in range(36)]     # 9 full pages shared by the two turns
+A = PREFIX + [11, 12, 13]
+B = [(5 * i + 1) % 500 + 3 for i in range(42)]         # unrelated: fills the pool, evicting all of A
+A2 = PREFIX + [21, 22, 23]                             # the next turn: A's prefix again
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def make(model: Path, **tiers) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", page_size=PS, max_total_tokens=POOL_TOKENS,
+                                  context_length=128, max_running_requests=2, **tiers))
+
+
+def run_turns(engine: LLMEngine, prompts) -> list[list[int]]:
+    out = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
+    engine.check_idle()
+    return out
+
+
+def served_from_tiers(engine: LLMEngine) -> int:
+    return engine.scheduler.kv.num_loaded_pages
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> list[list[int]]:
+    engine = make(tiny_llama)
+    try:
+        assert engine.kv_tiers is None
+        out = run_turns(engine, [A, B, A2])
+        assert served_from_tiers(engine) == 0
+        return out
+    finally:
+        engine.close()
+
+
+def test_l2_hit_gives_the_same_tokens(tiny_llama, reference):
+    engine = make(tiny_llama, kv_host_cache_gb=0.01)
+    try:
+        assert run_turns(engine, [A, B, A2]) == reference
+        stats = engine.kv_tiers.store.stats()
+        host = stats.tier(Tier.HOST)
+        assert host.hits == 9 and host.bytes_read == 9 * engine.runner.pool.block_bytes
+        assert stats.tier(Tier.DISK) is None
+        assert served_from_tiers(engine) == 9
+    finally:
+        engine.close()
+        engine.close()   # safe twice
+
+
+def test_l3_warm_restart_gives_the_same_tokens(tiny_llama, reference, tmp_path):
+    first = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01)
+    try:
+        assert run_turns(first, [A, B]) == reference[:2]
+    finally:
+        first.close()   # finishes the write-behind
+    engine = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01)
+    try:
+        assert run_turns(engine, [A2]) == reference[2:]
+        disk = engine.kv_tiers.store.stats().tier(Tier.DISK)
+        assert disk.hits == 9 and engine.kv_tiers.store.stats().tier(Tier.HOST) is None
+        assert served_from_tiers(engine) == 9
+    finally:
+        engine.close()
+
+
+def test_corrupt_l3_block_is_recomputed(tiny_llama, reference, tmp_path):
+    first = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01)
+    try:
+        run_turns(first, [A, B])
+        tiers = first.kv_tiers
+    finally:
+        first.close()
+    # Flip a byte in the payload of A's fourth block: blocks 0-2 load, the rest is recomputed.
+    from engine.kvcache.tiers.block_hash import block_hashes
+    keys = block_hashes(tiers.namespace, PREFIX)
+    path = tiers.store.disk.path(keys[3])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    engine = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01)
+    try:
+        assert run_turns(engine, [A2]) == reference[2:]
+        stats = engine.kv_tiers.store.stats()
+        assert stats.tier(Tier.DISK).hits == 3 and stats.misses == 1
+        assert served_from_tiers(engine) == 3
+        assert not path.exists()   # a corrupt file is removed
+    finally:
+        engine.close()
+
+
+def test_tier_flags_are_validated(tiny_llama, tmp_path):
+    with pytest.raises(InvalidRequest, match="--kv-host-cache-gb") as e:
+        make(tiny_llama, kv_host_cache_gb=-1.0)
+    assert e.value.param == "kv_host_cache_gb"
+    with pytest.raises(InvalidRequest, match="--kv-disk-cache-gb"):
+        make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0)
+    with pytest.raises(InvalidRequest, match="prefix cache"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), kv_host_cache_gb=1.0, enable_prefix_cache=False))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--kv-disk-cache-dir"):
+        make(tiny_llama, kv_disk_cache_dir=str(blocker))
