@@ -57,6 +57,32 @@ VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running (vLLM-compat
 VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (vLLM-compatible name)", ["model_name"])
 
 
+# The KV tiers below the pool (engine/kvcache/tiers/; co-located workers with --kv-host-cache-gb or
+# --kv-disk-cache-dir). tier: host | disk; direction: read (loaded back) | write (stored into it).
+KV_TIER_HITS = Counter("tandem_kv_tier_hits_total", "KV blocks loaded from a tier below the pool instead of recomputed",
+                       ["tier"])
+KV_TIER_BYTES = Counter("tandem_kv_tier_bytes_total", "Bytes of KV blocks moved into or out of a tier below the pool",
+                        ["tier", "direction"])
+
+
+class KVTierExport:
+    """Exports what a TieredStore's counters (`StoreStats`) gained since the previous call."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], int] = {}
+
+    def __call__(self, stats) -> None:
+        for t in stats.tiers:
+            label = t.tier.label
+            for name, value, counter in (("hits", t.hits, KV_TIER_HITS.labels(label)),
+                                         ("read", t.bytes_read, KV_TIER_BYTES.labels(label, "read")),
+                                         ("write", t.bytes_written, KV_TIER_BYTES.labels(label, "write"))):
+                gained = value - self._last.get((label, name), 0)
+                if gained > 0:
+                    counter.inc(gained)
+                self._last[(label, name)] = value
+
+
 def export_kv(stats) -> None:
     """KV pages and request slots from the scheduler's `SchedulerStats` (each role's metrics export calls it)."""
     KV_PAGES.labels("free").set(stats.free_pages)

@@ -1,0 +1,31 @@
+"""The worker's KV tier counters export what a TieredStore's stats gained, once."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY
+
+from engine.kvcache.tiers.base import Tier
+from engine.kvcache.tiers.store import StoreStats, TierStats
+from services.worker import metrics
+
+
+def sample(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def stats(hits: int, read: int, written: int) -> StoreStats:
+    return StoreStats((TierStats(Tier.DISK, True, 1, written, 1 << 20, hits, read, written),), 0, 0, 0)
+
+
+def test_kv_tier_counters_advance_by_what_the_store_gained():
+    before = (sample("tandem_kv_tier_hits_total", tier="disk"),
+              sample("tandem_kv_tier_bytes_total", tier="disk", direction="read"),
+              sample("tandem_kv_tier_bytes_total", tier="disk", direction="write"))
+    export = metrics.KVTierExport()
+    export(stats(2, 200, 500))
+    export(stats(2, 200, 500))   # nothing new: nothing counted twice
+    export(stats(3, 300, 900))
+    after = (sample("tandem_kv_tier_hits_total", tier="disk"),
+             sample("tandem_kv_tier_bytes_total", tier="disk", direction="read"),
+             sample("tandem_kv_tier_bytes_total", tier="disk", direction="write"))
+    assert [a - b for a, b in zip(after, before, strict=True)] == [3, 300, 900]
