@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from engine.kvcache.tiers.store import TieredStore
 ReadPage = Callable[[int], memoryview | bytes]
 # write_page(page id, payload): unpack a block into that page of the pool.
 WritePage = Callable[[int, memoryview | bytes], None]
+
+log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -70,13 +73,19 @@ class TierLink:
         """The radix cache's `key_fn`: the block hash chain."""
         return block_hash(self.namespace, ROOT if parent is None else parent, page_tokens)
 
+    failures: int = 0   # demotions / loads that raised (logged once): the pages were recomputed
+
     def demote(self, run: EvictedRun) -> None:
-        """The radix cache's `on_evict`: each page's KV into the store (a copy; L3 behind)."""
+        """The radix cache's `on_evict`: each page's KV into the store (a copy; L3 behind). Never
+        raises: an eviction must finish whatever happens below the pool."""
         assert run.keys is not None, "TierLink needs the radix cache's key_fn"
         parent = run.parent
-        for key, page in zip(run.keys, run.pages, strict=True):
-            self.store.demote(key, parent, self.read_page(page))
-            parent = key
+        try:
+            for key, page in zip(run.keys, run.pages, strict=True):
+                self.store.demote(key, parent, self.read_page(page))
+                parent = key
+        except Exception:
+            self._failed("demoting evicted KV pages")
 
     def load_prefix(self, token_ids: Sequence[int], first: int, last: int, pages: Sequence[int]) -> int:
         """Load the blocks of full pages `first..last-1` of `token_ids` (pages before `first` are in
@@ -92,15 +101,23 @@ class TierLink:
             parent = block_hash(self.namespace, parent, token_ids[i * ps:(i + 1) * ps])
             if i >= first:
                 keys.append(parent)
-        found = self.store.lookup(keys)
         loaded = 0
-        for key, page in zip(keys[:len(found)], pages, strict=False):
-            payload = self.store.load(key)
-            if payload is None:
-                break
-            self.write_page(page, payload)   # before the next store call: an L2 view may move
-            loaded += 1
+        try:
+            found = self.store.lookup(keys)
+            for key, page in zip(keys[:len(found)], pages, strict=False):
+                payload = self.store.load(key)
+                if payload is None:
+                    break
+                self.write_page(page, payload)   # before the next store call: an L2 view may move
+                loaded += 1
+        except Exception:
+            self._failed("loading KV pages")   # the pages loaded so far are good; the rest is recomputed
         return loaded
+
+    def _failed(self, what: str) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.exception("KV tiers: %s failed; recomputing instead (logged once)", what)
 
     def close(self) -> None:
         self.store.close()

@@ -127,3 +127,35 @@ def test_failed_admission_loads_nothing_and_holds_nothing():
 def test_without_tiers_nothing_is_hashed_or_demoted():
     kv = KVManager(8, PS, max_slots=2)
     assert kv.tiers is None and kv.cache.on_evict is None and kv.cache.key_fn is None
+
+
+def test_a_failing_page_write_ends_the_run_and_leaks_nothing():
+    kv, pool, store = make()
+    serve(kv, pool, A)
+    serve(kv, pool, B)
+    real = pool.write
+
+    def flaky(page, payload):
+        if len(pool.writes) == 2:
+            raise RuntimeError("device copy failed")
+        real(page, payload)
+
+    pool.write = kv.tiers.write_page = flaky
+    req = serve(kv, pool, A)
+    assert req.cache_len == 8 and kv.num_loaded_pages == 2 and kv.tiers.failures == 1
+    kv.check_idle()
+    kv.cache.check_consistency()
+
+
+def test_a_failing_page_read_still_evicts():
+    kv, pool, store = make()
+    serve(kv, pool, A)
+
+    def broken(page):
+        raise RuntimeError("device copy failed")
+
+    kv.tiers.read_page = broken
+    serve(kv, pool, B)   # evicts A: nothing demoted, every page still freed
+    assert len(store.host) == 0 and kv.tiers.failures == 1
+    kv.check_idle()
+    kv.cache.check_consistency()
