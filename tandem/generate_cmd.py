@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             for i, res in enumerate(engine.generate(prompts, params)):
                 print(f"[{i}] {res.text!r} ({res.finish_reason.value}, {res.usage.completion_tokens} tokens)")
         engine.check_idle()
+        engine.close()   # the KV tiers' disk writes finish before the process exits
     except TandemError as e:
         param = getattr(e, "param", None)
         print(f"error: {e}" + (f" (param: {param})" if param else ""), file=sys.stderr)

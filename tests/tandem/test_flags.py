@@ -176,3 +176,19 @@ def test_python_m_services_is_the_tandem_subcommand(name):
                 if a.option_strings and not isinstance(a, argparse._HelpAction)}
 
     assert described(alone) == {**described(sub), "--log-level": described(build_parser())["--log-level"]}
+
+
+def test_kv_tier_flags_reach_the_engine_config_and_default_off():
+    from engine.config import EngineConfig
+    from tandem.cli import build_parser
+    from tandem.engine_args import engine_config_from_args
+
+    parse = build_parser().parse_args
+    off = engine_config_from_args(parse(["colocated"]))
+    assert not off.kv_tiers_enabled and not EngineConfig().kv_tiers_enabled
+    assert (off.kv_host_cache_gb, off.kv_disk_cache_dir, off.kv_disk_cache_gb) == (0.0, None, 16.0)
+    on = engine_config_from_args(parse(["colocated", "--kv-host-cache-gb", "2", "--kv-disk-cache-dir", "/d",
+                                        "--kv-disk-cache-gb", "3"]))
+    assert (on.kv_host_cache_gb, on.kv_disk_cache_dir, on.kv_disk_cache_gb) == (2.0, "/d", 3.0)
+    assert on.kv_tiers_enabled and not on.without_kv_tiers("decode").kv_tiers_enabled
+    assert parse(["up", "--kv-disk-cache-dir", "/d"]).kv_disk_cache_dir == "/d"
