@@ -52,14 +52,19 @@ def reference(tiny_llama) -> list[list[int]]:
         engine.close()
 
 
-def test_l2_hit_gives_the_same_tokens(tiny_llama, reference):
-    engine = make(tiny_llama, kv_host_cache_gb=0.01)
+@pytest.mark.parametrize("with_disk", [False, True], ids=["l2", "l2+l3"])
+def test_l2_hit_gives_the_same_tokens(tiny_llama, reference, tmp_path, with_disk):
+    disk = dict(kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01) if with_disk else {}
+    # Overlap asked for: the engine turns it off, tier copies must not race a forward pass.
+    engine = make(tiny_llama, kv_host_cache_gb=0.01, enable_overlap_schedule=True, **disk)
     try:
+        assert not engine.overlap
         assert run_turns(engine, [A, B, A2]) == reference
         stats = engine.kv_tiers.store.stats()
         host = stats.tier(Tier.HOST)
         assert host.hits == 9 and host.bytes_read == 9 * engine.runner.pool.block_bytes
-        assert stats.tier(Tier.DISK) is None
+        assert (stats.tier(Tier.DISK) is None) != with_disk
+        assert not with_disk or stats.tier(Tier.DISK).hits == 0   # L2 answered first
         assert served_from_tiers(engine) == 9
     finally:
         engine.close()
