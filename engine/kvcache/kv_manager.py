@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.kvcache.page_allocator import PageAllocator
-from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.radix_cache import PrefixMatch, RadixCache
 from engine.kvcache.req_table import ReqToPageTable
 
 if TYPE_CHECKING:   # annotations only: the cache serves the scheduler and never imports it
@@ -62,7 +62,9 @@ class KVManager:
         """Reserve a slot and pages for all of `fill_ids`, reusing cached prefix pages.
 
         All-or-nothing: on False nothing is held. The last token is always computed (its logits
-        are needed), so the cache match stops one token short.
+        are needed), so the cache match stops one token short. With tiers, the full pages past the
+        L1 match that they hold are loaded into the new pages and count as cached (`cache_len`) and
+        computed, like the L1 match.
         """
         if self.slots.num_free_slots == 0:
             return False
@@ -84,7 +86,7 @@ class KVManager:
         req.fill_len = len(fill_ids)
         return True
 
-    def _load_from_tiers(self, fill_ids: list[int], match, new_pages: list[int]):
+    def _load_from_tiers(self, fill_ids: list[int], match: PrefixMatch, new_pages: list[int]) -> PrefixMatch:
         """Load the full pages after `match` (up to one token short of `fill_ids`) that the tiers
         hold into the head of `new_pages`, hand them to the prefix cache (L1 again) and move the
         request's lock to the longer match; returns that match. `new_pages` loses the pages the tree
@@ -96,9 +98,9 @@ class KVManager:
             return match
         n = first + loaded
         dup = self.cache.insert(fill_ids[: n * ps], list(match.pages) + new_pages[:loaded])
-        # The match was the tree's longest and locked, so the loaded pages extend it: nothing
-        # comes back (a page in `dup` would still be freed, never leaked).
-        assert not dup, dup
+        # The match was the tree's longest and stays locked, so the loaded pages extend it and
+        # nothing should come back; were one to, the tree's page serves and ours is freed.
+        self.allocator.free(dup)
         longer = self.cache.match_prefix(fill_ids[: n * ps])
         assert len(longer.pages) == n, (len(longer.pages), n)
         self.cache.lock(longer.node)
