@@ -64,16 +64,18 @@ def open_store(namespace: Namespace, block_bytes: int, host_gb: float, disk_dir:
 
 @dataclass
 class TierLink:
+    """Lifecycle: built by the engine once the pool exists (tiers on) → the KVManager's radix cache
+    calls `key` and `demote`, its admission `load_prefix` → `close` with the engine (safe twice)."""
+
     store: TieredStore
     namespace: Namespace
     read_page: ReadPage
     write_page: WritePage
+    failures: int = 0   # demotions / loads that raised (logged once): the pages were recomputed
 
     def key(self, parent: object | None, page_tokens: Sequence[int]) -> bytes:
         """The radix cache's `key_fn`: the block hash chain."""
         return block_hash(self.namespace, ROOT if parent is None else parent, page_tokens)
-
-    failures: int = 0   # demotions / loads that raised (logged once): the pages were recomputed
 
     def demote(self, run: EvictedRun) -> None:
         """The radix cache's `on_evict`: each page's KV into the store (a copy; L3 behind). Never
