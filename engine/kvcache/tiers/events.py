@@ -7,9 +7,11 @@ calls `flush()` (once per scheduler tick). No threads, no timers: everything hap
 caller's calls.
 
 Every message is stamped with (worker_id, epoch, seq). `epoch` names this process's boot (a restarted
-worker has a larger one); `seq` increases by one per batch within an epoch. A snapshot carries the
-seq of the last batch it includes, so a receiver that applies the snapshot then applies the batches
-after it and is exact again.
+worker has a larger one); `seq` increases by one per batch within an epoch. The invariant receivers
+rely on: seq s names one state, the blocks held after batch s, and a snapshot at seq s is that state,
+so a receiver that applies it and then the batches after it is exact again. While a snapshot is owed
+events are not recorded, so the state moves without a batch: a snapshot built then takes a seq of its
+own (a receiver that misses it sees a gap instead of applying later batches to an old state).
 
 Bounded memory: pending events never exceed `max_batch`. A batch `send` did not accept is dropped (its
 seq stays used, so receivers see a gap), and so is everything after it until the next message, which
@@ -97,8 +99,7 @@ class KVEventBatch:
 
 @dataclass(frozen=True, slots=True)
 class KVSnapshot:
-    """Every block `worker_id` holds, per tier, after batch `seq` of boot `epoch` (seq 0: no batch
-    yet). A receiver that applies it drops batches with seq <= `seq` and applies the later ones."""
+    """Every block `worker_id` holds, per tier, in the state `seq` of boot `epoch` names. A receiver that applies it drops batches with seq <= `seq` and applies the later ones."""
 
     worker_id: str
     epoch: int
@@ -161,7 +162,7 @@ class KVEventPublisher:
     """Lifecycle: create → `on_event` from the store / radix cache → `flush()` each scheduler tick
     (and `snapshot()` when a router asks) → `close()` (safe twice; later events are ignored).
 
-    Callers may rely on: batches go out with seq 1, 2, 3, ... in one epoch and nothing is re-sent;
+    Callers may rely on: seqs increase by one per message built in one epoch, nothing is re-sent;
     after a lost batch the next message `send` sees is a snapshot; `on_event`, `flush` and
     `snapshot` never raise because of the transport.
     """
@@ -185,7 +186,7 @@ class KVEventPublisher:
 
     @property
     def seq(self) -> int:
-        """The seq of the last batch built (sent or dropped)."""
+        """The last seq given to a message (sent or dropped)."""
         return self._seq
 
     @property
@@ -225,11 +226,13 @@ class KVEventPublisher:
             self._must_snapshot = True
 
     def snapshot(self) -> KVSnapshot:
-        """The full state now, stamped with the current seq. Pending events are flushed first, so
-        the snapshot includes exactly the batches up to its seq. Sends nothing itself (but the flush
+        """The full state now, stamped with the current seq (a new one while a snapshot is owed).
+        Pending events are flushed first, so the snapshot includes exactly the batches up to its seq. Sends nothing itself (but the flush
         may); the caller sends it to whoever asked."""
         if self._pending and not self._must_snapshot:
             self.flush()
+        if self._must_snapshot:
+            self._seq += 1   # events were dropped since the last seq: this state gets a seq of its own
         blocks = tuple(BlockRef(m.key.hex(), m.parent.hex() if m.parent is not None else None, m.tier)
                        for source in self._sources for m in source())
         return KVSnapshot(self.worker_id, self.epoch, self._seq, blocks)

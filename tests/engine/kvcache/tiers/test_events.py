@@ -50,7 +50,7 @@ def test_the_first_message_is_a_snapshot_and_events_before_it_are_in_it():
     pub, wire, state = make(blocks=[BlockMeta(KEYS[0], None, Tier.DISK)])   # a warm L3 from the last run
     pub.on_event("stored", KEYS[0], None, Tier.DISK)   # already in the snapshot: not sent twice
     pub.flush()
-    assert wire.sent == [KVSnapshot("w0", 7, 0, (BlockRef(KEYS[0].hex(), None, Tier.DISK),))]
+    assert wire.sent == [KVSnapshot("w0", 7, 1, (BlockRef(KEYS[0].hex(), None, Tier.DISK),))]
     pub.flush()
     assert len(wire.sent) == 1, "nothing pending, nothing sent"
 
@@ -61,9 +61,9 @@ def test_batches_by_count_and_by_flush_with_consecutive_seqs():
     wire.sent.clear()
     for i in range(7):
         pub.on_event("stored", KEYS[i], KEYS[i - 1] if i else None, Tier.HOST)
-    assert [m.seq for m in wire.sent] == [1, 2], "a batch goes out as soon as it has max_batch events"
+    assert [m.seq for m in wire.sent] == [2, 3], "a batch goes out as soon as it has max_batch events"
     pub.flush()
-    assert [m.seq for m in wire.sent] == [1, 2, 3]
+    assert [m.seq for m in wire.sent] == [2, 3, 4]
     assert [len(m.events) for m in wire.sent] == [3, 3, 1]
     assert all(isinstance(m, KVEventBatch) and m.worker_id == "w0" and m.epoch == 7 for m in wire.sent)
     events = [e for m in wire.sent for e in m.events]
@@ -77,21 +77,21 @@ def test_a_failed_send_drops_the_batch_and_the_next_message_is_a_snapshot(failur
     pub, wire, state = make(max_batch=100)
     pub.flush()
     pub.on_event("stored", KEYS[0], None, Tier.HOST)
-    pub.flush()                                           # seq 1 delivered
+    pub.flush()                                           # seq 2 delivered
     setattr(wire, "down" if failure == "refused" else "raises", True)
     pub.on_event("stored", KEYS[1], KEYS[0], Tier.HOST)
-    pub.flush()                                           # seq 2 lost
+    pub.flush()                                           # seq 3 lost
     assert pub.must_snapshot and pub.stats().batches_dropped == 1
     wire.down = wire.raises = False
     pub.on_event("removed", KEYS[0], None, Tier.HOST)     # the snapshot will read the state itself
     state[:] = [BlockMeta(KEYS[1], KEYS[0], Tier.HOST)]
     pub.flush()
     snap = wire.sent[-1]
-    assert isinstance(snap, KVSnapshot) and snap.seq == 2, "the lost batch's seq stays used"
+    assert isinstance(snap, KVSnapshot) and snap.seq == 4, "the lost batch's seq stays used, and events went unrecorded"
     assert snap.blocks == (BlockRef(KEYS[1].hex(), KEYS[0].hex(), Tier.HOST),)
     pub.on_event("stored", KEYS[2], KEYS[1], Tier.DISK)
     pub.flush()
-    assert wire.sent[-1].seq == 3 and not pub.must_snapshot
+    assert wire.sent[-1].seq == 5 and not pub.must_snapshot
 
 
 def test_a_refused_snapshot_is_owed_until_delivered_and_memory_stays_bounded():
@@ -115,9 +115,24 @@ def test_snapshot_includes_the_pending_events_batch_first():
     pub.on_event("stored", KEYS[0], None, Tier.DEVICE)
     state.append(BlockMeta(KEYS[0], None, Tier.DEVICE))
     snap = pub.snapshot()
-    assert [m.seq for m in wire.sent[1:]] == [1] and snap.seq == 1
+    assert [m.seq for m in wire.sent[1:]] == [2] and snap.seq == 2
     assert snap.blocks == (BlockRef(KEYS[0].hex(), None, Tier.DEVICE),)
     assert wire.sent[-1] is not snap, "snapshot() hands the snapshot back; the caller sends it"
+
+
+def test_a_snapshot_built_while_one_is_owed_takes_a_seq_of_its_own():
+    # Events went unrecorded, so the state moved without a batch: the old seq no longer names it.
+    pub, wire, _ = make()
+    pub.flush()
+    wire.down = True
+    pub.on_event("stored", KEYS[0], None, Tier.HOST)
+    pub.flush()
+    assert pub.seq == 2 and pub.must_snapshot
+    assert pub.snapshot().seq == 3 and pub.must_snapshot, "an answer to one router; everyone is still owed one"
+    wire.down = False
+    pub.flush()
+    assert wire.sent[-1].seq == 4 and isinstance(wire.sent[-1], KVSnapshot) and not pub.must_snapshot
+    assert pub.snapshot().seq == 4, "nothing unrecorded since: the same state, the same seq"
 
 
 def test_messages_round_trip_through_json():
