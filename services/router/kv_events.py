@@ -5,7 +5,7 @@ A worker's `KVEventPublisher` (engine/kvcache/tiers/events.py) sends sequence-nu
 `WorkerKVView` per worker applies them in order and `KVEventIndex` holds the views of all workers.
 
 A view is "exact" once it applied a snapshot and has missed nothing since. It turns "stale" on a
-gap in the sequence, on a batch from a new boot epoch (the worker restarted), or when its first
+gap in the sequence, on a batch from another boot epoch (the worker restarted), or when its first
 message is not a snapshot (the router restarted, or joined late); it then asks the worker for a
 snapshot through `request_snapshot(worker_id)` once (again only after `snapshot_retry_s`, in case the
 request or its answer was lost), ignores batches until a snapshot as recent as the newest batch it
@@ -82,8 +82,10 @@ class WorkerKVView:
 
     def apply(self, msg: KVMessage) -> ApplyResult:
         assert msg.worker_id == self.worker_id, f"{msg.worker_id}'s message given to {self.worker_id}'s view"
-        if self.epoch is not None and msg.epoch < self.epoch:
-            return self._ignore()   # a leftover of the worker's previous process
+        # Any other epoch means another process, newer or (a late leftover) older: epochs are not
+        # compared, so a wall clock stepped back across a restart cannot make the router ignore the
+        # new process for good. A leftover costs one more snapshot request, never a wrong view for
+        # longer than until the current process's next message.
         if isinstance(msg, KVSnapshot):
             return self._apply_snapshot(msg)
         if self.epoch != msg.epoch:

@@ -7,7 +7,7 @@ calls `flush()` (once per scheduler tick). No threads, no timers: everything hap
 caller's calls.
 
 Every message is stamped with (worker_id, epoch, seq). `epoch` names this process's boot (a restarted
-worker has a larger one); `seq` increases by one per batch within an epoch. The invariant receivers
+worker has another one); `seq` increases by one per batch within an epoch. The invariant receivers
 rely on: seq s names one state, the blocks held after batch s, and a snapshot at seq s is that state,
 so a receiver that applies it and then the batches after it is exact again. While a snapshot is owed
 events are not recorded, so the state moves without a batch: a snapshot built then takes a seq of its
@@ -137,7 +137,8 @@ def message_from_dict(d: dict[str, Any]) -> KVMessage:
 
 
 def new_epoch() -> int:
-    """A boot epoch: the wall clock in ns, so a restarted worker's is larger than its previous one's."""
+    """A boot epoch: the wall clock in ns, which a restarted worker does not repeat. Receivers only
+    compare epochs for equality."""
     return time.time_ns()
 
 
@@ -227,8 +228,8 @@ class KVEventPublisher:
 
     def snapshot(self) -> KVSnapshot:
         """The full state now, stamped with the current seq (a new one while a snapshot is owed).
-        Pending events are flushed first, so the snapshot includes exactly the batches up to its seq. Sends nothing itself (but the flush
-        may); the caller sends it to whoever asked."""
+        Pending events are flushed first, so the snapshot includes exactly the batches up to its
+        seq. Sends nothing itself (but the flush may); the caller sends it to whoever asked."""
         if self._pending and not self._must_snapshot:
             self.flush()
         if self._must_snapshot:
