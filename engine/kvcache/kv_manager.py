@@ -92,8 +92,10 @@ class KVManager:
         request's lock to the longer match; returns that match. `new_pages` loses the pages the tree
         took. Nothing can fail half-way: the pages were already the request's."""
         ps = self.page_size
-        first = len(match.pages)
-        loaded = self.tiers.load_prefix(fill_ids, first, (len(fill_ids) - 1) // ps, new_pages)
+        first, last = len(match.pages), (len(fill_ids) - 1) // ps
+        if last <= first or not new_pages:
+            return match
+        loaded = self.tiers.load_prefix(fill_ids, first, last, new_pages, self.cache.last_key(match.node))
         if loaded == 0:
             return match
         n = first + loaded

@@ -302,6 +302,15 @@ class RadixCache:
             parent = node.page_keys[start - 1] if start else self._last_key(node.parent)
         self.on_evict(EvictedRun(tokens, node.pages[start:], keys, parent))
 
+    def last_key(self, node: RadixNode) -> object | None:
+        """The `key_fn` key of `node`'s last page (None for the root: an empty match), computed once
+        and kept on the nodes like the eviction keys."""
+        assert self.key_fn is not None, "last_key needs a key_fn"
+        if node is self._root:
+            return None
+        self._fill_keys(node)
+        return node.page_keys[-1]
+
     def _last_key(self, node: RadixNode | None) -> object | None:
         return None if node is None or node is self._root else node.page_keys[-1]
 

@@ -89,20 +89,21 @@ class TierLink:
         except Exception:
             self._failed("demoting evicted KV pages")
 
-    def load_prefix(self, token_ids: Sequence[int], first: int, last: int, pages: Sequence[int]) -> int:
+    def load_prefix(self, token_ids: Sequence[int], first: int, last: int, pages: Sequence[int],
+                    parent: object | None = None) -> int:
         """Load the blocks of full pages `first..last-1` of `token_ids` (pages before `first` are in
-        L1 already) into `pages[0..]`, as far as the tiers hold them; returns how many were loaded.
-        A block that turns out missing or corrupt ends the run (the rest is recomputed)."""
+        L1 already; `parent` is the key of page `first - 1`, None at the root: the radix cache keeps
+        it, so the prefix is not hashed again) into `pages[0..]`, as far as the tiers hold them;
+        returns how many were loaded. A block that turns out missing or corrupt ends the run (the
+        rest is recomputed)."""
         if last <= first or not pages:
             return 0
         ps = self.namespace.page_size
         last = min(last, first + len(pages))
-        parent = ROOT
         keys = []
-        for i in range(last):
-            parent = block_hash(self.namespace, parent, token_ids[i * ps:(i + 1) * ps])
-            if i >= first:
-                keys.append(parent)
+        for i in range(first, last):
+            parent = self.key(parent, token_ids[i * ps:(i + 1) * ps])
+            keys.append(parent)
         loaded = 0
         try:
             found = self.store.lookup(keys)
