@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
@@ -130,15 +128,6 @@ class EngineConfig:
     @property
     def kv_tiers_enabled(self) -> bool:
         return self.kv_host_cache_gb > 0 or bool(self.kv_disk_cache_dir)
-
-    def without_kv_tiers(self, role: str) -> EngineConfig:
-        """This config with the KV tiers off, for the roles they are not wired into yet (a warning
-        says so when they were asked for: `tandem up` gives every worker the same flags)."""
-        if not self.kv_tiers_enabled:
-            return self
-        logging.getLogger(__name__).warning(
-            "--kv-host-cache-gb / --kv-disk-cache-dir: the KV tiers are not wired into %s workers yet; off here", role)
-        return dataclasses.replace(self, kv_host_cache_gb=0.0, kv_disk_cache_dir=None)
 
     def _validate_kv_tiers(self) -> None:
         if not self.kv_host_cache_gb >= 0:   # also catches NaN

@@ -30,7 +30,7 @@ class ColocatedWorker:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.streams: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
-        self._tier_metrics = metrics.KVTierExport() if engine.kv_tiers is not None else None
+        self._export_tiers = metrics.kv_tier_exporter(engine)
 
     def add(self, prompt, params, rid: str, emit: Callable[[RequestOutput | BaseException], None],
             priority: int = 0) -> None:
@@ -63,8 +63,7 @@ class ColocatedWorker:
         metrics.QUEUE_LEN.labels("running").set(stats.running + stats.prefilling)
         metrics.export_kv(stats)
         metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
-        if self._tier_metrics is not None:
-            self._tier_metrics(self.engine.kv_tiers.store.stats())
+        self._export_tiers()
 
     def polling(self) -> bool:
         return False

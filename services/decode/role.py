@@ -26,7 +26,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
                                        **transfer_options(wcfg, "receiver"))
         return holder["rx"].buffer
 
-    engine = LLMEngine(engine_cfg.without_kv_tiers("decode"), kv_allocator=allocate)
+    engine = LLMEngine(engine_cfg, kv_allocator=allocate)
     receiver = holder["rx"]
     peers = BootstrapClient(wcfg.id, receiver, wcfg.transfer_backend, timeout_s=wcfg.bootstrap_timeout_s,
                             boot_epoch=wcfg.boot_epoch, auth=wcfg.auth)
@@ -40,6 +40,8 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     return RoleParts(
         worker=worker, role_pb=worker_pb2.WORKER_ROLE_DECODE, service_names=["tandem.v1.DecodeWorker"],
         add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,
-        close=receiver.close, inflight=lambda: len(worker.streams),
+        # After the engine loop stopped: the engine first (the KV tiers finish their disk writes while
+        # the pool the receiver owns is still mapped), then the transfer end.
+        close=lambda: (engine.close(), receiver.close()), inflight=lambda: len(worker.streams),
         on_listening=lambda addr: setattr(peers, "grpc_addr", addr),
     )

@@ -98,6 +98,7 @@ class DecodeWorker:
                  peers: PrefillPeers, max_prealloc: int = 1024):
         self.engine = engine
         self.sched = engine.scheduler
+        self._export_tiers = metrics.kv_tier_exporter(engine)
         self.receiver = receiver
         self.timeouts = timeouts
         self.peers = peers                     # sends Bootstrap / AbortRoom on the asyncio side
@@ -287,6 +288,7 @@ class DecodeWorker:
         metrics.QUEUE_LEN.labels("running").set(stats.running)
         metrics.QUEUE_LEN.labels("waiting").set(stats.waiting + stats.prefilling)
         metrics.export_kv(stats)
+        self._export_tiers()
         metrics.export_vllm_compatible(self.engine.cfg.model, self.load())
 
     def load(self) -> worker_pb2.WorkerLoad:

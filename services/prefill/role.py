@@ -23,7 +23,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     # are captured, and speculation (a decode-path feature; `tandem up` passes the same flags to every
     # worker) stays off.
     cfg = dataclasses.replace(engine_cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0, enable_graph=False,
-                              speculative_algorithm=None).without_kv_tiers("prefill")
+                              speculative_algorithm=None)
     engine = LLMEngine(cfg)
     sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
                            wcfg.id, **transfer_options(wcfg, "sender"))
@@ -40,5 +40,6 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
         worker=worker, role_pb=worker_pb2.WORKER_ROLE_PREFILL,
         service_names=["tandem.v1.PrefillWorker", "tandem.v1.Bootstrap"],
         add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,
-        close=sender.close, inflight=lambda: len(worker.rooms), outstanding=lambda: worker.outstanding_seen,
+        # After the engine loop stopped: the engine (the KV tiers finish their disk writes), then the sender.
+        close=lambda: (engine.close(), sender.close()), inflight=lambda: len(worker.rooms), outstanding=lambda: worker.outstanding_seen,
     )

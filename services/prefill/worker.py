@@ -39,6 +39,7 @@ class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender: KVSender, timeouts: PrefillTimeouts, max_rooms: int = 1024):
         self.engine = engine
         self.sched = engine.scheduler
+        self._export_tiers = metrics.kv_tier_exporter(engine)
         self.sender = sender
         self.timeouts = timeouts
         self.max_rooms = max_rooms
@@ -238,6 +239,7 @@ class PrefillWorker:
         metrics.QUEUE_LEN.labels("prefilling").set(stats.prefilling)
         metrics.QUEUE_LEN.labels("inflight").set(inflight)
         metrics.export_kv(stats)
+        self._export_tiers()
         self.outstanding_seen = self.outstanding()  # read by the asyncio side while draining
         metrics.KV_TRANSFERS_OUTSTANDING.set(self.outstanding_seen)
         metrics.export_vllm_compatible(self.engine.cfg.model, self.load())

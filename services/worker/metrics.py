@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -82,6 +83,14 @@ class KVTierExport:
                     counter.inc(gained)
                 self._last[(label, name)] = value
 
+
+
+def kv_tier_exporter(engine) -> Callable[[], None]:
+    """What each role's metrics export calls for the engine's KV tiers (a no-op with tiers off)."""
+    if engine.kv_tiers is None:
+        return lambda: None
+    export = KVTierExport()
+    return lambda: export(engine.kv_tiers.store.stats())
 
 def export_kv(stats) -> None:
     """KV pages and request slots from the scheduler's `SchedulerStats` (each role's metrics export calls it)."""

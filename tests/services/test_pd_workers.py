@@ -43,16 +43,17 @@ class DirectPeers:
             self.prefill.abort_room(room.room, reason)
 
 
-def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeTimeouts):
-    """A prefill worker "p" and a decode worker "d" over tcp; close both transfer ends when done."""
-    engine_p = LLMEngine(dataclasses.replace(BASE, model=str(model), init_new_token_ratio=0, min_new_token_ratio=0))
+def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeTimeouts, base: EngineConfig = BASE):
+    """A prefill worker "p" and a decode worker "d" over tcp, both engines built from `base`; close
+    both transfer ends (and the engines, when `base` has KV tiers) when done."""
+    engine_p = LLMEngine(dataclasses.replace(base, model=str(model), init_new_token_ratio=0, min_new_token_ratio=0))
     holder = {}
 
     def allocate(spec):
         holder["rx"] = create_receiver("tcp", layout_of(spec), "127.0.0.1", "d")
         return holder["rx"].buffer
 
-    engine_d = LLMEngine(dataclasses.replace(BASE, model=str(model)), kv_allocator=allocate)
+    engine_d = LLMEngine(dataclasses.replace(base, model=str(model)), kv_allocator=allocate)
     receiver = holder["rx"]
     sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p")
     prefill = PrefillWorker(engine_p, sender, prefill_timeouts)

@@ -190,5 +190,5 @@ def test_kv_tier_flags_reach_the_engine_config_and_default_off():
     on = engine_config_from_args(parse(["colocated", "--kv-host-cache-gb", "2", "--kv-disk-cache-dir", "/d",
                                         "--kv-disk-cache-gb", "3"]))
     assert (on.kv_host_cache_gb, on.kv_disk_cache_dir, on.kv_disk_cache_gb) == (2.0, "/d", 3.0)
-    assert on.kv_tiers_enabled and not on.without_kv_tiers("decode").kv_tiers_enabled
+    assert on.kv_tiers_enabled
     assert parse(["up", "--kv-disk-cache-dir", "/d"]).kv_disk_cache_dir == "/d"
