@@ -87,7 +87,7 @@ class SweepConfig:
     peer_kv_cache_gb: float = 1.0        # the peer's KV cache, as Tandem's default --kv-cache-gb
     peer_args: tuple[str, ...] = ()      # extra `transformers serve` flags
     vllm_venv: str = field(default_factory=default_vllm_venv)  # the vLLM peer's venv (its bin/python runs it)
-    vllm_kv_cache_gb: int = 2            # VLLM_CPU_KVCACHE_SPACE (GiB, an integer for vLLM)
+    vllm_kv_cache_gb: int = 2            # VLLM_CPU_KVCACHE_SPACE (GiB, an integer for vLLM); 0: unset, vllm_args size it
     vllm_max_model_len: int = 2048       # --max-model-len (vLLM's default, the model's 8192, wastes its KV space)
     vllm_args: tuple[str, ...] = ()      # extra api_server flags
     start_timeout_s: float = 600.0
@@ -125,8 +125,11 @@ def free_port() -> int:
 class TandemUp:
     """`tandem up` as a subprocess; ready when it prints its `TANDEM_UP {json}` line."""
 
-    def __init__(self, name: str, mode_args: list[str], cfg: SweepConfig):
+    def __init__(self, name: str, mode_args: list[str], cfg: SweepConfig,
+                 on_line: Callable[[str], None] | None = None):
         self.name, self.mode_args, self.cfg = name, mode_args, cfg
+        self.on_line = on_line            # sees every output line (e.g. `TANDEM_RESTARTED {json}`)
+        self.info: dict = {}              # its `TANDEM_UP` summary (workers, pids), once started
         self._proc: _Proc | None = None
 
     def argv(self) -> list[str]:
@@ -144,9 +147,11 @@ class TandemUp:
     def start(self) -> Endpoint:
         env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}  # an open gateway
         try:
-            self._proc, info = start_tandem_up(self.up_args(), self.cfg.start_timeout_s, env=env)
+            self._proc, info = start_tandem_up(self.up_args(), self.cfg.start_timeout_s, env=env,
+                                               on_line=self.on_line)
         except UpFailed as e:
             raise DeploymentUnavailable(str(e)) from None
+        self.info = info
         if self.cfg.tandem_backend == "openai-http":
             if "gateway" not in info:
                 raise DeploymentUnavailable("`tandem up` reported no gateway URL; use --tandem-backend tandem-grpc")
@@ -289,7 +294,9 @@ class VllmServe:
             env.pop(k, None)
         venv = str(Path(self.cfg.vllm_venv).resolve())
         env.update(VIRTUAL_ENV=venv, PATH=os.pathsep.join([venv + "/bin", env.get("PATH", "")]),
-                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.vllm_kv_cache_gb), VLLM_TARGET_DEVICE="cpu",
+                   # Empty: vLLM skips it (it would override --kv-cache-memory-bytes).
+                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.vllm_kv_cache_gb) if self.cfg.vllm_kv_cache_gb else "",
+                   VLLM_TARGET_DEVICE="cpu",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    PYTHONUNBUFFERED="1")
         level = capped_isa(env)
@@ -434,37 +441,23 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_
     }
     out = Path(cfg.out)
     for dep in deployments:
-        load_before = _load_avg()  # the cores may be shared: say how busy the machine was
-        echo(f"--- {dep.name}: starting `{dep.describe()}` (load average {load_before})")
-        t0 = time.monotonic()
-        try:
-            ep = dep.start()
-        except DeploymentUnavailable as e:
-            echo(f"--- {dep.name}: skipped: {e}")
-            results["skipped"][dep.name] = str(e)
-            dep.close()
-            continue
-        except BaseException:  # Ctrl-C or SIGTERM while it starts: stop what was started
-            dep.close()
-            raise
-        try:
-            echo(f"--- {dep.name}: up in {time.monotonic() - t0:.0f} s ({ep.backend} {ep.base_url})")
-            serve_cfg = ServeConfig(
+        def serve_cfg(ep: Endpoint, dep=dep) -> ServeConfig:
+            return ServeConfig(
                 backend=ep.backend,
                 backend_cfg=BackendConfig(base_url=ep.base_url, model=ep.model, force_output_len=ep.force_output_len),
                 dataset=cfg.dataset, request_rates=cfg.request_rates, burstiness=cfg.burstiness,
                 max_concurrency=cfg.max_concurrency, num_warmups=cfg.num_warmups, slo=cfg.slo,
                 percentiles=cfg.percentiles, progress=cfg.progress, label=dep.name)
-            runs = asyncio.run(run_rates(serve_cfg, tokenizer, echo))
-            results["deployments"][dep.name] = {
-                "command": dep.describe(), "backend": ep.backend, "load_avg_before": load_before,
-                "load_avg_after": _load_avg(), "runs": [r.to_dict(cfg.save_requests) for r in runs],
-            }
-        except Exception as e:  # one broken deployment must not lose the others' results
-            log.exception("%s failed; its last output:\n%s", dep.name, dep.log_tail())
-            results["skipped"][dep.name] = f"{type(e).__name__}: {e}\n{dep.log_tail()}"
-        finally:
-            dep.close()
+
+        def run(ep: Endpoint, dep=dep) -> dict:
+            runs = asyncio.run(run_rates(serve_cfg(ep), tokenizer, echo))
+            return {"runs": [r.to_dict(cfg.save_requests) for r in runs]}
+
+        entry, why = measure_deployment(dep, run, echo)
+        if entry is None:
+            results["skipped"][dep.name] = why
+        else:
+            results["deployments"][dep.name] = entry
         write_json(out, results)  # after each deployment: a later crash keeps what was measured
     results["table"] = comparison_table(results)          # Markdown, for the .md file and docs
     results["summary"] = summary_table(results, cfg.slo)  # aligned text, for the terminal
@@ -480,6 +473,36 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_
     for p in _plots(results, out):
         echo(f"plot: {p}")
     return results
+
+
+def measure_deployment(dep: Deployment, run: Callable[[Endpoint], dict],
+                       echo=print) -> tuple[dict | None, str]:
+    """Start `dep`, `run(endpoint)` against it, stop it. Returns (its results entry: what `run` returned
+    plus the command, backend and load averages, "") or (None, why it was skipped or failed): one broken
+    deployment must not lose the others' results. Ctrl-C / SIGTERM still stop it and propagate."""
+    load_before = _load_avg()  # the cores may be shared: say how busy the machine was
+    echo(f"--- {dep.name}: starting `{dep.describe()}` (load average {load_before})")
+    t0 = time.monotonic()
+    try:
+        ep = dep.start()
+    except DeploymentUnavailable as e:
+        echo(f"--- {dep.name}: skipped: {e}")
+        dep.close()
+        return None, str(e)
+    except BaseException:  # Ctrl-C or SIGTERM while it starts: stop what was started
+        dep.close()
+        raise
+    try:
+        echo(f"--- {dep.name}: up in {time.monotonic() - t0:.0f} s ({ep.backend} {ep.base_url})")
+        entry = {"command": dep.describe(), "backend": ep.backend, "load_avg_before": load_before}
+        entry.update(run(ep))
+        entry["load_avg_after"] = _load_avg()
+        return entry, ""
+    except Exception as e:
+        log.exception("%s failed; its last output:\n%s", dep.name, dep.log_tail())
+        return None, f"{type(e).__name__}: {e}\n{dep.log_tail()}"
+    finally:
+        dep.close()
 
 
 def _load_avg() -> list[float] | None:
