@@ -28,6 +28,7 @@ from engine.errors import InvalidRequest, ResourceExhausted
 from engine.hardware import choose_overlap
 from engine.kvcache.kv_pool import KVPoolSpec
 from engine.kvcache.tiers.block_hash import Namespace
+from engine.kvcache.tiers.event_link import EventLink
 from engine.kvcache.tiers.link import TierLink, model_fingerprint, open_store
 from engine.models.config import ModelConfig, load_sampling_defaults
 from engine.models.source import resolve_model
@@ -64,6 +65,7 @@ class LLMEngine:
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
         self.kv_tiers = self._open_kv_tiers() if cfg.kv_tiers_enabled else None
+        self.kv_events: EventLink | None = None   # open_kv_events (a worker publishing KV events)
         self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len, tiers=self.kv_tiers)
         self.spec = create_speculator(cfg, self.scheduler.kv, self.context_len, self.model_config, self.runner)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
@@ -191,12 +193,28 @@ class LLMEngine:
         sampled, elapsed = fut.result()
         return batch, self.scheduler.on_step_done(batch, sampled, elapsed)
 
+    def kv_namespace(self) -> Namespace:
+        """This worker's block-key space (model fingerprint, KV dtype, page geometry): the tiers'
+        keys and the KV events' keys, which a router needs to hash prompts the same way."""
+        spec = self.runner.pool.spec
+        return Namespace(model_fingerprint(self.model_path), str(spec.dtype).removeprefix("torch."), spec.page_size,
+                         spec.num_layers, spec.kv_heads, spec.head_dim)
+
+    def open_kv_events(self) -> EventLink:
+        """Start following the prefix cache (L1) and the tiers below it for KV events (a worker does,
+        before it serves; the caller `open`s the link with its worker id and carries the messages).
+        Events need keys, so the prefix cache computes them from now on, tiers or not."""
+        assert self.kv_events is None, "KV events opened twice"
+        link = EventLink(self.kv_tiers.namespace if self.kv_tiers is not None else self.kv_namespace())
+        link.attach(self.scheduler.kv.cache, self.kv_tiers.store if self.kv_tiers is not None else None)
+        self.kv_events = link
+        return link
+
     def _open_kv_tiers(self) -> TierLink:
         """The store below the KV pool (L2 host memory, L3 disk) and its link to the prefix cache.
         Raises ValueError naming the flag when a tier cannot start."""
-        spec, cfg = self.runner.pool.spec, self.cfg
-        ns = Namespace(model_fingerprint(self.model_path), str(spec.dtype).removeprefix("torch."), spec.page_size,
-                       spec.num_layers, spec.kv_heads, spec.head_dim)
+        cfg = self.cfg
+        ns = self.kv_namespace()
         pool = self.runner.pool
         store = open_store(ns, pool.block_bytes, cfg.kv_host_cache_gb, cfg.kv_disk_cache_dir, cfg.kv_disk_cache_gb)
         log.info("KV tiers below the pool: %s", ", ".join(
@@ -209,6 +227,8 @@ class LLMEngine:
         if self._forward is not None:
             self._drain()
             self._forward.shutdown(wait=True)
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 

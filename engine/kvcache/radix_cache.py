@@ -13,6 +13,10 @@ tree, before it goes back to the allocator, so its KV can still be read. With `k
 hands each page's key, a chain `key_fn(parent_key, page_token_ids)` computed lazily at eviction from
 the root down and cached on the nodes: the cache never interprets keys (it stays hash-free), and
 without a hook nothing of this runs.
+
+Insert hook (optional, for KV events to the router; needs `key_fn`): `on_insert` hears the keys of
+the pages an `insert` adds to the tree (pages it already held are not told again), so that together
+with `on_evict` a listener can follow exactly which pages the tree holds.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class EvictedRun:
 
 
 EvictHook = Callable[[EvictedRun], None]
+# on_insert(keys of the pages added, in order; key of the page before them, None at the root)
+InsertHook = Callable[[list[object], object | None], None]
 
 
 class RadixNode:
@@ -93,14 +99,17 @@ class RadixCache:
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True,
-                 on_evict: EvictHook | None = None, key_fn: KeyFn | None = None):
+                 on_evict: EvictHook | None = None, key_fn: KeyFn | None = None,
+                 on_insert: InsertHook | None = None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        assert on_insert is None or key_fn is not None, "on_insert hands keys: it needs a key_fn"
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
         self.on_evict = on_evict
         self.key_fn = key_fn
+        self.on_insert = on_insert
         self._next_uid = 0
         self._clock = 0  # monotonic LRU clock: deterministic, unlike wall time
         self._new_root()
@@ -188,6 +197,9 @@ class RadixCache:
                 leaf.last_access = self._clock
                 node.children[leaf.key[:ps]] = leaf
                 self._evictable_pages += len(leaf.pages)
+                if self.on_insert is not None:
+                    self._fill_keys(leaf)
+                    self.on_insert(list(leaf.page_keys), self._last_key(node))
                 break
             m = self._match_pages(child.key, token_ids, pos, len(token_ids))
             if m < len(child.pages):
@@ -346,8 +358,26 @@ class RadixCache:
         """Free every cached page to the allocator. Only valid while nothing is locked."""
         if self._protected_pages:
             raise AssertionError(f"radix cache reset with {self._protected_pages} locked pages")
+        if self.on_evict is not None:
+            self.evict(self._evictable_pages)   # every page through the hook, as an eviction
         self.allocator.free(self.cached_pages())
         self._new_root()
+
+    def page_keys(self) -> list[tuple[object, object | None]]:
+        """(key, parent key) of every page in the tree, parents before children: what an
+        `on_insert` / `on_evict` listener starts from (a KV event snapshot). Needs `key_fn`; O(pages)."""
+        assert self.key_fn is not None, "page_keys needs a key_fn"
+        out: list[tuple[object, object | None]] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            self._fill_keys(node)
+            parent = self._last_key(node.parent)
+            for key in node.page_keys:
+                out.append((key, parent))
+                parent = key
+            stack.extend(node.children.values())
+        return out
 
     def cached_pages(self) -> list[int]:
         """All page ids held by the tree (for checks and debugging; O(nodes))."""

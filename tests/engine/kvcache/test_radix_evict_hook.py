@@ -116,3 +116,16 @@ def test_no_hook_no_keys():
     pages = cache_seq(alloc, radix, [1, 2, 3, 4])
     assert radix.evict(2) == 2 and alloc.num_free == 8
     assert all(n.page_keys is None for n in [radix.match_prefix([1, 2]).node]) and pages
+
+
+def test_insert_hook_hears_only_new_pages_with_their_parent_key_and_reset_tells_every_page():
+    alloc, radix, rec = make()
+    told = []
+    radix.on_insert = lambda keys, parent: told.append((keys, parent))
+    cache_seq(alloc, radix, [1, 2, 3, 4])
+    cache_seq(alloc, radix, [1, 2, 3, 4, 5, 6])    # the first two pages are held already
+    assert told == [([(1, 2), (1, 2, 3, 4)], None), ([(1, 2, 3, 4, 5, 6)], (1, 2, 3, 4))]
+    assert sorted(radix.page_keys()) == [((1, 2), None), ((1, 2, 3, 4), (1, 2)), ((1, 2, 3, 4, 5, 6), (1, 2, 3, 4))]
+    radix.reset()
+    assert sorted(k for r in rec.runs for k in r.keys) == [(1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6)]
+    assert alloc.num_free == 16 and radix.total_pages == 0
