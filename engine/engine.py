@@ -44,6 +44,8 @@ from engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 0.01   # an idle step's wait for a load from the KV tiers (new commands wait this long at most)
+
 
 @dataclass(eq=False)
 class _Tracked:
@@ -72,7 +74,9 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         # A verify step's input is the previous step's accepted tokens: speculation runs synchronously.
-        # Tier loads and demotions copy pool pages on this thread, which must not race a forward pass.
+        # With tiers, overlap stays off: with a forward pass in flight, the pages a request released
+        # in the meantime may still be written by that pass, and a demotion reading them (scheduler
+        # thread) or a load writing them (loader thread) would race it (docs/kv-cache.md, known limits).
         self.overlap = overlap_enabled(cfg, self.runner.device) and self.spec is None and self.kv_tiers is None
         self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
         self._inflight: tuple[StepBatch, Future] | None = None
@@ -167,6 +171,7 @@ class LLMEngine:
         if self._forward is None:
             batch = self.scheduler.schedule()
             if batch is None:
+                self._wait_for_loads()
                 return []
             if self.spec is not None:
                 self.spec.attach(batch)
@@ -186,7 +191,15 @@ class LLMEngine:
             self._inflight = (batch, self._forward.submit(_timed, self.runner.execute, step))
         if prev is not None:
             done.append(self._finish(prev))
+        elif batch is None:
+            self._wait_for_loads()
         return done
+
+    def _wait_for_loads(self) -> None:
+        # Nothing could be scheduled: if requests wait only for their prefix to load from the KV
+        # tiers, wait a little for one rather than spin (the caller steps again right away).
+        if self.scheduler.kv.num_loading:
+            self.scheduler.kv.wait_loads(LOAD_WAIT_S)
 
     def _finish(self, inflight: tuple[StepBatch, Future]) -> tuple[StepBatch, list[tuple[Request, SampledToken]]]:
         batch, fut = inflight
@@ -219,7 +232,11 @@ class LLMEngine:
         store = open_store(ns, pool.block_bytes, cfg.kv_host_cache_gb, cfg.kv_disk_cache_dir, cfg.kv_disk_cache_gb)
         log.info("KV tiers below the pool: %s", ", ".join(
             f"{t.tier.label} {t.capacity_bytes / (1 << 30):.3g} GiB" for t in store.stats().tiers))
-        return TierLink(store, ns, pool.pack_page, pool.unpack_page)
+        sync = None
+        if self.runner.device.type == "cuda":
+            # The loader's copies run on its thread's current stream; a job is done once they are.
+            sync = torch.cuda.current_stream(self.runner.device).synchronize
+        return TierLink(store, ns, pool.pack_page, pool.unpack_page, sync_writes=sync)
 
     def close(self) -> None:
         """Wait for a launched forward pass and stop the forward thread (overlap only); close the KV

@@ -4,13 +4,17 @@ Every path that ends a request's stay on this worker (finish, abort, retraction,
 through `release`, which is the one place pages and slots are returned.
 
 With a `TierLink` (engine/kvcache/tiers/link.py; None by default, and then nothing of it runs) the
-pages the prefix cache evicts are demoted to the tiers below the pool, and `admit` loads the pages
-of a prompt the tiers hold past the L1 match instead of leaving them to be recomputed (synchronously,
-for now: see link.py).
+pages the prefix cache evicts are demoted to the tiers below the pool, and `admit` starts loading
+the pages of a prompt the tiers hold past the L1 match instead of leaving them to be recomputed. The
+load runs on the link's loader thread; the request is *loading* (`is_loading`) until `poll_loads`,
+on the scheduler's thread, finds it done and moves the loaded pages into the prefix cache. A loading
+request holds its slot and pages, and nothing may compute it or hand its pages to anyone else.
+`release` of a loading request cancels the load first (it waits at most for the page in progress).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kvcache.page_allocator import PageAllocator
@@ -18,12 +22,22 @@ from engine.kvcache.radix_cache import PrefixMatch, RadixCache
 from engine.kvcache.req_table import ReqToPageTable
 
 if TYPE_CHECKING:   # annotations only: the cache serves the scheduler and never imports it
-    from engine.kvcache.tiers.link import TierLink
+    from engine.kvcache.tiers.link import LoadJob, TierLink
     from engine.scheduler.request import Request
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
+
+
+@dataclass(eq=False)
+class _Loading:
+    """A request admitted with a load in flight: its L1 match (locked) and what it loads."""
+
+    req: Request
+    job: LoadJob
+    match: PrefixMatch
+    fill_ids: list[int]
 
 
 class KVManager:
@@ -36,7 +50,8 @@ class KVManager:
         hooks = {} if tiers is None else {"on_evict": tiers.demote, "key_fn": tiers.key}
         self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, **hooks)
         self.slots = ReqToPageTable(max_slots)
-        self.num_loaded_pages = 0   # pages `admit` loaded from the tiers instead of recomputing
+        self.num_loaded_pages = 0   # pages loaded from the tiers instead of recomputed
+        self._loading: dict[int, _Loading] = {}   # slot -> its load in flight (admission order)
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -62,9 +77,11 @@ class KVManager:
         """Reserve a slot and pages for all of `fill_ids`, reusing cached prefix pages.
 
         All-or-nothing: on False nothing is held. The last token is always computed (its logits
-        are needed), so the cache match stops one token short. With tiers, the full pages past the
-        L1 match that they hold are loaded into the new pages and count as cached (`cache_len`) and
-        computed, like the L1 match.
+        are needed), so the cache match stops one token short. With tiers, when they hold full pages
+        past the L1 match, a load of them into the new pages starts and the request is loading
+        (`is_loading`) until `poll_loads` finishes it: then the loaded pages count as cached
+        (`cache_len`) and computed, like the L1 match. Until then `cache_len` / `num_computed` are
+        the L1 match's.
         """
         if self.slots.num_free_slots == 0:
             return False
@@ -75,8 +92,6 @@ class KVManager:
         if new_pages is None:
             self.cache.unlock(match.node)
             return False
-        if self.tiers is not None:
-            match = self._load_from_tiers(fill_ids, match, new_pages)
         slot = self.slots.alloc_slot()
         assert slot is not None
         req.slot, req.cache_node, req.cache_len = slot, match.node, match.num_tokens
@@ -84,32 +99,70 @@ class KVManager:
         self.slots.set_pages(slot, req.pages)
         req.num_computed = match.num_tokens
         req.fill_len = len(fill_ids)
+        if self.tiers is not None:
+            self._start_load(req, fill_ids, match, new_pages)
         return True
 
-    def _load_from_tiers(self, fill_ids: list[int], match: PrefixMatch, new_pages: list[int]) -> PrefixMatch:
-        """Load the full pages after `match` (up to one token short of `fill_ids`) that the tiers
-        hold into the head of `new_pages`, hand them to the prefix cache (L1 again) and move the
-        request's lock to the longer match; returns that match. `new_pages` loses the pages the tree
-        took. Nothing can fail half-way: the pages were already the request's."""
-        ps = self.page_size
-        first, last = len(match.pages), (len(fill_ids) - 1) // ps
+    def _start_load(self, req: Request, fill_ids: list[int], match: PrefixMatch, new_pages: list[int]) -> None:
+        """Start loading the full pages after `match` (up to one token short of `fill_ids`) that the
+        tiers hold into the head of `new_pages`; `req` is loading until `poll_loads` finishes it."""
+        first, last = len(match.pages), (len(fill_ids) - 1) // self.page_size
         if last <= first or not new_pages:
-            return match
-        loaded = self.tiers.load_prefix(fill_ids, first, last, new_pages, self.cache.last_key(match.node))
+            return
+        job = self.tiers.start_load(fill_ids, first, last, new_pages, self.cache.last_key(match.node))
+        if job is not None:
+            self._loading[req.slot] = _Loading(req, job, match, list(fill_ids))
+
+    def is_loading(self, req: Request) -> bool:
+        """Whether `req`'s load from the tiers is still in flight (not finished by `poll_loads`)."""
+        load = self._loading.get(req.slot) if req.slot is not None else None
+        return load is not None and load.req is req
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def poll_loads(self) -> list[Request]:
+        """Finish every load that is done (never waits); returns their requests, which may be
+        computed from now on. On the scheduler's thread, e.g. at the start of each step."""
+        done = [load for load in self._loading.values() if load.job.done.is_set()]
+        for load in done:
+            del self._loading[load.req.slot]
+            self._load_from_tiers(load)
+        if done:
+            self.tiers.store.drain_events()   # what the loader's L3 promotions changed in L2
+        return [load.req for load in done]
+
+    def wait_loads(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until a load in flight is done (for a caller with nothing
+        else to do; `poll_loads` then finishes it). False when none is, or none is in flight."""
+        if not self._loading:
+            return False
+        return self.tiers.wait_any([load.job for load in self._loading.values()], timeout)
+
+    def _load_from_tiers(self, load: _Loading) -> None:
+        """Hand the pages a finished job loaded to the prefix cache (L1 again), move the request's
+        lock to the longer match and count those tokens as cached and computed. A partial load
+        (a block missing or corrupt part way) keeps what it loaded: the rest is recomputed."""
+        req, match, ps = load.req, load.match, self.page_size
+        loaded = load.job.loaded
         if loaded == 0:
-            return match
+            return
+        first = len(match.pages)
         n = first + loaded
-        dup = self.cache.insert(fill_ids[: n * ps], list(match.pages) + new_pages[:loaded])
-        # The match was the tree's longest and stays locked, so the loaded pages extend it and
-        # nothing should come back; were one to, the tree's page serves and ours is freed.
+        ours = req.pages[first:first + loaded]
+        dup = self.cache.insert(load.fill_ids[: n * ps], list(match.pages) + ours)
+        # While the load ran, another request may have cached the same pages: the tree's serve and
+        # ours are freed.
         self.allocator.free(dup)
-        longer = self.cache.match_prefix(fill_ids[: n * ps])
+        longer = self.cache.match_prefix(load.fill_ids[: n * ps])
         assert len(longer.pages) == n, (len(longer.pages), n)
         self.cache.lock(longer.node)
         self.cache.unlock(match.node)
-        del new_pages[:loaded]
+        req.pages[:n] = longer.pages
+        self.slots.set_pages(req.slot, req.pages)
+        req.cache_node, req.cache_len, req.num_computed = longer.node, longer.num_tokens, longer.num_tokens
         self.num_loaded_pages += loaded
-        return longer
 
     def ensure_capacity(self, req: Request, num_tokens: int) -> bool:
         """Make `req.pages` cover `num_tokens` tokens, allocating (and evicting) as needed."""
@@ -137,9 +190,14 @@ class KVManager:
 
         `token_ids` are the tokens whose KV sits in `req.pages` (defaults to `req.all_ids`); only
         the first `req.num_computed` of them are trusted. Safe to call on a request holding nothing.
+        A load in flight is cancelled first (this waits for the page in progress at most); what it
+        loaded is dropped with the request's other pages.
         """
         if req.slot is None:
             return
+        if self.is_loading(req):
+            load = self._loading.pop(req.slot)
+            self.tiers.cancel(load.job)
         ids = req.all_ids if token_ids is None else token_ids
         n_full = min(req.num_computed, len(ids)) // self.page_size
         dup = self.cache.insert(ids[: n_full * self.page_size], req.pages[:n_full])
@@ -156,4 +214,5 @@ class KVManager:
             f"KV page leak: free {free} + evictable {evictable} != total {self.num_pages}"
         )
         assert self.cache.protected_pages == 0, f"{self.cache.protected_pages} cache pages still locked"
+        assert not self._loading, f"{len(self._loading)} loads from the KV tiers still in flight"
         self.slots.check_all_free()

@@ -113,6 +113,7 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running)
 
     def schedule(self) -> StepBatch | None:
+        self.kv.poll_loads()   # requests whose prefix finished loading from the KV tiers may run now
         self._preempt_for_priority()
         if self.cfg.enable_mixed_chunk and self.running:
             # Decode rows first: their pages are secured (retracting if memory is short) before a
@@ -194,6 +195,8 @@ class Scheduler:
                 if not (admitting and self._admit(req, bool(seqs))):
                     admitting = False
                     continue
+            if self.kv.is_loading(req):
+                continue   # its prefix is being loaded from the KV tiers: it waits, the others run
             seqs.append(self._chunk(req, budget))
             budget -= len(seqs[-1].input_ids)
         return StepBatch(seqs) if seqs else None
@@ -320,8 +323,19 @@ class Scheduler:
     def reserve(self, req: Request, pending: Iterable[Request] = ()) -> bool:
         """Give a request outside the queues a slot and pages for its whole prompt, reusing this
         worker's prefix cache, if `admission_room` allows (a decode worker's room before its KV
-        arrives). All-or-nothing; the request later joins with `add_running` or goes with `release`."""
+        arrives). All-or-nothing; the request later joins with `add_running` or goes with `release`.
+        It may come back loading its prefix from the KV tiers (`is_loading`): its `cache_len` is
+        final once `poll_loads` has finished that load."""
         return self.admission_room(req, pending) and self.kv.admit(req, req.prompt_ids)
+
+    def poll_loads(self) -> list[Request]:
+        """Finish the loads from the KV tiers that are done (never waits; `schedule` does this
+        too); returns their requests."""
+        return self.kv.poll_loads()
+
+    def is_loading(self, req: Request) -> bool:
+        """Whether `req` (admitted or reserved) still waits for its prefix to load from the KV tiers."""
+        return self.kv.is_loading(req)
 
     def release(self, req: Request, token_ids: list[int] | None = None) -> None:
         """Free the slot and pages of a request outside the queues (detached, or reserved); full pages

@@ -5,9 +5,14 @@ radix cache evicts and, at admission, loads the pages of a prompt that the tiers
 match back into the request's fresh pages. The page bytes themselves go through two callables the
 model runner provides (`read_page`, `write_page`): this module never sees a tensor.
 
-Known limit: loads are synchronous, on the scheduler's thread, inside admission (an L2 hit is a
-memcpy, an L3 hit one small file read per page). Next: a loader thread, the request waiting for its
-own load while other requests keep running.
+Loads are asynchronous: `start_load` (on the scheduler's thread, at admission) hashes the pages past
+the match, asks the store how far the run reaches and queues a `LoadJob`; one loader thread, started
+with the first job, reads each block (an L2 memcpy, or an L3 file read and checksum, both of which
+release the GIL) and writes it into the job's pages, in order, one job at a time. The scheduler thread
+polls `LoadJob.done` and never waits for a load except to `cancel` one (an abort, retraction or
+failure of its request): that stops the job after the page in progress and returns once the thread
+no longer touches its pages. Demotion stays on the scheduler thread (a page copy into L2; the disk
+write is behind it, tiers/writer.py).
 """
 
 from __future__ import annotations
@@ -16,15 +21,19 @@ import hashlib
 import json
 import logging
 import os
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 
 from engine.kvcache.radix_cache import EvictedRun
 from engine.kvcache.tiers.block_hash import ROOT, Namespace, block_hash
 from engine.kvcache.tiers.disk import DiskTier
 from engine.kvcache.tiers.host import HostTier
 from engine.kvcache.tiers.store import TieredStore
+from engine.kvcache.tiers.timings import TierOp
 
 # read_page(page id) -> that page's KV, every layer, K and V, packed (valid until the next call).
 ReadPage = Callable[[int], memoryview | bytes]
@@ -62,16 +71,42 @@ def open_store(namespace: Namespace, block_bytes: int, host_gb: float, disk_dir:
     return TieredStore(host, disk)
 
 
+@dataclass(eq=False)
+class LoadJob:
+    """One request's load: the blocks `keys` into `pages`, in order, on the loader thread.
+
+    `loaded` (the leading pages written) is final once `done` is set; a block that turns out missing
+    or corrupt, a failed write, or `cancel` end the job early. Until `done`, the loader may be writing
+    any of `pages`: they belong to the job."""
+
+    keys: list[bytes]
+    pages: list[int]
+    started: float = field(default_factory=perf_counter)
+    loaded: int = 0
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 @dataclass
 class TierLink:
     """Lifecycle: built by the engine once the pool exists (tiers on) → the KVManager's radix cache
-    calls `key` and `demote`, its admission `load_prefix` → `close` with the engine (safe twice)."""
+    calls `key` and `demote`, its admission `start_load` (the loader thread starts with the first
+    job) → `close` with the engine: cancels the jobs, stops the loader, closes the store (safe twice).
+
+    `sync_writes`, when set, runs on the loader thread after a job's last page write and before the
+    job is done (on CUDA: wait for the thread's copies, so a forward on any stream sees the pages)."""
 
     store: TieredStore
     namespace: Namespace
     read_page: ReadPage
     write_page: WritePage
+    sync_writes: Callable[[], None] | None = None
     failures: int = 0   # demotions / loads that raised (logged once): the pages were recomputed
+    _cv: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
+    _queue: deque[LoadJob] = field(default_factory=deque, init=False, repr=False)
+    _current: LoadJob | None = field(default=None, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
 
     def key(self, parent: object | None, page_tokens: Sequence[int]) -> bytes:
         """The radix cache's `key_fn`: the block hash chain."""
@@ -89,38 +124,110 @@ class TierLink:
         except Exception:
             self._failed("demoting evicted KV pages")
 
-    def load_prefix(self, token_ids: Sequence[int], first: int, last: int, pages: Sequence[int],
-                    parent: object | None = None) -> int:
-        """Load the blocks of full pages `first..last-1` of `token_ids` (pages before `first` are in
-        L1 already; `parent` is the key of page `first - 1`, None at the root: the radix cache keeps
-        it, so the prefix is not hashed again) into `pages[0..]`, as far as the tiers hold them;
-        returns how many were loaded. A block that turns out missing or corrupt ends the run (the
-        rest is recomputed)."""
-        if last <= first or not pages:
-            return 0
+    def start_load(self, token_ids: Sequence[int], first: int, last: int, pages: Sequence[int],
+                   parent: object | None = None) -> LoadJob | None:
+        """Queue a load of the blocks of full pages `first..last-1` of `token_ids` (pages before
+        `first` are in L1 already; `parent` is the key of page `first - 1`, None at the root: the radix
+        cache keeps it, so the prefix is not hashed again) into `pages[0..]`, as far as the tiers hold
+        them now; None when they hold none of them (nothing to wait for). The caller owns `pages` and
+        must not use them, nor reuse them, before the job is done or cancelled."""
+        if self._closed or last <= first or not pages:
+            return None
         ps = self.namespace.page_size
         last = min(last, first + len(pages))
         keys = []
         for i in range(first, last):
             parent = self.key(parent, token_ids[i * ps:(i + 1) * ps])
             keys.append(parent)
-        loaded = 0
         try:
-            found = self.store.lookup(keys)
-            for key, page in zip(keys[:len(found)], pages, strict=False):
-                payload = self.store.load(key)
-                if payload is None:
-                    break
-                self.write_page(page, payload)   # before the next store call: an L2 view may move
-                loaded += 1
+            found = len(self.store.lookup(keys))
         except Exception:
-            self._failed("loading KV pages")   # the pages loaded so far are good; the rest is recomputed
-        return loaded
+            self._failed("looking up KV pages")
+            return None
+        if found == 0:
+            return None
+        job = LoadJob(keys[:found], list(pages[:found]))
+        with self._cv:
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tandem-kv-loader", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return job
+
+    def cancel(self, job: LoadJob) -> None:
+        """Stop a job after the page in progress; returns once the loader no longer touches its
+        pages (`job.loaded` pages were written; the caller may free or reuse every page)."""
+        with self._cv:
+            job.cancelled = True
+            if job in self._queue:
+                self._queue.remove(job)
+                job.done.set()
+        job.done.wait()
+
+    def wait_any(self, jobs: Sequence[LoadJob], timeout: float) -> bool:
+        """Block up to `timeout` seconds until one of `jobs` is done (for a caller with nothing else
+        to do); True when one is."""
+        with self._cv:
+            return self._cv.wait_for(lambda: any(j.done.is_set() for j in jobs), timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._current = self._queue.popleft()
+            try:
+                self._load(job)
+            except Exception:
+                self._failed("loading KV pages")   # the pages loaded so far are good; the rest is recomputed
+            finally:
+                with self._cv:
+                    self._current = None
+                    job.done.set()
+                    self._cv.notify_all()
+
+    def _load(self, job: LoadJob) -> None:
+        timings = self.store.timings
+        try:
+            for key, page in zip(job.keys, job.pages, strict=True):
+                if job.cancelled:
+                    return
+                t0 = perf_counter()
+                tier = self.store.load_into(key, lambda payload, page=page: self.write_page(page, payload))
+                if tier is None:
+                    return
+                timings.block(TierOp.LOAD, tier, perf_counter() - t0)
+                job.loaded += 1
+        finally:
+            if job.loaded and self.sync_writes is not None:
+                self.sync_writes()
+            timings.load(perf_counter() - job.started)
 
     def _failed(self, what: str) -> None:
         self.failures += 1
         if self.failures == 1:
             log.exception("KV tiers: %s failed; recomputing instead (logged once)", what)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel the queued and running loads (their requests recompute, or are gone), stop the
+        loader thread, close the store. The KVManager still frees the jobs' pages through `release`."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            for job in self._queue:
+                job.cancelled = True
+                job.done.set()
+            self._queue.clear()
+            if self._current is not None:
+                self._current.cancelled = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("KV tiers: the loader did not stop within %.1fs; closing the store anyway", timeout)
         self.store.close()

@@ -6,20 +6,27 @@ hit back into fresh pages (`load`). Either tier may be absent. Inclusive: a bloc
 is promoted to L2 and stays on disk, and a block loaded back to L1 stays below, so demoting it again
 writes nothing.
 
+Threads: one owner thread (the scheduler's) makes every call, and one loader thread may call
+`load_into` beside it (engine/kvcache/tiers/link.py); a lock keeps L2 and the counters consistent
+between them, and an L3 read (file, checksum) runs outside it so the owner never waits for a disk.
+
 Events: `on_event(kind, key, parent, tier)` hears every block that enters ("stored") or leaves
-("removed") a tier. It is always called on the caller's thread, from inside a store call: events that
-happen on the writer thread wait in a queue until the next call (or `drain_events`).
+("removed") a tier. It is always called on the owner's thread, from inside a store call: events that
+happen on the writer or loader thread wait in a queue until the next call (or `drain_events`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 from engine.kvcache.tiers.base import BlockMeta, EventKind, Tier
 from engine.kvcache.tiers.disk import DiskTier
 from engine.kvcache.tiers.host import HostTier
+from engine.kvcache.tiers.timings import TierOp, TierTimings
 from engine.kvcache.tiers.writer import WriteBehind
 
 EventHook = Callable[[EventKind, bytes, bytes | None, Tier], None]
@@ -52,15 +59,20 @@ class StoreStats:
 
 class TieredStore:
     """Lifecycle: create (the tiers already open) → demote / lookup / load → close (drains the disk
-    writes for up to `timeout`; safe twice). Not thread-safe: one caller thread, e.g. the
-    scheduler's."""
+    writes for up to `timeout`; safe twice; stop the loader first). One owner thread, e.g. the
+    scheduler's, plus one loader thread calling `load_into` (see the module docstring)."""
 
     def __init__(self, host: HostTier | None, disk: DiskTier | None, *, on_event: EventHook | None = None,
                  max_pending_writes: int = 256):
         self.host = host
         self.disk = disk
         self.on_event = on_event
-        self._writer = WriteBehind(disk, max_pending_writes) if disk is not None else None
+        self.timings = TierTimings()
+        self._lock = threading.Lock()   # L2 and the counters: the owner's thread and the loader's
+        self._writer = None
+        if disk is not None:
+            self._writer = WriteBehind(disk, max_pending_writes,
+                                       on_written=lambda s: self.timings.block(TierOp.STORE, Tier.DISK, s))
         self._events: deque[tuple[EventKind, BlockMeta]] = deque()
         for tier in (host, disk):
             if tier is not None:
@@ -81,13 +93,16 @@ class TieredStore:
         if self._closed:
             return
         new = True
-        if self.host is not None:
-            new = self.host.put(key, parent, payload)
+        with self._lock:
+            if self.host is not None:
+                t0 = perf_counter()
+                new = self.host.put(key, parent, payload)
+                if new:
+                    self._host_written += memoryview(payload).nbytes
+                    self.timings.block(TierOp.STORE, Tier.HOST, perf_counter() - t0)
+            # A key L2 already held was queued for disk when it arrived (or is written back on eviction).
             if new:
-                self._host_written += memoryview(payload).nbytes
-        # A key L2 already held was queued for disk when it arrived (or is written back on eviction).
-        if new:
-            self._write_behind(key, parent, payload)
+                self._write_behind(key, parent, payload)
         self.drain_events()
 
     def lookup(self, keys: Sequence[bytes]) -> list[Tier]:
@@ -95,7 +110,9 @@ class TieredStore:
         prefix of `keys` that can be loaded instead of recomputed. A hint; `load` may still miss."""
         out = []
         for key in keys:
-            if self.host is not None and self.host.contains(key):
+            with self._lock:
+                in_host = self.host is not None and self.host.contains(key)
+            if in_host:
                 out.append(Tier.HOST)
             elif self.disk is not None and (self._writer.pending(key) is not None or self.disk.contains(key)):
                 out.append(Tier.DISK)
@@ -109,19 +126,53 @@ class TieredStore:
         next store call; copy it into the page pool before that. An L3 hit is promoted to L2."""
         if self._closed:
             return None
-        payload, tier = self._load(key)
+        with self._lock:
+            payload, tier = self._load(key)
+            self._count(payload, tier)
+        self.drain_events()
+        return payload
+
+    def load_into(self, key: bytes, write: Callable[[memoryview | bytes], None]) -> Tier | None:
+        """Copy a block into the caller's page with `write(payload)`; returns the tier that answered,
+        or None (a miss: recompute from here). For the loader thread: `write` always runs outside the
+        store's lock, so the owner's demotions and lookups never wait for a page copy (which on CUDA
+        may queue behind a forward pass): an L2 hit is copied out of its slot under the lock first
+        (a slot may be reused as soon as the lock is released), an L3 read happens outside it and is
+        then promoted to L2. Delivers no events (the owner's next call does). An exception from
+        `write` propagates."""
+        if self._closed:
+            return None
+        with self._lock:
+            view = self.host.get(key) if self.host is not None else None
+            if view is not None:
+                payload = bytes(view)
+                self._count(view, Tier.HOST)
+        if view is not None:
+            write(payload)
+            return Tier.HOST
+        payload, parent = self._read_disk(key) if self.disk is not None else (None, None)
+        if payload is None:
+            with self._lock:
+                self._count(None, Tier.DISK)
+            return None
+        write(payload)
+        with self._lock:
+            self._promote(key, parent, payload)
+            self._count(payload, Tier.DISK)
+        return Tier.DISK
+
+    def _count(self, payload: memoryview | bytes | None, tier: Tier) -> None:
         if payload is None:
             self._misses += 1
         else:
             self._hits[tier] += 1
             self._read[tier] += memoryview(payload).nbytes
-        self.drain_events()
-        return payload
 
     def discard(self, key: bytes) -> None:
         """Drop a block from every tier (e.g. a model reload invalidated it)."""
         if self.host is not None:
-            self.host.discard(key)
+            with self._lock:
+                self.host.discard(key)
         if self.disk is not None:
             self._writer.cancel(key)
             self.disk.discard(key)
@@ -130,21 +181,24 @@ class TieredStore:
     def blocks(self) -> list[BlockMeta]:
         """Every block held, L2's then L3's: the snapshot an event consumer starts from."""
         out = []
-        for tier in (self.host, self.disk):
-            if tier is not None:
-                out.extend(m for m in map(tier.meta, tier.keys()) if m is not None)
+        with self._lock:
+            for tier in (self.host, self.disk):
+                if tier is not None:
+                    out.extend(m for m in map(tier.meta, tier.keys()) if m is not None)
         return out
 
     def stats(self) -> StoreStats:
         tiers = []
-        for tier in (self.host, self.disk):
-            if tier is None:
-                continue
-            written = self._host_written if tier.tier == Tier.HOST else self.disk.bytes_written
-            tiers.append(TierStats(tier.tier, tier.enabled, len(tier), tier.used_bytes, tier.capacity_bytes,
-                                   self._hits[tier.tier], self._read[tier.tier], written))
+        with self._lock:
+            for tier in (self.host, self.disk):
+                if tier is None:
+                    continue
+                written = self._host_written if tier.tier == Tier.HOST else self.disk.bytes_written
+                tiers.append(TierStats(tier.tier, tier.enabled, len(tier), tier.used_bytes, tier.capacity_bytes,
+                                       self._hits[tier.tier], self._read[tier.tier], written))
+            misses = self._misses
         w = self._writer
-        return StoreStats(tuple(tiers), self._misses, w.queued if w else 0, w.dropped if w else 0)
+        return StoreStats(tuple(tiers), misses, w.queued if w else 0, w.dropped if w else 0)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the queued disk writes; False on timeout."""
@@ -167,32 +221,42 @@ class TieredStore:
         self._closed = True
         done = self._writer.close(timeout) if self._writer is not None else True
         self.drain_events()
-        for tier in (self.host, self.disk):
-            if tier is not None:
-                tier.close()
+        with self._lock:
+            for tier in (self.host, self.disk):
+                if tier is not None:
+                    tier.close()
         return done
 
     def _load(self, key: bytes) -> tuple[memoryview | bytes | None, Tier]:
+        # Under the lock (the owner's `load`): the disk read too, which `load_into` avoids.
         if self.host is not None:
             view = self.host.get(key)
             if view is not None:
                 return view, Tier.HOST
         if self.disk is None:
             return None, Tier.DISK
+        payload, parent = self._read_disk(key)
+        if payload is not None:
+            self._promote(key, parent, payload)
+        return payload, Tier.DISK
+
+    def _read_disk(self, key: bytes) -> tuple[memoryview | bytes | None, bytes | None]:
+        """(payload, parent) from L3 or a write on its way there; thread-safe (DiskTier and the
+        writer lock themselves)."""
         item = self._writer.pending(key)
         if item is not None:
             parent, payload = item
-        else:
-            payload = self.disk.get(key)
-            if payload is None:
-                return None, Tier.DISK
-            meta = self.disk.meta(key)
-            parent = meta.parent if meta is not None else None
-        if self.host is not None:
-            # The returned payload is the disk's own bytes, so this put's evictions cannot touch it.
-            if self.host.put(key, parent, payload):
-                self._host_written += memoryview(payload).nbytes
-        return payload, Tier.DISK
+            return payload, parent
+        payload = self.disk.get(key)
+        if payload is None:
+            return None, None
+        meta = self.disk.meta(key)
+        return payload, meta.parent if meta is not None else None
+
+    def _promote(self, key: bytes, parent: bytes | None, payload: memoryview | bytes) -> None:
+        # The payload is the disk's own bytes (or the writer's), so this put's evictions cannot touch it.
+        if self.host is not None and self.host.put(key, parent, payload):
+            self._host_written += memoryview(payload).nbytes
 
     def _write_behind(self, key: bytes, parent: bytes | None, payload: bytes | bytearray | memoryview) -> None:
         if self._writer is None or not self.disk.enabled or self.disk.meta(key) is not None:

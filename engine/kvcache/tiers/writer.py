@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from time import perf_counter
 
 from engine.kvcache.tiers.disk import DiskTier
 
@@ -21,10 +23,13 @@ class WriteBehind:
     to call twice.
     """
 
-    def __init__(self, disk: DiskTier, max_pending: int = 256, *, name: str = "tandem-kv-disk-writer"):
+    def __init__(self, disk: DiskTier, max_pending: int = 256, *, name: str = "tandem-kv-disk-writer",
+                 on_written: Callable[[float], None] | None = None):
+        """`on_written(seconds)`: told, on the writer thread, how long each block it stored took."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._disk = disk
+        self._on_written = on_written
         self._max = max_pending
         self._name = name
         self._cv = threading.Condition()
@@ -114,7 +119,10 @@ class WriteBehind:
             parent, payload = item
             stored = False
             try:
+                t0 = perf_counter()
                 stored = self._disk.put(key, parent, payload)
+                if stored and self._on_written is not None:
+                    self._on_written(perf_counter() - t0)
             except Exception:
                 log.exception("KV disk writer: writing block %s failed", key.hex())
                 with self._cv:

@@ -1,12 +1,18 @@
 """KVManager with a TierLink (torch-free): evicted pages are demoted with the right keys, admission
 loads the pages past the L1 match that the tiers hold into the request's pages and counts them as
-computed, a block that vanished ends the run, and every page comes back (check_idle)."""
+computed, a block that vanished ends the run, and every page comes back (check_idle). Loads run on
+the link's loader thread: a loading request waits for its own load while others are admitted and
+released, and an abort or a close mid-load stops it after the page in progress and leaks nothing."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 from engine.kvcache.kv_manager import KVManager
 from engine.kvcache.tiers.base import Tier
 from engine.kvcache.tiers.block_hash import Namespace, block_hashes
+from engine.kvcache.tiers.disk import DiskTier
 from engine.kvcache.tiers.host import HostTier
 from engine.kvcache.tiers.link import TierLink
 from engine.kvcache.tiers.store import TieredStore
@@ -52,9 +58,16 @@ def compute(kv: KVManager, pool: FakePool, req: Request) -> None:
     req.num_computed = len(ids)
 
 
+def finish_load(kv: KVManager, req: Request) -> None:
+    while kv.is_loading(req):
+        kv.wait_loads(5.0)
+        kv.poll_loads()
+
+
 def serve(kv: KVManager, pool: FakePool, tokens: list[int]) -> Request:
     req = Request("r", tokens, SamplingParams(max_tokens=1))
     assert kv.admit(req, req.all_ids)
+    finish_load(kv, req)
     loaded_ok = all(pool.mem[req.pages[i]] == content(tokens[i * PS:(i + 1) * PS])
                     for i in range(req.num_computed // PS))
     assert loaded_ok, "a cached or loaded page does not hold its tokens' KV"
@@ -159,3 +172,82 @@ def test_a_failing_page_read_still_evicts():
     assert len(store.host) == 0 and kv.tiers.failures == 1
     kv.check_idle()
     kv.cache.check_consistency()
+
+
+def gated(pool: FakePool):
+    """A page write that blocks until `gate` is set; `entered` is set when the first write starts."""
+    gate, entered = threading.Event(), threading.Event()
+    real = pool.write
+
+    def write(page, payload):
+        entered.set()
+        assert gate.wait(10), "the test never opened the gate"
+        real(page, payload)
+
+    return write, gate, entered
+
+
+def test_a_loading_request_waits_and_others_do_not(tmp_path):
+    kv, pool, store = make(num_pages=12)
+    serve(kv, pool, A)
+    kv.cache.evict(kv.num_pages)   # all of A's pages to L2
+    kv.tiers.write_page, gate, entered = gated(pool)
+    req = Request("a", A, SamplingParams(max_tokens=1))
+    assert kv.admit(req, req.all_ids)
+    assert kv.is_loading(req) and req.cache_len == 0 and req.num_computed == 0
+    assert entered.wait(5)
+    assert kv.poll_loads() == [] and kv.is_loading(req)   # polling never waits
+    other = serve(kv, pool, B[:9])   # another request is admitted, computed and released meanwhile
+    assert other.slot is None
+    gate.set()
+    finish_load(kv, req)
+    assert req.cache_len == 24 and req.num_computed == 24 and kv.num_loaded_pages == 6
+    assert all(pool.mem[req.pages[i]] == content(A[i * PS:(i + 1) * PS]) for i in range(6))
+    kv.release(req)
+    kv.check_idle()
+    kv.cache.check_consistency()
+
+
+def test_abort_mid_load_cancels_frees_everything_and_leaves_no_temp_files(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20, NS)
+    kv, pool, store = make(num_pages=12, store=TieredStore(None, disk))
+    serve(kv, pool, A)
+    kv.cache.evict(kv.num_pages)   # A's six pages to L3 (written behind)
+    assert store.flush(5)
+    kv.tiers.write_page, gate, entered = gated(pool)
+    req = Request("a", A, SamplingParams(max_tokens=1))
+    assert kv.admit(req, req.all_ids) and kv.is_loading(req)
+    assert entered.wait(5)   # the loader is inside the first page's write
+    aborting = threading.Thread(target=kv.release, args=(req,))
+    aborting.start()
+    aborting.join(0.2)
+    assert aborting.is_alive(), "release must wait for the page in progress"
+    gate.set()
+    aborting.join(5)
+    assert not aborting.is_alive()
+    writes = list(pool.writes)
+    assert writes == [writes[0]]   # stopped after the page in progress
+    assert req.slot is None and req.pages == [] and not kv.is_loading(req)
+    kv.check_idle()
+    kv.cache.check_consistency()
+    time.sleep(0.05)
+    assert pool.writes == writes   # nothing written into the freed pages afterwards
+    kv.tiers.close()
+    kv.tiers.close()
+    assert list(tmp_path.rglob("*.tmp")) == []
+    assert len(list(tmp_path.rglob("*.kvb"))) == 6
+
+
+def test_close_cancels_loads_in_flight():
+    kv, pool, store = make(num_pages=12)
+    serve(kv, pool, A)
+    kv.cache.evict(kv.num_pages)
+    kv.tiers.write_page, gate, entered = gated(pool)
+    req = Request("a", A, SamplingParams(max_tokens=1))
+    assert kv.admit(req, req.all_ids)
+    assert entered.wait(5)
+    threading.Timer(0.1, gate.set).start()
+    kv.tiers.close()   # cancels the job, waits for its page in progress, closes the store
+    assert len(pool.writes) == 1
+    kv.release(req)
+    kv.check_idle()
