@@ -51,7 +51,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
         require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,
         step_trace_dir=args.step_trace_dir, log_stats_interval_s=args.log_stats_interval, faults=faults,
-        peer_probe_s=args.peer_probe_interval, auth=auth,
+        peer_probe_s=args.peer_probe_interval, kv_events=args.kv_events, auth=auth,
     )
     return run_worker(engine_config_from_args(args), wcfg)
 

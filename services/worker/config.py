@@ -46,6 +46,7 @@ class WorkerConfig:
     step_trace_dir: str | None = None   # one JSON line per step in <dir>/<worker id>.jsonl (None: off)
     faults: FaultConfig = FaultConfig()  # --fault-inject (tests and chaos drills); default: none
     peer_probe_s: float = 1.0           # liveness probe period of the peers a worker has rooms with; 0: off
+    kv_events: bool | None = None       # publish KV events to the router (None: on with a Redis registry)
     # Identity of this process start, drawn once when the config is built (a restarted container gets
     # a new one): peers check it in the bootstrap handshake.
     boot_epoch: int = field(default_factory=new_boot_epoch)
@@ -59,6 +60,11 @@ class WorkerConfig:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """KV events travel through the Redis registry: without one there is nowhere to send them."""
+        return bool(self.redis_url) and self.kv_events is not False
 
 
 def _cpu_cores(text: str) -> tuple[int, ...] | None:
@@ -120,6 +126,12 @@ WORKER_FLAGS = (
          "probe the liveness of every peer worker this one has requests with this often; a peer that misses 3 "
          "probes in a row fails only its own requests, at once; 0: off", field="peer_probe_s", type=float,
          metavar="SECONDS"),
+    Flag(("--kv-events",), _W, OBSERVABILITY,
+         "publish this worker's KV block events (stored / removed per block and tier: L1 prefix cache, L2, L3) "
+         "to its Redis stream, so the router's cache_aware policy sees exactly which prefixes it holds; needs "
+         "the Redis registry (with static or Kubernetes discovery the router keeps its approximate index) "
+         "(default: on with --redis-url)", field="kv_events", action="on_off", off=("--no-kv-events",),
+         off_help="do not publish KV events (the router routes this worker by its approximate index)"),
     Flag(("--fault-inject",), _W, RESILIENCE,
          "inject faults for tests and chaos drills, e.g. transfer_fail=0.1,transfer_delay_ms=50,forward_delay_ms=20 "
          "(also seed=N); refused without --enable-fault-injection or TANDEM_ALLOW_FAULTS=1 (default: none)",

@@ -49,9 +49,13 @@ class EngineLoop:
 
     def __init__(self, worker: StepWorker, aio_loop: asyncio.AbstractEventLoop,
                  on_fatal: Callable[[], None] = lambda: None, idle_wait_s: float = 0.002,
-                 quiet_wait_s: float = 0.05, observers: Sequence[StepObserver] = ()):
+                 quiet_wait_s: float = 0.05, observers: Sequence[StepObserver] = (),
+                 tickers: Sequence[Callable[[], None]] = ()):
+        """`tickers`: housekeeping of other components run on this thread after each `worker.tick()`
+        (e.g. flushing the KV events the step produced); must be cheap."""
         self.worker = worker
         self.observers = tuple(observers)
+        self.tickers = tuple(tickers)
         self.on_fatal = on_fatal
         self.failed = False
         self.aio_loop = aio_loop
@@ -119,6 +123,8 @@ class EngineLoop:
                 self.worker.tick()
             except Exception:
                 log.exception("worker housekeeping failed")
+            for tick in self.tickers:
+                _observe(tick)
             if self.worker.has_work():
                 for o in self.observers:
                     _observe(o.before_step)

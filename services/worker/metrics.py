@@ -64,6 +64,14 @@ KV_TIER_HITS = Counter("tandem_kv_tier_hits_total", "KV blocks loaded from a tie
                        ["tier"])
 KV_TIER_BYTES = Counter("tandem_kv_tier_bytes_total", "Bytes of KV blocks moved into or out of a tier below the pool",
                         ["tier", "direction"])
+# KV events to the router (services/worker/kv_events.py; --kv-events, with a Redis registry).
+KV_EVENTS_PUBLISHED = Counter("tandem_kv_events_published_total",
+                              "KV block events (stored / removed, any tier) written to this worker's event stream")
+KV_EVENT_MESSAGES = Counter("tandem_kv_event_messages_total",
+                            "KV event messages written to this worker's event stream, by kind (batch | snapshot)",
+                            ["kind"])
+KV_EVENT_MESSAGES_LOST = Counter("tandem_kv_event_messages_lost_total",
+                                 "KV event messages lost to Redis errors (the next message is a snapshot)")
 
 
 class KVTierExport:

@@ -31,6 +31,7 @@ from services.worker import metrics, step_stats
 from services.worker.config import WorkerConfig
 from services.worker.faults import FaultInjector
 from services.worker.identity import WorkerIdentityServicer
+from services.worker.kv_events import REGISTRY_PREFIX, KVEventSender, event_source
 from services.worker.loop import EngineLoop
 from services.worker.metrics_server import start_metrics_server
 from services.worker.peers import PeerMonitor
@@ -114,7 +115,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     faults = wcfg.faults
     guards = [g for g in (watchdog, FaultInjector(faults) if faults.any else None) if g is not None]
     spec = [SpecMetrics(engine.spec)] if getattr(engine, "spec", None) is not None else []
-    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, *spec, profiler))
+    kv_events = _open_kv_events(engine, wcfg)   # before the engine thread starts: it flushes them
+    engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, *spec, profiler),
+                             tickers=(engine.kv_events.flush,) if kv_events is not None else ())
 
     wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
@@ -150,6 +153,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         model=engine_cfg.model, transfer_backend=parts.transfer_backend, started_at=time.time(),
         max_context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
         load=parts.worker.load(), pod_uid=wcfg.pod_uid, boot_epoch=wcfg.boot_epoch,
+        kv_events=kv_events.source if kv_events is not None else None,
     )
     identity.info = info
     registry = None
@@ -177,6 +181,8 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     if watchdog is not None:
         watchdog.stop()
     parts.close()
+    if kv_events is not None:
+        kv_events.close()
     stats.close()
     log.info("%s %s stopped", wcfg.role, wcfg.id)
     return 1 if engine_loop.failed else 0
@@ -208,6 +214,20 @@ async def _drain(wcfg: WorkerConfig, health_servicer, registry, heartbeat, parts
                     wcfg.role, wcfg.id, wcfg.drain_timeout_s, left, owed)
     else:
         log.info("%s %s drained in %.2fs", wcfg.role, wcfg.id, time.monotonic() - t0)
+
+
+def _open_kv_events(engine, wcfg: WorkerConfig) -> KVEventSender | None:
+    """Follow the engine's prefix cache and tiers and publish their KV events to this worker's Redis
+    stream (docs/kv-cache.md), when `--kv-events` (default: with a Redis registry)."""
+    if not wcfg.publishes_kv_events:
+        if wcfg.kv_events:
+            log.warning("--kv-events needs the Redis registry (--redis-url): KV events are off")
+        return None
+    link = engine.open_kv_events()
+    link.open(wcfg.id, epoch=wcfg.boot_epoch)   # one boot, one epoch
+    sender = KVEventSender(link, wcfg.redis_url, event_source(REGISTRY_PREFIX, wcfg.id, link.namespace))
+    sender.start()
+    return sender
 
 
 def _build_sync(engine_cfg: EngineConfig, wcfg: WorkerConfig, loop) -> RoleParts:
