@@ -20,7 +20,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BLOCK_TOKENS = 16
 CHARS_PER_TOKEN = 4  # a rough length estimate of a text prompt in tokens
@@ -32,6 +32,8 @@ class PromptKey:
 
     num_tokens: int
     blocks: tuple[bytes, ...]
+    # The prompt's token ids, for the exact view (KV events); None for a text prompt.
+    token_ids: Sequence[int] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, token_ids: Sequence[int] | None = None, text: str = "") -> PromptKey:
@@ -46,7 +48,7 @@ class PromptKey:
         for start in range(1, len(data) - size + 1, size):
             prev = hashlib.blake2b(prev + data[start:start + size], digest_size=12, key=data[:1]).digest()
             blocks.append(prev)
-        return cls(n, tuple(blocks))
+        return cls(n, tuple(blocks), token_ids)
 
     def tokens(self, num_blocks: int) -> int:
         """Prompt tokens covered by the first `num_blocks` blocks."""

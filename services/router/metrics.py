@@ -33,6 +33,20 @@ class RouterMetrics:
             "prefill worker (remote) or on the decode worker (local)", ["route"], registry=self.registry,
         )
         self.workers = Gauge("tandem_router_workers", "Registered workers by role", ["role"], registry=self.registry)
+        # KV events from the workers (services/router/kv_feed.py; Redis registry only).
+        self.kv_events_applied = Counter(
+            "tandem_router_kv_events_applied", "KV block events applied to the router's exact per-worker views",
+            registry=self.registry)
+        self.kv_event_messages = Counter(
+            "tandem_router_kv_event_messages", "KV event messages read, by kind (batch | snapshot | invalid) and "
+            "result (applied | ignored: a duplicate, another boot, or a batch while waiting for a snapshot)",
+            ["kind", "result"], registry=self.registry)
+        self.kv_snapshot_requests = Counter(
+            "tandem_router_kv_snapshot_requests", "Snapshots asked of workers (router start, new worker, sequence "
+            "gap, new boot epoch)", registry=self.registry)
+        self.kv_exact_workers = Gauge(
+            "tandem_router_kv_exact_workers", "Workers whose KV events view is exact now (the others are routed "
+            "by the approximate index)", registry=self.registry)
         self._httpd = None
 
     def serve(self, host: str, port: int) -> int:

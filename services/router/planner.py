@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from services.router.cache_view import PrefixCacheView, PromptKey
 from services.router.cost import Candidate
+from services.router.kv_feed import EventPrefixView
 from services.router.policy import make_policy
 from services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
@@ -62,10 +63,14 @@ class RoutePlan:
 
 
 class RoutePlanner:
-    def __init__(self, policy: str, cfg: RouteConfig, roles: Sequence[int], on_route=None):
+    def __init__(self, policy: str, cfg: RouteConfig, roles: Sequence[int], on_route=None,
+                 exact: EventPrefixView | None = None):
+        """`exact`: the workers' KV events (kv_feed.py), asked first; the approximate view answers for
+        workers without an exact view and for prompts without token ids."""
         self.cfg = cfg
         self.policies = {role: make_policy(policy, cfg) for role in roles}
         self.cache = PrefixCacheView(ttl_s=cfg.prefix_cache_ttl_s)
+        self.exact = exact
         self.on_route = on_route                 # called with "remote" / "local" for every disagg plan
         self.inflight: Counter[str] = Counter()
         self.inflight_tokens: Counter[str] = Counter()
@@ -119,8 +124,10 @@ class RoutePlanner:
 
     # ---- internals --------------------------------------------------------------------------
     def _candidate(self, w: worker_pb2.WorkerInfo, key: PromptKey) -> Candidate:
-        return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id],
-                         self.cache.cached_tokens(w.worker_id, key), key.num_tokens)
+        cached = self.exact.cached_tokens(w, key.token_ids) if self.exact is not None else None
+        if cached is None:
+            cached = self.cache.cached_tokens(w.worker_id, key)
+        return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id], cached, key.num_tokens)
 
     def _candidates(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> list[Candidate]:
         return [self._candidate(w, key) for w in workers]

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.registry import ROLE_NAMES, WorkerRegistry, create_registry
 from services.router.channels import MAX_MESSAGE_BYTES, ChannelPool
 from services.router.config import RouterConfig
+from services.router.kv_feed import EventPrefixView, KVEventFeed
 from services.router.metrics import RouterMetrics
 from services.router.servicer import GenerationServicer
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -56,7 +57,12 @@ class RouterServer:
         self.metrics = RouterMetrics()
         self.channels = ChannelPool(close_grace_s=max(config.request_timeout_s, 1.0), channel=config.auth.channel)
         self.health = health.aio.HealthServicer()
-        self.servicer = GenerationServicer(config, self.registry, self.channels, self.metrics)
+        # KV events travel through the Redis registry; with static or Kubernetes discovery the planner
+        # keeps its approximate index alone.
+        redis_url = getattr(self.registry, "url", None) if config.discovery_kind == "redis" else None
+        self.kv_feed = KVEventFeed(redis_url, self.metrics) if redis_url else None
+        self.servicer = GenerationServicer(config, self.registry, self.channels, self.metrics,
+                                           EventPrefixView(self.kv_feed.index) if self.kv_feed is not None else None)
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -95,6 +101,8 @@ class RouterServer:
         self._server = server
         # Registry first: health is right by the time the port accepts calls.
         await self.registry.start()
+        if self.kv_feed is not None:
+            await self.kv_feed.start()
         await self._on_workers_changed()
         await server.start()
         if self.config.metrics_port >= 0:
@@ -110,6 +118,8 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(self.config.drain_timeout_s if grace is None else grace)
+        if self.kv_feed is not None:
+            await self.kv_feed.close()
         await self.registry.close()
         await self.channels.close()
         self.metrics.close()
@@ -131,6 +141,8 @@ class RouterServer:
         if self.servicer.breakers is not None:
             self.servicer.breakers.retain(self.registry.all_workers())
         self.servicer.planner.retain(w.worker_id for w in self.registry.all_workers())
+        if self.kv_feed is not None:
+            self.kv_feed.sync(self.registry.all_workers())
         await self._set_health(self.can_route())
 
 

@@ -32,6 +32,7 @@ from services.router.breaker import Breakers
 from services.router.cache_view import PromptKey
 from services.router.channels import ChannelPool
 from services.router.config import RouterConfig
+from services.router.kv_feed import EventPrefixView
 from services.router.metrics import RouterMetrics
 from services.router.planner import RoutePlan, RoutePlanner, prompt_key
 from services.router.validation import validate_request
@@ -104,13 +105,15 @@ def _discard(task: asyncio.Future | None) -> None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry, channels: ChannelPool, metrics: RouterMetrics):
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, channels: ChannelPool, metrics: RouterMetrics,
+                 kv_view: EventPrefixView | None = None):
+        """`kv_view`: the workers' KV events (Redis registry only), which the planner asks first."""
         self.config = config
         self.registry = registry
         self.channels = channels
         self.metrics = metrics
         self.planner = RoutePlanner(config.policy, config.route, config.roles,
-                                    on_route=lambda route: metrics.prefill_route.labels(route).inc())
+                                    on_route=lambda route: metrics.prefill_route.labels(route).inc(), exact=kv_view)
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
             config.enable_priority_scheduling, config.low_priority_values_first))
         self.breakers = Breakers(config.cb_failure_threshold, config.cb_timeout_s) if config.circuit_breaker else None
