@@ -1,9 +1,12 @@
 """The decode worker's engine-thread side: prealloc queue -> transfer queue -> running batch.
 
 A request waits in the bounded prealloc queue until D has a slot and pages for its whole prompt
-(reusing D's own prefix cache). Then D tells its receiver to expect the room, asks the asyncio side
-to send P the Bootstrap (D's pages, D's prefix length), and polls the receiver. When the aux record
-arrives (room id checked), the request joins the running continuous batch with its first token.
+(reusing D's own prefix cache). When D's KV tiers hold more of the prompt than its pool, the room
+waits in `loading` until that load is done (the Bootstrap carries D's final prefix length); the
+other rooms and the running batch go on meanwhile. Then D tells its receiver to expect the room, asks
+the asyncio side to send P the Bootstrap (D's pages, D's prefix length), and polls the receiver. When
+the aux record arrives (room id checked), the request joins the running continuous batch with its
+first token.
 Every exit (success, client cancel, transfer failure, timeout) goes through `_drop`.
 
 The transfer timeout is time without progress, not time for the whole transfer: the prefill worker
@@ -105,6 +108,7 @@ class DecodeWorker:
         self.max_prealloc = max_prealloc
         self.prealloc: PolicyQueue[DecodeRoom] = self.sched.new_queue()
         self.transfer: dict[int, DecodeRoom] = {}
+        self.loading: dict[int, DecodeRoom] = {}   # reserved, prefix loading from the KV tiers; no Bootstrap yet
         self.streams: dict[str, DecodeRoom] = {}   # rid -> room, for every request in flight
         metrics.QUEUE_CAP.labels("prealloc").set(max_prealloc)
 
@@ -113,7 +117,7 @@ class DecodeWorker:
         """Queue a validated request (see LLMEngine.make_request). Raises ResourceExhausted when the
         prealloc queue is full and this request is the one served last; otherwise the one served
         last (lower priority) fails with RESOURCE_EXHAUSTED through its stream."""
-        if room.room in self.transfer or any(r.room == room.room for r in self.prealloc):
+        if room.room in self.transfer or room.room in self.loading or any(r.room == room.room for r in self.prealloc):
             self.engine.forget(room.req.rid)
             raise TransferFailed(f"bootstrap room {room.room} is already in use")
         out = self.prealloc.offer(room, self.max_prealloc)
@@ -180,41 +184,58 @@ class DecodeWorker:
         self._export_metrics()
 
     def polling(self) -> bool:
-        return bool(self.prealloc or self.transfer)
+        return bool(self.prealloc or self.transfer or self.loading)
 
     def on_idle(self) -> None:
-        if self.prealloc or self.transfer:
+        if self.prealloc or self.transfer or self.loading:
             return
         metrics.idle_check(self.engine)
 
     # --- peer liveness (services/worker/peers.py) ---------------------------------------------
     def watched_peers(self) -> dict[str, str]:
         """The prefill workers this worker waits on: queued and bootstrapped rooms."""
-        return {r.prefill_id: r.prefill_addr for r in (*self.prealloc, *self.transfer.values()) if r.prefill_addr}
+        return {r.prefill_id: r.prefill_addr for r in self._rooms() if r.prefill_addr}
 
     def peer_lost(self, peer_id: str, reason: str) -> None:
         """A prefill worker stopped answering: fail only the rooms that wait on it."""
-        for room in [r for r in (*self.prealloc, *self.transfer.values()) if r.prefill_id == peer_id]:
+        for room in [r for r in self._rooms() if r.prefill_id == peer_id]:
             self._drop(room, TransferFailed(f"prefill worker {peer_id} is unreachable: {reason}", peer_id),
                        reason="prefill worker unreachable")
 
     # --- internals ---------------------------------------------------------------------------
+    def _rooms(self) -> tuple[DecodeRoom, ...]:
+        """Rooms not running yet: queued, loading their prefix, bootstrapped."""
+        return (*self.prealloc, *self.loading.values(), *self.transfer.values())
+
     def _admit(self) -> None:
-        ps = self.engine.cfg.page_size
+        # Rooms whose prefix finished loading from the KV tiers are bootstrapped in reservation
+        # order; one still loading holds back none of the others.
+        self.sched.poll_loads()
+        for room in [r for r in self.loading.values() if not self.sched.is_loading(r.req)]:
+            del self.loading[room.room]
+            self._bootstrap(room)
         while self.prealloc:
             room = self.prealloc[0]
             req = room.req
-            if not self.sched.reserve(req, pending=(r.req for r in self.transfer.values())):
+            if not self.sched.reserve(req, pending=(r.req for r in (*self.loading.values(), *self.transfer.values()))):
                 return
             self.prealloc.popleft()
-            first = req.cache_len // ps
-            dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
-            self.receiver.expect(room.room, dst, room.prefill_id, peer_epoch=room.prefill_epoch)
-            self.transfer[room.room] = room
-            room.bootstrapped_at = time.monotonic()  # the transfer timeout runs from here, not from queueing
-            self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(
-                bootstrap_room=room.room, dst_page_ids=dst, decode_prefix_len=req.cache_len, page_size=ps,
-            ))
+            if self.sched.is_loading(req):
+                self.loading[room.room] = room   # its cache_len (the Bootstrap's prefix) is not final yet
+            else:
+                self._bootstrap(room)
+
+    def _bootstrap(self, room: DecodeRoom) -> None:
+        ps = self.engine.cfg.page_size
+        req = room.req
+        first = req.cache_len // ps
+        dst = req.pages[first:-(-len(req.prompt_ids) // ps)]
+        self.receiver.expect(room.room, dst, room.prefill_id, peer_epoch=room.prefill_epoch)
+        self.transfer[room.room] = room
+        room.bootstrapped_at = time.monotonic()  # the transfer timeout runs from here, not from queueing
+        self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(
+            bootstrap_room=room.room, dst_page_ids=dst, decode_prefix_len=req.cache_len, page_size=ps,
+        ))
 
     def _poll_transfers(self) -> None:
         now = time.monotonic()
@@ -263,7 +284,11 @@ class DecodeWorker:
         req = room.req
         if room in self.prealloc:
             self.prealloc.remove(room)
-        if self.transfer.get(room.room) is room:
+        if self.loading.get(room.room) is room:
+            del self.loading[room.room]   # P was not told yet; the release cancels the load
+            self.sched.release(req)
+            self.engine.forget(req.rid)
+        elif self.transfer.get(room.room) is room:
             del self.transfer[room.room]
             # No write may land in these pages once they are reused: the receiver guarantees it
             # after abort() returns; P is told too so it stops computing and frees its side.
@@ -294,6 +319,6 @@ class DecodeWorker:
     def load(self) -> worker_pb2.WorkerLoad:
         stats = self.sched.stats()
         return worker_pb2.WorkerLoad(
-            running=stats.running + len(self.transfer), waiting=len(self.prealloc) + stats.waiting,
+            running=stats.running + len(self.transfer) + len(self.loading), waiting=len(self.prealloc) + stats.waiting,
             free_pages=stats.free_pages, total_pages=stats.total_pages, prefill_tokens=stats.prefill_tokens,
         )
