@@ -192,3 +192,18 @@ def test_kv_tier_flags_reach_the_engine_config_and_default_off():
     assert (on.kv_host_cache_gb, on.kv_disk_cache_dir, on.kv_disk_cache_gb) == (2.0, "/d", 3.0)
     assert on.kv_tiers_enabled
     assert parse(["up", "--kv-disk-cache-dir", "/d"]).kv_disk_cache_dir == "/d"
+
+
+def test_kv_events_flag_defaults_to_on_with_redis_and_tandem_up_forwards_it():
+    from services.worker.config import WorkerConfig
+    from tandem.cli import build_parser
+    from tandem.up_cmd import worker_args
+
+    parse = build_parser().parse_args
+    assert parse(["colocated"]).kv_events is None          # decided at start: on with a Redis registry
+    assert WorkerConfig(role="colocated", redis_url="unix:///r.sock").publishes_kv_events
+    assert not WorkerConfig(role="colocated").publishes_kv_events      # static / Kubernetes discovery
+    assert not WorkerConfig(role="colocated", redis_url="unix:///r.sock", kv_events=False).publishes_kv_events
+    assert parse(["decode", "--no-kv-events"]).kv_events is False
+    assert "--no-kv-events" in worker_args(parse(["up", "--no-kv-events"]))
+    assert "kv-events" not in " ".join(worker_args(parse(["up"])))

@@ -86,6 +86,8 @@ class EventLink:
         pub = self._publisher
         if pub is None:
             return
+        if self._store is not None:
+            self._store.drain_events()   # the disk writer's events, even while no store call comes
         if self._snapshot_wanted.is_set():
             self._snapshot_wanted.clear()
             if not pub.must_snapshot:   # otherwise flush sends one anyway
