@@ -5,6 +5,7 @@ a miss and the prefix is recomputed; every page is back afterwards."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def make(model: Path, **tiers) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", page_size=PS, max_total_tokens=POOL_TOKENS,
-                                  context_length=128, max_running_requests=2, **tiers))
+    tiers.setdefault("max_total_tokens", POOL_TOKENS)
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", page_size=PS, context_length=128,
+                                  max_running_requests=2, **tiers))
 
 
 def run_turns(engine: LLMEngine, prompts) -> list[list[int]]:
@@ -124,3 +126,39 @@ def test_tier_flags_are_validated(tiny_llama, tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="--kv-disk-cache-dir"):
         make(tiny_llama, kv_disk_cache_dir=str(blocker))
+
+
+def test_a_request_waits_for_its_load_while_another_decodes(tiny_llama, reference):
+    """A2's prefix loads from L2 through a gated page write; meanwhile C keeps decoding one token a
+    step, A2 computes nothing; once the gate opens A2's tokens are the recomputed ones."""
+    engine = make(tiny_llama, kv_host_cache_gb=0.01, max_total_tokens=96)
+    try:
+        run_turns(engine, [A])
+        kv = engine.scheduler.kv
+        kv.cache.evict(kv.num_pages)   # all of A to L2
+        gate = threading.Event()
+        real = engine.kv_tiers.write_page
+        engine.kv_tiers.write_page = lambda page, payload: (gate.wait(10), real(page, payload))
+        c = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        tokens = {c: []}
+        while not tokens[c]:
+            for out in engine.step():
+                tokens[out.rid].extend(out.token_ids)
+        a2 = engine.add_request(A2, GREEDY)
+        tokens[a2] = []
+        for _ in range(5):
+            before = len(tokens[c])
+            for out in engine.step():
+                tokens[out.rid].extend(out.token_ids)
+            assert len(tokens[c]) == before + 1   # C's steps go on while A2 loads
+        assert kv.is_loading(engine._tracked[a2].req) and tokens[a2] == []
+        gate.set()
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.rid].extend(out.token_ids)
+        assert tokens[a2] == reference[2] and len(tokens[c]) == 20
+        assert served_from_tiers(engine) == 9
+        engine.check_idle()
+    finally:
+        gate.set()
+        engine.close()
