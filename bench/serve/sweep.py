@@ -267,6 +267,7 @@ class VllmServe:
         self.cfg, self.echo = cfg, echo
         self.port = 0                     # picked at start(): a port picked early may be taken by then
         self.folder = ""                  # the model folder, resolved at start()
+        self.on_line: Callable[[str], None] | None = None   # sees every output line
         self._proc: _Proc | None = None
 
     def python(self) -> Path:
@@ -294,11 +295,11 @@ class VllmServe:
             env.pop(k, None)
         venv = str(Path(self.cfg.vllm_venv).resolve())
         env.update(VIRTUAL_ENV=venv, PATH=os.pathsep.join([venv + "/bin", env.get("PATH", "")]),
-                   # Empty: vLLM skips it (it would override --kv-cache-memory-bytes).
-                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.vllm_kv_cache_gb) if self.cfg.vllm_kv_cache_gb else "",
-                   VLLM_TARGET_DEVICE="cpu",
+                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.vllm_kv_cache_gb), VLLM_TARGET_DEVICE="cpu",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    PYTHONUNBUFFERED="1")
+        if not self.cfg.vllm_kv_cache_gb:  # unset: it would override --kv-cache-memory-bytes ("" fails int())
+            del env["VLLM_CPU_KVCACHE_SPACE"]
         level = capped_isa(env)
         if level is not None:   # an emulated older CPU: vLLM's own kernel choice must see it too
             env.update(PYTHONPATH=str(ISA_CAP_DIR), TANDEM_PEER_ISA=level)
@@ -315,7 +316,7 @@ class VllmServe:
 
         self.folder = folder = str(resolve_model(self.cfg.model))
         self.port = free_port()
-        self._proc = _Proc(self.argv(py, folder), env=self.env(), cwd=Path(self.cfg.vllm_venv))
+        self._proc = _Proc(self.argv(py, folder), env=self.env(), cwd=Path(self.cfg.vllm_venv), on_line=self.on_line)
         url = f"http://127.0.0.1:{self.port}"
         t0 = time.monotonic()
         deadline, next_progress = t0 + self.cfg.start_timeout_s, t0 + self.progress_every_s
