@@ -64,6 +64,17 @@ KV_TIER_HITS = Counter("tandem_kv_tier_hits_total", "KV blocks loaded from a tie
                        ["tier"])
 KV_TIER_BYTES = Counter("tandem_kv_tier_bytes_total", "Bytes of KV blocks moved into or out of a tier below the pool",
                         ["tier", "direction"])
+_TIER_BLOCK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+KV_TIER_LOAD_TIME = Histogram(
+    "tandem_kv_tier_load_seconds", "Loading one KV block from a tier into a pool page (read, checksum, copy)",
+    ["tier"], buckets=_TIER_BLOCK_BUCKETS)
+KV_TIER_STORE_TIME = Histogram(
+    "tandem_kv_tier_store_seconds",
+    "Storing one KV block into a tier (host: the demotion copy on the engine thread; disk: the write-behind file)",
+    ["tier"], buckets=_TIER_BLOCK_BUCKETS)
+KV_TIER_LOAD_WAIT = Histogram(
+    "tandem_kv_tier_load_wait_seconds", "What a request waited for its prefix to load from the tiers (all its blocks)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 # KV events to the router (services/worker/kv_events.py; --kv-events, with a Redis registry).
 KV_EVENTS_PUBLISHED = Counter("tandem_kv_events_published_total",
                               "KV block events (stored / removed, any tier) written to this worker's event stream")
@@ -80,7 +91,15 @@ class KVTierExport:
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], int] = {}
 
-    def __call__(self, stats) -> None:
+    def __call__(self, stats, timings=None) -> None:
+        """`timings`: the store's `TierTimings`, drained into the latency histograms."""
+        if timings is not None:
+            blocks, loads = timings.drain()
+            for op, tier, seconds in blocks:
+                hist = KV_TIER_LOAD_TIME if op.value == "load" else KV_TIER_STORE_TIME
+                hist.labels(tier.label).observe(seconds)
+            for seconds in loads:
+                KV_TIER_LOAD_WAIT.observe(seconds)
         for t in stats.tiers:
             label = t.tier.label
             for name, value, counter in (("hits", t.hits, KV_TIER_HITS.labels(label)),
@@ -98,7 +117,8 @@ def kv_tier_exporter(engine) -> Callable[[], None]:
     if engine.kv_tiers is None:
         return lambda: None
     export = KVTierExport()
-    return lambda: export(engine.kv_tiers.store.stats())
+    store = engine.kv_tiers.store
+    return lambda: export(store.stats(), store.timings)
 
 def export_kv(stats) -> None:
     """KV pages and request slots from the scheduler's `SchedulerStats` (each role's metrics export calls it)."""

@@ -29,3 +29,23 @@ def test_kv_tier_counters_advance_by_what_the_store_gained():
              sample("tandem_kv_tier_bytes_total", tier="disk", direction="read"),
              sample("tandem_kv_tier_bytes_total", tier="disk", direction="write"))
     assert [a - b for a, b in zip(after, before, strict=True)] == [3, 300, 900]
+
+
+def test_kv_tier_latencies_are_observed_once():
+    from engine.kvcache.tiers.timings import TierOp, TierTimings
+
+    before = (sample("tandem_kv_tier_load_seconds_count", tier="disk"),
+              sample("tandem_kv_tier_store_seconds_count", tier="host"),
+              sample("tandem_kv_tier_load_wait_seconds_count"))
+    timings = TierTimings()
+    timings.block(TierOp.LOAD, Tier.DISK, 0.002)
+    timings.block(TierOp.LOAD, Tier.DISK, 0.003)
+    timings.block(TierOp.STORE, Tier.HOST, 0.0001)
+    timings.load(0.005)
+    export = metrics.KVTierExport()
+    export(stats(0, 0, 0), timings)
+    export(stats(0, 0, 0), timings)   # drained: nothing observed twice
+    after = (sample("tandem_kv_tier_load_seconds_count", tier="disk"),
+             sample("tandem_kv_tier_store_seconds_count", tier="host"),
+             sample("tandem_kv_tier_load_wait_seconds_count"))
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 1, 1]
