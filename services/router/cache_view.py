@@ -1,7 +1,8 @@
 """The router's view of every worker's prefix cache: an approximation from the prompts it routed.
 
-Why not KV events from the workers: this needs no protocol, no extra registry traffic and no worker
-change, works the same with Redis, static and Kubernetes discovery, and is what SGLang's router does.
+Workers that publish KV events (Redis registry; services/router/kv_feed.py) are routed by their exact
+views instead; this index answers for the others, and for text prompts. It needs no protocol and no
+worker change, works the same with Redis, static and Kubernetes discovery, and is what SGLang's router does.
 What it cannot see — pages a worker evicted under memory pressure, prompts another router sent — is
 bounded instead: an entry expires `ttl_s` after the last prompt that used it, and a worker's view
 holds at most as many blocks as the worker has KV pages (from its heartbeat), least recently used

@@ -14,8 +14,8 @@ applied. A worker with no exact view (it sends no events, or is stale now) is le
 approximate index (`cache_view.PrefixCacheView`): `has_events` says which.
 
 Transport: messages reach `KVEventIndex.apply` however the router's wiring carries them (the
-registry's Redis channel); `request_snapshot` is that wiring's way back to the worker. Neither is
-here. Torch-free.
+workers' Redis streams: services/router/kv_feed.py); `request_snapshot` is that wiring's way back to
+the worker. Neither is here. Torch-free.
 """
 
 from __future__ import annotations

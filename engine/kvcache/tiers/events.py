@@ -20,8 +20,8 @@ cache's L1 blocks and `TieredStore.blocks`). The first message of an epoch is a 
 directory survives a restart, so a new worker may start warm.
 
 Transport: this module only builds messages (frozen dataclasses, `to_dict`/`from_dict` for JSON).
-Carrying them to the router — the registry's Redis channel, and the router's snapshot request back
-to the worker — is the worker's wiring, not here. Torch-free.
+Carrying them to the router — the registry's Redis, and the router's snapshot request back to the
+worker — is the worker's wiring (event_link.py, services/worker/kv_events.py), not here. Torch-free.
 """
 
 from __future__ import annotations
