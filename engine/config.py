@@ -43,11 +43,14 @@ class EngineConfig:
     mixed_chunk_ttft_target_s: float = 1.5
     enable_prefix_cache: bool = True
     # Tiers below the KV pool (engine/kvcache/tiers/): pages the prefix cache evicts are kept in host
-    # memory (L2) and/or on local disk (L3) and loaded back instead of recomputed. Off by default
-    # until measured; co-located workers only so far.
+    # memory (L2) and/or on local disk (L3) and loaded back instead of recomputed, on every worker
+    # role. Off by default until measured.
     kv_host_cache_gb: float = 0.0         # L2 size (0: no L2)
     kv_disk_cache_dir: str | None = None  # L3 directory (None: no L3); shareable by a host's workers
     kv_disk_cache_gb: float = 16.0        # L3 budget within that directory
+    # write_through: a page goes below when the prefix cache takes it (L3 then survives a kill -9, and
+    # an eviction copies nothing); write_back: only when the prefix cache evicts it.
+    kv_write_policy: str = "write_through"
     # Plan step N+1 while step N's forward pass runs (SGLang's overlap scheduler). None: the
     # device's default (on for CUDA, off for CPU; see engine.engine.overlap_enabled).
     enable_overlap_schedule: bool | None = None
@@ -135,6 +138,9 @@ class EngineConfig:
                                  "kv_host_cache_gb")
         if self.kv_disk_cache_dir is not None and not self.kv_disk_cache_dir.strip():
             raise InvalidRequest("--kv-disk-cache-dir is empty (unset it to turn L3 off)", "kv_disk_cache_dir")
+        if self.kv_write_policy not in ("write_through", "write_back"):
+            raise InvalidRequest(f"--kv-write-policy must be write_through or write_back, got {self.kv_write_policy!r}",
+                                 "kv_write_policy")
         if self.kv_disk_cache_dir and not self.kv_disk_cache_gb > 0:
             raise InvalidRequest(f"--kv-disk-cache-gb must be > 0 with --kv-disk-cache-dir, got {self.kv_disk_cache_gb}",
                                  "kv_disk_cache_gb")

@@ -236,7 +236,8 @@ class LLMEngine:
         if self.runner.device.type == "cuda":
             # The loader's copies run on its thread's current stream; a job is done once they are.
             sync = torch.cuda.current_stream(self.runner.device).synchronize
-        return TierLink(store, ns, pool.pack_page, pool.unpack_page, sync_writes=sync)
+        return TierLink(store, ns, pool.pack_page, pool.unpack_page, sync_writes=sync,
+                        write_through=cfg.kv_write_policy == "write_through")
 
     def close(self) -> None:
         """Wait for a launched forward pass and stop the forward thread (overlap only); close the KV

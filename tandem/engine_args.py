@@ -65,14 +65,18 @@ ENGINE_FLAGS = (
          field="enable_prefix_cache", action="store_false", dest="enable_prefix_cache"),
     Flag(("--kv-host-cache-gb",), _E, ENGINE,
          "GiB of host memory (L2) that keeps the KV pages the prefix cache evicts, loaded back instead of "
-         "recomputed when a prompt needs them again (0: off; co-located workers only so far)",
+         "recomputed when a prompt needs them again (0: off)",
          field="kv_host_cache_gb", type=float),
     Flag(("--kv-disk-cache-dir",), _E, ENGINE,
          "directory (L3) that keeps evicted KV pages on local disk, below --kv-host-cache-gb; survives restarts "
-         "and may be shared by the workers of one host (unset: off; co-located workers only so far)",
+         "and may be shared by the workers of one host (unset: off)",
          field="kv_disk_cache_dir", metavar="DIR"),
     Flag(("--kv-disk-cache-gb",), _E, ENGINE, "GiB --kv-disk-cache-dir may hold (least recently used go first)",
          field="kv_disk_cache_gb", type=float),
+    Flag(("--kv-write-policy",), _E, ENGINE,
+         "when the KV tiers get a page: write_through (as soon as the prefix cache takes it: a worker killed "
+         "with -9 restarts warm from --kv-disk-cache-dir) or write_back (only when the prefix cache evicts it)",
+         field="kv_write_policy", choices=("write_through", "write_back")),
     Flag(("--max-running-requests",), _E, SCHEDULER, "request slots: the largest decode batch",
          field="max_running_requests", type=int),
     Flag(("--chunked-prefill-size",), _E, SCHEDULER,
@@ -179,6 +183,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_host_cache_gb=args.kv_host_cache_gb,
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_gb=args.kv_disk_cache_gb,
+        kv_write_policy=args.kv_write_policy,
         enable_overlap_schedule=args.enable_overlap_schedule,
         prefill_schedule_policy=args.prefill_schedule_policy,
         prefill_max_wait_s=args.prefill_max_wait,

@@ -48,6 +48,8 @@ class KVManager:
         self.allocator = PageAllocator(num_pages)
         self.tiers = tiers
         hooks = {} if tiers is None else {"on_evict": tiers.demote, "key_fn": tiers.key}
+        if tiers is not None and tiers.write_through:
+            hooks["on_insert"] = tiers.write_through_pages
         self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, **hooks)
         self.slots = ReqToPageTable(max_slots)
         self.num_loaded_pages = 0   # pages loaded from the tiers instead of recomputed

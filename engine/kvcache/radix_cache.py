@@ -14,9 +14,10 @@ hands each page's key, a chain `key_fn(parent_key, page_token_ids)` computed laz
 the root down and cached on the nodes: the cache never interprets keys (it stays hash-free), and
 without a hook nothing of this runs.
 
-Insert hook (optional, for KV events to the router; needs `key_fn`): `on_insert` hears the keys of
-the pages an `insert` adds to the tree (pages it already held are not told again), so that together
-with `on_evict` a listener can follow exactly which pages the tree holds.
+Insert hook (optional, for KV events to the router and the tiers' write-through; needs `key_fn`):
+`on_insert` hears the keys and page ids of the pages an `insert` adds to the tree (pages it already
+held are not told again), so that together with `on_evict` a listener can follow exactly which pages
+the tree holds.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class EvictedRun:
 
 
 EvictHook = Callable[[EvictedRun], None]
-# on_insert(keys of the pages added, in order; key of the page before them, None at the root)
-InsertHook = Callable[[list[object], object | None], None]
+# on_insert(keys of the pages added, in order; key of the page before them, None at the root; the
+# pages themselves, whose KV is in the pool)
+InsertHook = Callable[[list[object], object | None, list[int]], None]
 
 
 class RadixNode:
@@ -199,7 +201,7 @@ class RadixCache:
                 self._evictable_pages += len(leaf.pages)
                 if self.on_insert is not None:
                     self._fill_keys(leaf)
-                    self.on_insert(list(leaf.page_keys), self._last_key(node))
+                    self.on_insert(list(leaf.page_keys), self._last_key(node), list(leaf.pages))
                 break
             m = self._match_pages(child.key, token_ids, pos, len(token_ids))
             if m < len(child.pages):

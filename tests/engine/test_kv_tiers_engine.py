@@ -89,6 +89,25 @@ def test_l3_warm_restart_gives_the_same_tokens(tiny_llama, reference, tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_killed_worker_restarts_warm_only_with_write_through(tiny_llama, reference, tmp_path, policy):
+    """A's pages are never evicted from the first engine's pool, so only write-through put them on
+    disk; the first engine is not closed before the second opens the directory (a kill -9: nothing
+    flushed at exit, only what the write-behind thread had written)."""
+    first = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01, kv_write_policy=policy)
+    second = None
+    try:
+        assert run_turns(first, [A]) == reference[:1]
+        assert first.kv_tiers.store.flush(timeout=10)
+        second = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01, kv_write_policy=policy)
+        assert run_turns(second, [A2]) == reference[2:]
+        assert served_from_tiers(second) == (9 if policy == "write_through" else 0)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
 def test_corrupt_l3_block_is_recomputed(tiny_llama, reference, tmp_path):
     first = make(tiny_llama, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=0.01)
     try:

@@ -180,6 +180,7 @@ def test_python_m_services_is_the_tandem_subcommand(name):
 
 def test_kv_tier_flags_reach_the_engine_config_and_default_off():
     from engine.config import EngineConfig
+    from engine.errors import InvalidRequest
     from tandem.cli import build_parser
     from tandem.engine_args import engine_config_from_args
 
@@ -192,6 +193,11 @@ def test_kv_tier_flags_reach_the_engine_config_and_default_off():
     assert (on.kv_host_cache_gb, on.kv_disk_cache_dir, on.kv_disk_cache_gb) == (2.0, "/d", 3.0)
     assert on.kv_tiers_enabled
     assert parse(["up", "--kv-disk-cache-dir", "/d"]).kv_disk_cache_dir == "/d"
+    assert off.kv_write_policy == "write_through"
+    assert engine_config_from_args(parse(["colocated", "--kv-write-policy", "write_back"])).kv_write_policy == "write_back"
+    assert parse(["up", "--kv-write-policy", "write_back"]).kv_write_policy == "write_back"
+    with pytest.raises(InvalidRequest, match="--kv-write-policy"):
+        EngineConfig(kv_write_policy="lazy").validate()
 
 
 def test_kv_events_flag_defaults_to_on_with_redis_and_tandem_up_forwards_it():

@@ -63,7 +63,8 @@ class EventLink:
             cache.key_fn = self.key
         before = cache.on_evict
         cache.on_evict = self._on_evict if before is None else _both(before, self._on_evict)
-        cache.on_insert = self._on_insert
+        inserted = cache.on_insert
+        cache.on_insert = self._on_insert if inserted is None else _both(inserted, self._on_insert)
         self._cache = cache
         if store is not None:
             assert store.on_event is None, "the store already reports its events elsewhere"
@@ -128,7 +129,7 @@ class EventLink:
             return False
         return True
 
-    def _on_insert(self, keys: list[object], parent: object | None) -> None:
+    def _on_insert(self, keys: list[object], parent: object | None, pages: list[int] | None = None) -> None:
         pub = self._publisher
         if pub is None:
             return
@@ -158,7 +159,8 @@ class EventLink:
 
 
 def _both(first, second):
-    def hook(run: EvictedRun) -> None:
-        first(run)
-        second(run)
+    """One hook calling two (an eviction's or an insert's: the tiers' first, then the events')."""
+    def hook(*args) -> None:
+        first(*args)
+        second(*args)
     return hook

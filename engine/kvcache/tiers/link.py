@@ -101,6 +101,7 @@ class TierLink:
     read_page: ReadPage
     write_page: WritePage
     sync_writes: Callable[[], None] | None = None
+    write_through: bool = False   # --kv-write-policy write_through: `write_through_pages` is the cache's on_insert
     failures: int = 0   # demotions / loads that raised (logged once): the pages were recomputed
     _cv: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
     _queue: deque[LoadJob] = field(default_factory=deque, init=False, repr=False)
@@ -123,6 +124,18 @@ class TierLink:
                 parent = key
         except Exception:
             self._failed("demoting evicted KV pages")
+
+    def write_through_pages(self, keys: list[object], parent: object | None, pages: list[int]) -> None:
+        """The radix cache's `on_insert` under write-through: each page the cache takes goes below at
+        once (L2 now, L3 behind), unless a tier holds it already (a page just loaded from one, or
+        computed again). Its eviction then copies nothing new. Never raises."""
+        try:
+            for key, page in zip(keys, pages, strict=True):
+                if not self.store.lookup([key]):
+                    self.store.demote(key, parent, self.read_page(page))
+                parent = key
+        except Exception:
+            self._failed("writing KV pages through to the tiers")
 
     def start_load(self, token_ids: Sequence[int], first: int, last: int, pages: Sequence[int],
                    parent: object | None = None) -> LoadJob | None:

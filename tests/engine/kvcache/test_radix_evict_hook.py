@@ -121,7 +121,7 @@ def test_no_hook_no_keys():
 def test_insert_hook_hears_only_new_pages_with_their_parent_key_and_reset_tells_every_page():
     alloc, radix, rec = make()
     told = []
-    radix.on_insert = lambda keys, parent: told.append((keys, parent))
+    radix.on_insert = lambda keys, parent, pages: told.append((keys, parent))
     cache_seq(alloc, radix, [1, 2, 3, 4])
     cache_seq(alloc, radix, [1, 2, 3, 4, 5, 6])    # the first two pages are held already
     assert told == [([(1, 2), (1, 2, 3, 4)], None), ([(1, 2, 3, 4, 5, 6)], (1, 2, 3, 4))]
