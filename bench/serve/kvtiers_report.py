@@ -226,6 +226,7 @@ def plot(results: Mapping, path: Path) -> Path | None:
         by_turn = summaries[n]["ttft_p50_by_turn_ms"]
         turns = sorted(by_turn, key=int)
         ax_turn.plot([int(k) for k in turns], [by_turn[k] for k in turns], "o-", color=f"C{i}", label=n)
+    ax_turn.set_xticks(sorted({int(k) for n in names for k in summaries[n]["ttft_p50_by_turn_ms"]}))
     ax_turn.set(xlabel="turn", ylabel="TTFT p50 (ms)", title="TTFT p50 by turn index")
     ax_turn.set_yscale("log")
     good = [summaries[n]["goodput"] for n in names]

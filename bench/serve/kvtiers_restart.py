@@ -6,7 +6,8 @@ each, once half the conversations have finished turn `--restart-after-turn`, the
 `tandem up`) gets SIGKILL; `tandem up`'s supervisor starts it again with the same flags, so the same
 `--kv-disk-cache-dir` (services/launcher/supervisor.py), and prints `TANDEM_RESTARTED {json}` once it is
 ready. Meanwhile no new request is sent, and a request that failed because of the kill is sent again
-once the worker is back (counted as `retried`). Reported per run: when it was killed and back, and for
+once the worker is back (counted as `retried`); one unrelated warm-up request goes first (a fresh
+process's first request pays for its own start-up, ~2 s here, which is not what is measured). Reported per run: when it was killed and back, and for
 each conversation its first turn >= 2 sent after that: TTFT and the share of its prompt the server
 reported as cached (`usage.prompt_tokens_details.cached_tokens`); then the same turns across the two runs.
 """
@@ -49,9 +50,12 @@ class KillOnce:
     failed while the kill happened is sent again once the worker is back; others are returned as they are.
     Times (`killed_at`, `back_at`) are perf_counter seconds, like the records'."""
 
-    def __init__(self, inner: Backend, turn: int, count: int, kill: Callable[[], None], wait_back: Callable[[], None]):
+    def __init__(self, inner: Backend, turn: int, count: int, kill: Callable[[], None], wait_back: Callable[[], None],
+                 warmup: BenchRequest | None = None):
         self.inner, self.turn, self.count = inner, turn, count
         self.kill, self.wait_back = kill, wait_back
+        self.warmup = warmup               # sent alone once the worker is back, before the held requests
+        self.warmup_record: RequestRecord | None = None
         self.done = 0                      # successes of turn `turn` so far
         self.epoch = 0                     # bumped by the kill: a request that spans it is retried
         self.retried = 0
@@ -96,6 +100,8 @@ class KillOnce:
     async def _reopen(self) -> None:
         try:
             await asyncio.to_thread(self.wait_back)
+            if self.warmup is not None:    # a fresh process's first request pays its own start-up, not the cache's
+                self.warmup_record = await self.inner.send(self.warmup)
         except Exception as e:             # not back: the rest of the run fails and says so
             self.back_error = f"{type(e).__name__}: {e}"
         finally:
@@ -108,11 +114,16 @@ class RestartWatch:
 
     def __init__(self):
         self.worker = ""                   # the supervised process's name, once known
+        self.ready: dict = {}              # the restarted worker's READY JSON (its new metrics port)
         self.back = threading.Event()
 
     def on_line(self, line: str) -> None:
         at = line.find(RESTARTED_PREFIX)
-        if at >= 0 and json.loads(line[at + len(RESTARTED_PREFIX):]).get("name") == self.worker:
+        if at < 0:
+            return
+        msg = json.loads(line[at + len(RESTARTED_PREFIX):])
+        if msg.get("name") == self.worker:
+            self.ready = msg.get("ready") or {}
             self.back.set()
 
 
@@ -157,25 +168,30 @@ def run_once(name: str, config: str, cfg: kvtiers.KVTiersConfig, p: kvtiers.Plan
 
         inner = make_backend(ep.backend, BackendConfig(base_url=ep.base_url, model=ep.model,
                                                        force_output_len=ep.force_output_len))
-        killer = KillOnce(inner, cfg.restart_after_turn, math.ceil(cfg.conversations / 2), kill, wait_back)
+        # Warm-ups: conversations of their own; the last one is kept for the restarted worker.
+        warm = multiturn.warmup_requests(dataset, cfg.num_warmups + 1, cfg.seed + WARMUP_SEED_OFFSET, tokenizer)
+        killer = KillOnce(inner, cfg.restart_after_turn, math.ceil(cfg.conversations / 2), kill, wait_back,
+                          warmup=warm.pop())
 
         async def go():
             await killer.start()
             try:
-                warm = multiturn.warmup_requests(dataset, cfg.num_warmups, cfg.seed + WARMUP_SEED_OFFSET, tokenizer)
                 return await multiturn.run_conversations(killer, p.convs, LoadConfig(cfg.rate, seed=cfg.seed),
                                                          tokenizer, warmups=warm, progress=cfg.progress, desc=name)
             finally:
                 await killer.close()
 
         result = asyncio.run(go())
+        if watch.ready:                    # the restarted worker serves its metrics on a port of its own
+            dep.info = {**dep.info, "workers": [watch.ready]}
         reqs = [r.to_dict(result.t0) for r in result.records]
         run_dict = {"metrics": compute_metrics(result.records, result.duration_s, cfg.slo).to_dict(),
                     "multi_turn": multi_turn_metrics(result.records, cfg.conversations, cfg.turns).to_dict(),
                     "requests": reqs}
         restart: dict = {"killed": killer.killed_at is not None, "worker": watch.worker, "pid_killed": pid,
                          "trigger": f"{killer.count} conversations finished turn {killer.turn}",
-                         "retried_requests": killer.retried, "back_error": killer.back_error}
+                         "retried_requests": killer.retried, "back_error": killer.back_error,
+                         "warmup_after_restart": killer.warmup_record.to_dict(result.t0) if killer.warmup_record else None}
         if killer.killed_at is not None and killer.back_at is not None:
             back_ms = (killer.back_at - result.t0) * 1e3
             firsts = report.first_turns_after(reqs, back_ms)

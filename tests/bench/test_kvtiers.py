@@ -200,7 +200,7 @@ class ScriptedBackend:
         pass
 
     async def send(self, req: BenchRequest) -> RequestRecord:
-        self.sent.append((turn_of(req), time.perf_counter(), self.down))
+        self.sent.append((req.prompt, time.perf_counter(), self.down))
         r = RequestRecord(prompt_len=req.prompt_len, output_len=1, start=time.perf_counter())
         await asyncio.sleep(self.delay)
         r.end = time.perf_counter()
@@ -235,7 +235,8 @@ def test_kill_once_holds_requests_while_down_and_resends_the_ones_it_broke():
         inner.down = False
 
     async def go():
-        k = KillOnce(inner, turn=2, count=1, kill=kill, wait_back=wait_back)
+        warm = BenchRequest(prompt="warm-up", prompt_len=1, output_len=1)
+        k = KillOnce(inner, turn=2, count=1, kill=kill, wait_back=wait_back, warmup=warm)
         await k.start()
         trigger = asyncio.create_task(k.send(req(2)))
         await asyncio.sleep(0.02)
@@ -250,5 +251,7 @@ def test_kill_once_holds_requests_while_down_and_resends_the_ones_it_broke():
     assert len(kills) == 1                                  # once, even though turn 2 succeeded again
     assert all(r.success for r in results)
     assert k.retried == 1 and k.killed_at is not None and k.back_at >= k.killed_at + 0.1
+    after = [prompt for prompt, t, _ in inner.sent if t > k.killed_at]
+    assert after[0] == "warm-up" and k.warmup_record.success   # the restarted worker's first request
     assert not any(down for _, t, down in inner.sent if t > k.back_at)
-    assert all(not (k.killed_at < t < k.back_at) for _, t, _ in inner.sent)   # nothing sent while down
+    assert all(not (k.killed_at < t < k.back_at) for p, t, _ in inner.sent if p != "warm-up")   # held while down
