@@ -55,7 +55,8 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--prefill-schedule-policy": "fcfs", "--prefill-max-wait": "0.5",
               "--speculative-algorithm": "draft", "--speculative-num-draft-tokens": "3",
               "--speculative-ngram-min": "1", "--speculative-ngram-max": "6", "--speculative-draft-model": "/d",
-              "--kv-host-cache-gb": "0.25", "--kv-disk-cache-dir": "/kv", "--kv-disk-cache-gb": "2"}
+              "--kv-host-cache-gb": "0.25", "--kv-disk-cache-dir": "/kv", "--kv-disk-cache-gb": "2",
+              "--kv-write-policy": "write_back"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",
                 "--disable-speculative-adaptive", "--disable-weight-prepack", "--disable-cpu-kernels"]
