@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest, ResourceExhausted
+from engine.errors import GrammarViolation, InvalidRequest, ResourceExhausted
 from engine.hardware import choose_overlap
 from engine.kvcache.kv_pool import KVPoolSpec
 from engine.kvcache.tiers.block_hash import Namespace
@@ -39,6 +39,7 @@ from engine.scheduler.batch import SampledToken, StepBatch
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.spec.factory import create_speculator
+from engine.structured.matcher import GrammarBackend
 from engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 from engine.tokenizer.tokenizer import Tokenizer
 
@@ -81,6 +82,7 @@ class LLMEngine:
         self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
         self._inflight: tuple[StepBatch, Future] | None = None
         self.num_overlapped_steps = 0   # steps launched before the previous one's tokens were known
+        self._grammars: GrammarBackend | None = None   # structured output; built on first use
 
     # --- primitives --------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
@@ -117,12 +119,21 @@ class LLMEngine:
             raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
         req = Request(rid, prompt_ids, params, priority=priority)
         self.scheduler.validate(req)
+        if params.structured is not None:
+            req.grammar = self.grammar_backend().matcher(params.structured)
         self._tracked[rid] = _Tracked(
             req,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop),
             StopChecker(params, self.eos_token_ids),
         )
         return req
+
+    def grammar_backend(self) -> GrammarBackend:
+        """This worker's grammar compiler (the tokenizer in llguidance's form, ~0.3 s the first time)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.model_path / "tokenizer.json", sorted(self.eos_token_ids),
+                                            self.model_config.vocab_size)
+        return self._grammars
 
     def take_evicted(self) -> list[tuple[str, ResourceExhausted]]:
         """Requests a higher-priority newcomer pushed out of the full waiting queue since the last
@@ -145,7 +156,13 @@ class LLMEngine:
 
     def start_decoding(self, req: Request, first: SampledToken) -> RequestOutput:
         """A request whose prompt KV arrived in its pages joins the running batch with its first
-        token (sampled by the prefill worker); returns the delta for that token."""
+        token (sampled by the prefill worker); returns the delta for that token. Raises
+        GrammarViolation (nothing changed) if the request's grammar refuses that token."""
+        if req.grammar is not None and req.grammar.accepts([first.token_id]) != 1:
+            raise GrammarViolation(f"the prefill worker's first token {first.token_id} is not allowed by the "
+                                   "request's structured-output constraint")
+        if req.grammar is not None:
+            req.grammar.consume([first.token_id])
         req.output_ids.append(first.token_id)
         req.num_computed = len(req.prompt_ids)
         if not req.params.is_greedy:
@@ -178,10 +195,11 @@ class LLMEngine:
             sampled = self.runner.run(batch)
             if self.spec is not None:
                 self.spec.observe(batch, sampled)
-            return [(batch, self.scheduler.on_step_done(batch, sampled))]
+            return [(batch, _consume_grammar(self.scheduler.on_step_done(batch, sampled)))]
         batch = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         done = []
+        step = None
         if batch is not None:
             if prev is not None and _needs_history(batch):
                 done.append(self._finish(prev))  # penalties read every previous token: no overlap
@@ -189,10 +207,16 @@ class LLMEngine:
             step = self.runner.prepare(batch)
             self.num_overlapped_steps += step.has_future_inputs
             self._inflight = (batch, self._forward.submit(_timed, self.runner.execute, step))
-        if prev is not None:
-            done.append(self._finish(prev))
-        elif batch is None:
-            self._wait_for_loads()
+        try:
+            if prev is not None:
+                done.append(self._finish(prev))
+            elif batch is None:
+                self._wait_for_loads()
+        finally:
+            # The step just launched samples from masks that depend on the tokens `prev` sampled:
+            # computed here, once those are consumed, while its forward pass runs.
+            if step is not None and step.masks is not None:
+                step.masks.fill()
         return done
 
     def _wait_for_loads(self) -> None:
@@ -204,7 +228,7 @@ class LLMEngine:
     def _finish(self, inflight: tuple[StepBatch, Future]) -> tuple[StepBatch, list[tuple[Request, SampledToken]]]:
         batch, fut = inflight
         sampled, elapsed = fut.result()
-        return batch, self.scheduler.on_step_done(batch, sampled, elapsed)
+        return batch, _consume_grammar(self.scheduler.on_step_done(batch, sampled, elapsed))
 
     def kv_namespace(self) -> Namespace:
         """This worker's block-key space (model fingerprint, KV dtype, page geometry): the tiers'
@@ -245,6 +269,7 @@ class LLMEngine:
         if self._forward is not None:
             self._drain()
             self._forward.shutdown(wait=True)
+        self.runner.close()
         if self.kv_events is not None:
             self.kv_events.close()
         if self.kv_tiers is not None:
@@ -292,6 +317,12 @@ class LLMEngine:
             if reason is not None:
                 del req.output_ids[n:]      # drafts accepted past the stop are not output
                 break
+        if req.grammar is not None and req.grammar.dead:
+            # No legal token was left (its mask let anything through; a refused token was taken
+            # back out): never passed off as a complete value, even when EOS came out.
+            reason, matched = FinishReason.GRAMMAR_DEAD_END, None
+        elif reason is None and req.grammar is not None and req.grammar.complete:
+            reason = FinishReason.STOP                    # the value is complete and nothing may follow
         if reason is not None and t.detok.matched_stop is None:
             text += t.detok.flush()
         out = RequestOutput(req.rid, ids, text, lp or None, reason, matched)
@@ -361,6 +392,23 @@ def overlap_enabled(cfg: EngineConfig, device) -> bool:
     if cfg.enable_overlap_schedule is not None:
         return cfg.enable_overlap_schedule
     return bool(choose_overlap(device.type).value)
+
+
+def _consume_grammar(done: list[tuple[Request, SampledToken | list[SampledToken]]]
+                     ) -> list[tuple[Request, SampledToken | list[SampledToken]]]:
+    """Advance each constrained request's matcher over the tokens it just got. A token the grammar
+    refuses (its mask left no legal token) is taken back out of the output: the request then ends
+    as a dead end (`_emit`) without it."""
+    out = []
+    for req, tok in done:
+        if req.grammar is not None:
+            toks = tok if isinstance(tok, list) else [tok]
+            took = req.grammar.consume([t.token_id for t in toks])
+            if took < len(toks):
+                del req.output_ids[len(req.output_ids) - len(toks) + took:]
+                tok = toks[:took]
+        out.append((req, tok))
+    return out
 
 
 def _needs_history(batch: StepBatch) -> bool:

@@ -29,3 +29,8 @@ class ResourceExhausted(TandemError):
 
 class RequestAborted(TandemError):
     """The request was cancelled or aborted before it finished."""
+
+
+class GrammarViolation(TandemError):
+    """A token the request's grammar refuses arrived from elsewhere (a decode worker given a first
+    token by its prefill worker): the request fails rather than output it."""

@@ -10,6 +10,8 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
+    # Structured output that can neither go on nor end: the text is not a complete value.
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
+from engine.structured_output import StructuredSpec
 
 # The range torch.Generator.manual_seed accepts.
 _SEED_MIN = -(2**63)
@@ -62,6 +63,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Constrained decoding (engine/structured/): every token keeps the output a prefix of this
+    # language; None: free text. Checked where it is compiled: the router's validation and
+    # LLMEngine.make_request (engine/structured/compile.py), so a bad one fails at the edge.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         # A bare string would otherwise be iterated as single-character stop strings.

@@ -31,6 +31,7 @@ FORBIDDEN = {
 # without torch): neither they nor any repo module they import imports torch.
 TORCH_FREE = (
     "engine/scheduler/*.py", "engine/kvcache/*.py", "engine/kvcache/tiers/*.py", "engine/tokenizer/*.py", "engine/sampling_params.py",
+    "engine/structured/*.py", "engine/structured_output.py",
     "engine/config.py", "engine/errors.py", "engine/outputs.py",
     "engine/models/config.py", "engine/models/source.py",   # the gateway reads the model's folder too
     "services/router/*.py", "services/gateway/*.py",

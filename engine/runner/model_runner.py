@@ -9,6 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers import use_cpu_kernels
 from engine.models.registry import model_class
 from engine.models.weights import iter_weights
+from engine.runner.grammar_mask import MaskJob
 from engine.runner.graph_runner import create_graph_runner, graph_enabled
 from engine.runner.sampler import Sampler, SamplingBatch
 from engine.runner.verify import VerifyRow, verify
@@ -48,6 +50,7 @@ class StepTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    mask_wait_s: float = 0.0    # how long sampling waited for the grammar masks after the forward pass
 
 
 @dataclass
@@ -61,6 +64,9 @@ class PreparedStep:
     futures: torch.Tensor | None       # future-map slot of each sampled token
     has_future_inputs: bool
     prepare_s: float
+    # Structured output: the grammar masks of the sampled rows, filled beside the forward pass
+    # (engine/runner/grammar_mask.py); None when no row is constrained.
+    masks: MaskJob | None = None
 
 
 class ModelRunner:
@@ -89,6 +95,7 @@ class ModelRunner:
         # Decode steps from captured graphs (None: always eager); captures them now.
         self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)
         self._generators: dict[str, torch.Generator] = {}
+        self._masks: ThreadPoolExecutor | None = None   # grammar masks beside a synchronous forward pass
         # Sampled tokens by future slot (engine/scheduler/future.py): written after each step's
         # sampling, read by the next step's inputs when overlap scheduling planned it early.
         self.future_map = torch.zeros(FutureSlots(cfg.max_running_requests).size, dtype=torch.int64,
@@ -223,8 +230,23 @@ class ModelRunner:
         return ctx
 
     def run(self, batch: StepBatch) -> list[SampledToken]:
-        """Run one forward pass; returns a token for each sampling sequence, in batch order."""
-        return self.execute(self.prepare(batch))
+        """Run one forward pass; returns a token for each sampling sequence, in batch order. The
+        grammar masks, if any, are computed on a helper thread while the forward pass runs."""
+        step = self.prepare(batch)
+        if step.masks is not None:
+            self._mask_thread().submit(step.masks.fill)
+        return self.execute(step)
+
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._masks
+
+    def close(self) -> None:
+        """Stop the grammar-mask thread (if one started). Safe twice."""
+        if self._masks is not None:
+            self._masks.shutdown(wait=True)
+            self._masks = None
 
     def prepare(self, batch: StepBatch) -> PreparedStep:
         """Build the step's tensors from scheduler bookkeeping (on the thread that owns it)."""
@@ -242,7 +264,9 @@ class ModelRunner:
                 device=self.device,
             )
             futures = torch.tensor([s.future for s in sampling], dtype=torch.int64, device=self.device)
-        return PreparedStep(batch, ctx, sampling, sb, futures, batch.has_future_inputs, time.perf_counter() - t0)
+        masks = MaskJob.for_step(sampling, self.model_cfg.vocab_size) if sampling else None
+        return PreparedStep(batch, ctx, sampling, sb, futures, batch.has_future_inputs, time.perf_counter() - t0,
+                            masks)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> list[SampledToken]:
@@ -260,21 +284,26 @@ class ModelRunner:
             self.forward_spans.append((t1, t2))
             self.last_timings = StepTimings(step.prepare_s, t2 - t1, 0.0)
             return []
+        allowed = step.masks.wait(self.device) if step.masks is not None else None
+        wait_s = time.perf_counter() - t2
         if any(s.num_drafts for s in step.sampling):   # speculative verification (never with overlap)
-            result = self._verify_and_sample(logits, step.sampling)
+            result = self._verify_and_sample(logits, step.sampling, allowed)
             t3 = time.perf_counter()
             self.forward_spans.append((t1, t3))
-            self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
+            self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2, wait_s)
             return result
+        if allowed is not None:
+            step.sampling_batch.allowed = allowed
         out = self.sampler(logits, step.sampling_batch)
         self.future_map[step.futures] = out.token_ids
         result = self._tokens(out, step.sampling)
         t3 = time.perf_counter()
         self.forward_spans.append((t1, t3))
-        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2)
+        self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2, wait_s)
         return result
 
-    def _verify_and_sample(self, logits: torch.Tensor, sampling: list[SeqStep]) -> list[SampledToken | list[SampledToken]]:
+    def _verify_and_sample(self, logits: torch.Tensor, sampling: list[SeqStep],
+                           allowed: torch.Tensor | None = None) -> list[SampledToken | list[SampledToken]]:
         """Sequences with drafts own num_drafts + 1 logits rows each, the others one."""
         plain_rows, spec_rows, row = [], [], 0
         for s in sampling:
@@ -291,12 +320,15 @@ class ModelRunner:
                 output_ids=[s.req.output_ids for s in plain],
                 generators=[self._generator(s.req.rid, s.req.params.seed) for s in plain],
                 vocab_size=self.model_cfg.vocab_size, device=dev)
+            if allowed is not None:
+                sb.allowed = allowed[torch.tensor(plain_rows, device=dev)]
             plain_out = self._tokens(self.sampler(logits[torch.tensor(plain_rows, device=dev)], sb), plain)
         spec_out = iter(verify(
             logits[torch.tensor(spec_rows, device=dev)],
             [VerifyRow(s.req.params, s.input_ids[-s.num_drafts:], self._generator(s.req.rid, s.req.params.seed))
              for s in spec],
-            self.model_cfg.vocab_size))
+            self.model_cfg.vocab_size,
+            allowed[torch.tensor(spec_rows, device=dev)] if allowed is not None else None))
         it = iter(plain_out)
         return [next(spec_out) if s.num_drafts else next(it) for s in sampling]
 

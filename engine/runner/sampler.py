@@ -9,7 +9,10 @@
                     -> sampled rows: / temperature -> top-k -> top-p -> min-p -> draw
 
 Logprobs are always taken from log_softmax of the RAW logits, i.e. the model's own distribution
-before penalties and temperature, so they do not depend on the sampling settings.
+before penalties and temperature, so they do not depend on the sampling settings. A grammar
+(structured output) masks the tokens it forbids right after the penalties, before the greedy pick
+and before temperature and the filters (which then act on the allowed tokens); logprobs stay the
+model's own, unconstrained distribution like the other settings.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class SamplingBatch:
     penalty_ids: torch.Tensor | None  # [B, M] int64
     penalty_amounts: torch.Tensor | None  # [B, M] fp32
     seeded_rows: tuple[tuple[int, torch.Generator], ...]  # sampled rows drawing from their own generator
+    # Structured output: [B, V] bool, the tokens each row's grammar allows (None: no row constrained).
+    # Set by the runner once the step's masks are computed (engine/runner/grammar_mask.py).
+    allowed: torch.Tensor | None = None
 
     @property
     def any_penalties(self) -> bool:
@@ -216,10 +222,13 @@ def _ids(rows: list[list[int]], width: int, vocab_size: int, device: torch.devic
 
 
 def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Return penalized logits; a copy, so the raw logits stay intact for logprobs.
+    """Return penalized logits with the grammar's forbidden tokens at -inf; a copy, so the raw
+    logits stay intact for logprobs.
 
-    Touches only the penalized ids (gather / scatter), not all B x V logits.
+    Penalties touch only the penalized ids (gather / scatter), not all B x V logits.
     """
+    if batch.allowed is not None:
+        x = x.masked_fill(~batch.allowed, float("-inf"))
     if not batch.any_penalties:
         return x
     x = x.clone()

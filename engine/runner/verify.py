@@ -39,8 +39,12 @@ class VerifyRow:
     generator: torch.Generator | None
 
 
-def verify(logits: torch.Tensor, rows: list[VerifyRow], vocab_size: int) -> list[list[SampledToken]]:
-    """`logits`: [sum(len(drafts) + 1), V], the rows of each VerifyRow in order."""
+def verify(logits: torch.Tensor, rows: list[VerifyRow], vocab_size: int,
+           allowed: torch.Tensor | None = None) -> list[list[SampledToken]]:
+    """`logits`: [sum(len(drafts) + 1), V], the rows of each VerifyRow in order. `allowed`: the
+    grammar's mask of each of those rows ([rows, V] bool; structured output), None: unconstrained.
+    Drafts were cut where the grammar refused them, and the masks of a row's positions assume the
+    drafts before them, so every emitted token is one the grammar allows."""
     device = logits.device
     spans, start = [], 0
     for r in rows:
@@ -50,8 +54,10 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], vocab_size: int) -> list
     params = [r.params for r in rows for _ in range(len(r.drafts) + 1)]
     sb = SamplingBatch.build(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
                              vocab_size, device)
+    sb.allowed = allowed
     raw = logits.float()
-    greedy_ids = raw.argmax(dim=-1).tolist()
+    picked = raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))
+    greedy_ids = picked.argmax(dim=-1).tolist()
     cdf = order = None
     if not sb.all_greedy:
         probs, order = filtered_probs(raw, sb)

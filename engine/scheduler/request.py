@@ -48,6 +48,9 @@ class Request:
     # is scheduled), not yet in `output_ids`; `future` is its index in the runner's future-token map.
     num_inflight: int = 0
     future: int = -1
+    # Structured output: the request's matcher (engine/structured/matcher.py RequestGrammar), which
+    # has consumed exactly `output_ids` once a step's tokens are recorded; None: free text.
+    grammar: Any = None
 
     @property
     def all_ids(self) -> list[int]:

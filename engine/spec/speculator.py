@@ -6,6 +6,10 @@
     speculator.observe(batch, sampled)
     scheduler.on_step_done(batch, sampled)   # keeps accepted KV, shrinks pages of rejected drafts
 
+Structured output: drafts are cut at the first token the request's grammar refuses, and the
+verify step's masks walk the matcher over the remaining drafts and roll it back
+(engine/runner/grammar_mask.py); the tokens emitted are then consumed like any step's.
+
 Which rows speculate: decode rows (one new token at the end of a running request, in decode and in
 mixed steps; a mixed step's drafts come on top of its chunked-prefill token budget) without
 repetition/frequency/presence penalties, with room left in max_tokens and the context. Drafts use
@@ -65,6 +69,8 @@ class Speculator:
             return
         for (seq, _), d in zip(picked, drafts, strict=True):
             n = len(seq.req.all_ids)
+            if d and seq.req.grammar is not None:
+                d = d[:seq.req.grammar.accepts(d)]   # structured output: a draft the grammar refuses is rejected
             if d and not self.kv.ensure_capacity(seq.req, n + len(d)):
                 d = d[:len(seq.req.pages) * self.kv.page_size - n]   # rows before took the free pages
             if d:

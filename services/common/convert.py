@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler.queue_policy import check_priority
+from engine.structured_output import Kind, StructuredSpec, ToolCallSpec
 from tandem.v1 import generation_pb2
 
 
@@ -29,7 +30,44 @@ def sampling_from_pb(sp: generation_pb2.SamplingParams) -> SamplingParams:
         logprobs=sp.logprobs or sp.top_logprobs > 0,
         top_logprobs=sp.top_logprobs,
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        structured=structured_from_pb(sp.structured) if sp.HasField("structured") else None,
     )
+
+
+def structured_from_pb(so: generation_pb2.StructuredOutput) -> StructuredSpec | None:
+    """The `structured` field (None when no kind is set: free text). Not validated here
+    (SamplingParams.validate compiles it)."""
+    which = so.WhichOneof("kind")
+    if which is None or (which == "json_object" and not so.json_object):
+        return None
+    kind = Kind(which)
+    if kind is Kind.CHOICE:
+        value = tuple(so.choice.choices)
+    elif kind is Kind.TOOL_CALLS:
+        t = so.tool_calls
+        value = ToolCallSpec(t.begin, t.end, t.separator, tuple(t.schemas), t.min_calls, t.max_calls)
+    elif kind is Kind.JSON_OBJECT:
+        value = None
+    else:
+        value = getattr(so, which)
+    return StructuredSpec(kind, value, so.strict)
+
+
+def structured_to_pb(spec: StructuredSpec) -> generation_pb2.StructuredOutput:
+    """The inverse of `structured_from_pb` (the Python API and tests build wire requests with it)."""
+    so = generation_pb2.StructuredOutput(strict=spec.strict)
+    if spec.kind is Kind.CHOICE:
+        so.choice.choices.extend(spec.value)
+    elif spec.kind is Kind.TOOL_CALLS:
+        t = spec.value
+        so.tool_calls.CopyFrom(generation_pb2.ToolCallFormat(
+            begin=t.begin, end=t.end, separator=t.separator, schemas=list(t.schemas),
+            min_calls=t.min_calls, max_calls=t.max_calls))
+    elif spec.kind is Kind.JSON_OBJECT:
+        so.json_object = True
+    else:
+        setattr(so, spec.kind.value, spec.value)
+    return so
 
 
 def prompt_from_pb(msg) -> str | list[int]:

@@ -25,7 +25,7 @@ from typing import Protocol
 import grpc
 
 from engine.engine import LLMEngine
-from engine.errors import ResourceExhausted
+from engine.errors import GrammarViolation, ResourceExhausted
 from engine.outputs import RequestOutput
 from engine.scheduler.batch import SampledToken
 from engine.scheduler.queue_policy import PolicyQueue
@@ -273,7 +273,11 @@ class DecodeWorker:
             metrics.TRANSFER_LATENCY.observe(status.seconds * 1e3)
         room.req.prefill_cached_tokens = aux.cached_tokens
         first = SampledToken(aux.first_token, aux.logprob, [(t.token_id, t.logprob) for t in aux.top] or None)
-        out = self.engine.start_decoding(room.req, first)
+        try:
+            out = self.engine.start_decoding(room.req, first)
+        except GrammarViolation as e:   # P is not trusted blindly: its token must fit the grammar
+            self._drop(room, e)
+            return
         room.emit(out)
         if out.finished:
             self.streams.pop(room.req.rid, None)

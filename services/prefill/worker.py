@@ -115,6 +115,9 @@ class PrefillWorker:
                 if room is None or room.state.done:
                     continue
                 tok = done.get(seq.req.rid)
+                if isinstance(tok, list):   # structured output: the grammar refused the only token there was
+                    self._fail(room, "structured output: the grammar left no legal first token")
+                    continue
                 self._send(room, seq.prefix_len + len(seq.input_ids), final=tok is not None)
                 if tok is not None:
                     self._finish_prefill(room, tok)

@@ -4,6 +4,7 @@ tokenizer). Wire defaults are mapped to engine values here, so the checks are th
 from __future__ import annotations
 
 from engine.errors import InvalidRequest
+from engine.structured.compile import validate_structured
 from services.common.convert import priority_from_pb, sampling_from_pb
 from services.common.limits import RequestLimits
 from tandem.v1 import generation_pb2
@@ -22,6 +23,7 @@ def validate_request(req: generation_pb2.GenerateRequest, limits: RequestLimits 
         limits.check_prompt_tokens(len(req.token_ids.ids))
     sampling = sampling_from_pb(req.sampling)
     sampling.validate()
+    validate_structured(sampling.structured)   # a schema / grammar that cannot be enforced: 400, no worker touched
     if req.sampling.max_tokens:                  # 0 on the wire: the worker's default, not the client's ask
         limits.check_max_tokens(sampling.max_tokens)
     limits.check_stop(sampling.stop)

@@ -10,6 +10,7 @@ _FINISH = {
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
     FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
+    FinishReason.GRAMMAR_DEAD_END: generation_pb2.FINISH_REASON_GRAMMAR_DEAD_END,
 }
 
 

@@ -1,0 +1,89 @@
+"""A step's grammar masks: which tokens each constrained row may sample, computed on the CPU beside
+the forward pass and applied to the logits before sampling.
+
+`MaskJob.for_step` lists the step's constrained rows at prepare time; `fill` computes their masks
+(llguidance releases the GIL, so it runs in parallel with the forward pass) and `wait` hands the
+sampler a [rows, vocab] bool tensor. Who runs `fill`, and when, is the engine's choice: without
+overlap a helper thread right after prepare (every token the masks depend on is known); with
+overlap the scheduling thread once the previous step's tokens have been consumed, while this
+step's forward pass runs. A verify row (speculation) gets num_drafts + 1 masks: the matcher is
+walked over the drafts and rolled back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.scheduler.batch import SeqStep
+from engine.structured.matcher import bitmask_words
+
+log = logging.getLogger(__name__)
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass
+class _Row:
+    first: int          # its first logits row among the step's sampled rows
+    seq: SeqStep
+
+
+class MaskJob:
+    def __init__(self, rows: list[_Row], num_rows: int, vocab_size: int):
+        self.rows = rows
+        self.vocab_size = vocab_size
+        self.bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
+        self.empty_rows: list[int] = []    # rows whose grammar left no token (dead end: all allowed)
+        self._done = threading.Event()
+        self.fill_s = 0.0
+
+    @staticmethod
+    def for_step(sampling: list[SeqStep], vocab_size: int) -> MaskJob | None:
+        """None when no sampled row of the step is constrained."""
+        rows, n = [], 0
+        for s in sampling:
+            if s.req.grammar is not None:
+                rows.append(_Row(n, s))
+            n += s.num_drafts + 1
+        return MaskJob(rows, n, vocab_size) if rows else None
+
+    def fill(self) -> None:
+        """Compute every constrained row's mask; never raises (a failure leaves the row unconstrained
+        and is logged: the engine's token check then ends the request)."""
+        import time
+        t0 = time.perf_counter()
+        try:
+            for r in self.rows:
+                g = r.seq.req.grammar
+                if r.seq.req.finished:
+                    continue          # ended while this step was planned (overlap): its token is dropped
+                drafts = r.seq.input_ids[len(r.seq.input_ids) - r.seq.num_drafts:] if r.seq.num_drafts else []
+                walked = 0
+                for j in range(len(drafts) + 1):
+                    row = self.bitmask[r.first + j]
+                    if not g.fill(row):
+                        row.fill(-1)
+                        self.empty_rows.append(r.first + j)
+                    # Drafts were checked when proposed; a refused one would leave the rows after open.
+                    if j == len(drafts) or g.accepts(drafts[j:j + 1]) != 1:
+                        break
+                    g.consume(drafts[j:j + 1])
+                    walked += 1
+                g.rollback(walked)
+        except Exception:
+            log.exception("grammar mask computation failed")
+        finally:
+            self.fill_s = time.perf_counter() - t0
+            self._done.set()
+
+    def wait(self, device: torch.device) -> torch.Tensor:
+        """[rows, vocab] bool on `device`: True where the token is allowed."""
+        self._done.wait()
+        bits = torch.from_numpy(self.bitmask)
+        allowed = ((bits.unsqueeze(-1) >> _BITS) & 1).bool().reshape(bits.shape[0], -1)[:, :self.vocab_size]
+        return allowed.to(device, non_blocking=True)

@@ -1,0 +1,207 @@
+"""Structured-output constraints -> llguidance grammars, checked without a tokenizer (torch-free).
+
+`compile_grammar(spec)` is what the router calls before any worker is touched and what every worker
+compiles from: it builds the grammar text in llguidance's grammar language, validates it (a JSON
+Schema llguidance cannot read, a keyword it cannot enforce under `strict`, a regex or grammar that
+does not parse) and raises InvalidRequest naming the field; results are cached by the constraint's
+canonical spelling (LRU, errors too). Only the tokenizer-bound half (engine/structured/matcher.py)
+runs on workers.
+
+JSON is generated compactly with json.dumps' default separators (", " and ": ") and no other
+whitespace: a small model given free whitespace can emit newlines forever inside an object.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import llguidance
+
+from engine.errors import InvalidRequest
+from engine.structured_output import Kind, StructuredSpec, ToolCallSpec
+
+MAX_SPEC_CHARS = 256 * 1024        # a schema / grammar / regex / choice list, as text
+MAX_CHOICES = 1024
+CACHE_SIZE = 512
+
+# llguidance's JSON compiler options: compact output; `lenient` ignores keywords it cannot enforce.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_OBJECT = '{"type": "object"}'
+# Rust-regex metacharacters (escaped in choices).
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def compile_grammar(spec: StructuredSpec) -> str:
+    """The llguidance grammar for `spec` (cached). Raises InvalidRequest with `param` naming the
+    field in the public API's spelling (`structured.json_schema`, `structured.tool_calls.schemas[1]`, ...)."""
+    return _CACHE.get(spec)
+
+
+def validate_structured(spec: StructuredSpec | None) -> None:
+    """Raise InvalidRequest if `spec` cannot be enforced (no-op for None)."""
+    if spec is not None:
+        compile_grammar(spec)
+
+
+def _build(spec: StructuredSpec) -> str:
+    kind, v = spec.kind, spec.value
+    if kind is Kind.JSON_SCHEMA:
+        text = _json_text(v, "structured.json_schema")
+        return _checked(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_options(spec.strict)),
+                        "structured.json_schema", "JSON Schema")
+    if kind is Kind.JSON_OBJECT:
+        return _checked(llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_options(False)),
+                        "structured.json_object", "JSON object")
+    if kind is Kind.REGEX:
+        if not isinstance(v, str) or not v:
+            raise InvalidRequest("structured.regex is empty", "structured.regex")
+        _check_size(v, "structured.regex")
+        return _checked(llguidance.LLMatcher.grammar_from_regex(v), "structured.regex", "regex")
+    if kind is Kind.CHOICE:
+        choices = tuple(v or ())
+        if not choices:
+            raise InvalidRequest("structured.choice needs at least one string", "structured.choice")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidRequest(f"structured.choice has {len(choices)} strings; at most {MAX_CHOICES}",
+                                 "structured.choice")
+        if any(not isinstance(c, str) or not c for c in choices):
+            raise InvalidRequest("structured.choice strings must be non-empty", "structured.choice")
+        _check_size("".join(choices), "structured.choice")
+        regex = "(" + "|".join("".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in choices) + ")"
+        return _checked(llguidance.LLMatcher.grammar_from_regex(regex), "structured.choice", "choice list")
+    if kind is Kind.GRAMMAR:
+        if not isinstance(v, str) or not v.strip():
+            raise InvalidRequest("structured.grammar is empty", "structured.grammar")
+        _check_size(v, "structured.grammar")
+        return _checked(llguidance.LLMatcher.grammar_from_lark(_to_lark(v)), "structured.grammar", "grammar")
+    if kind is Kind.TOOL_CALLS:
+        assert isinstance(v, ToolCallSpec)
+        return _checked(llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(v, spec.strict)),
+                        "structured.tool_calls", "tool-call format")
+    raise AssertionError(f"unknown kind {kind}")
+
+
+def _options(strict: bool) -> dict:
+    return {**_JSON_OPTIONS, "lenient": not strict}
+
+
+def _json_text(v, param: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise InvalidRequest(f"{param} is empty", param)
+    _check_size(v, param)
+    try:
+        schema = json.loads(v)
+    except ValueError as e:
+        raise InvalidRequest(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequest(f"{param} must be a JSON object (a JSON Schema), got {type(schema).__name__}", param)
+    return v
+
+
+def _tool_calls_lark(t: ToolCallSpec, strict: bool) -> str:
+    """`begin` call `end` repeated min..max times with `separator` between; the call is a JSON value
+    matching one of the schemas (each embedded with %json and its compile options)."""
+    if not t.begin:
+        raise InvalidRequest("structured.tool_calls.begin is empty", "structured.tool_calls.begin")
+    if not t.schemas:
+        raise InvalidRequest("structured.tool_calls needs at least one schema", "structured.tool_calls.schemas")
+    if t.min_calls < 1:
+        raise InvalidRequest(f"structured.tool_calls.min_calls must be >= 1, got {t.min_calls}",
+                             "structured.tool_calls.min_calls")
+    if t.max_calls and t.max_calls < t.min_calls:
+        raise InvalidRequest(f"structured.tool_calls.max_calls ({t.max_calls}) is below min_calls ({t.min_calls})",
+                             "structured.tool_calls.max_calls")
+    alts = []
+    for i, text in enumerate(t.schemas):
+        param = f"structured.tool_calls.schemas[{i}]"
+        schema = json.loads(_json_text(text, param))
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_options(strict)}}
+        # Checked one by one so that the error names the schema.
+        _checked(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)), param, "JSON Schema")
+        alts.append(f"fn{i}: %json {json.dumps(schema)}")
+    more = f"{{{t.min_calls - 1},{t.max_calls - 1 if t.max_calls else ''}}}"
+    sep = _lit(t.separator) + " " if t.separator else ""
+    lines = [f"start: call ({sep}call){more}",
+             f"call: {_lit(t.begin)} args {_lit(t.end) if t.end else ''}",
+             "args: " + " | ".join(f"fn{i}" for i in range(len(t.schemas))), *alts]
+    return "\n".join(lines) + "\n"
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _to_lark(text: str) -> str:
+    """A GBNF grammar (vLLM / llama.cpp's EBNF, `root ::= ...`) becomes Lark; Lark stays as it is."""
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+    try:
+        return gbnf_to_lark(text)
+    except Exception as e:   # the converter raises its own error types
+        raise InvalidRequest(f"structured.grammar: not a valid GBNF grammar: {e}", "structured.grammar") from None
+
+
+def _check_size(text: str, param: str) -> None:
+    if len(text) > MAX_SPEC_CHARS:
+        raise InvalidRequest(f"{param} has {len(text)} characters; at most {MAX_SPEC_CHARS}", param)
+
+
+def _checked(grammar: str, param: str, what: str) -> str:
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequest(f"{param}: invalid {what}: {error.strip()}", param)
+    return grammar
+
+
+class _GrammarCache:
+    """LRU of compiled grammars (and of the errors of bad ones) by the constraint's canonical key;
+    shared by every thread of a process."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[str, str | InvalidRequest] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, spec: StructuredSpec) -> str:
+        key = spec.key
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+        if item is None:
+            try:
+                item = _build(spec)
+            except InvalidRequest as e:
+                item = e
+            with self._lock:
+                self.misses += 1
+                self._items[key] = item
+                while len(self._items) > self.size:
+                    self._items.popitem(last=False)
+        if isinstance(item, InvalidRequest):
+            raise InvalidRequest(item.message, item.param)
+        return item
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.hits = self.misses = 0
+
+
+_CACHE = _GrammarCache(CACHE_SIZE)
+
+
+def cache_info() -> tuple[int, int, int]:
+    """(hits, misses, entries) of the process's grammar cache."""
+    return _CACHE.hits, _CACHE.misses, len(_CACHE._items)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
