@@ -38,11 +38,15 @@ from services.gateway.protocol import (
     check_completion,
     completion_prompts,
     make_sampling,
+    output_constraint,
     parse,
+    tool_use,
 )
 from services.gateway.responses import SSE_DONE, ChatFormat, Choice, CompletionFormat, sse, usage
 from services.gateway.router_client import RouterClient
+from services.gateway.structured import Constraint
 from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.tools import ToolUse, inline_tools, template_renders_tools
 from tandem.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,11 @@ class Plan:
     n: int
     stream: bool
     include_usage: bool
+    constraint: Constraint | None = None
+
+    def explain(self, err: APIError) -> APIError:
+        """A worker's 400 about the constraint, renamed to the request's field."""
+        return self.constraint.explain(err) if self.constraint is not None else err
 
 
 class Gateway:
@@ -99,6 +108,7 @@ class Gateway:
         started = time.monotonic()
         status = 500
         streaming = False
+        plan: Plan | None = None
 
         def release(final_status: int) -> None:
             self.inflight -= 1
@@ -129,6 +139,8 @@ class Gateway:
             status = response.status_code
             return response
         except APIError as e:
+            if plan is not None:
+                e = plan.explain(e)
             status = e.status
             return e.response()
         except ClientDisconnected:
@@ -149,6 +161,7 @@ class Gateway:
         checked(limits.check_stop, req.stop)
         checked(limits.check_max_tokens, req.max_tokens)
         prompts = completion_prompts(req)
+        constraint = output_constraint(req)
         model = await self.catalog.get(req.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = []
@@ -162,10 +175,10 @@ class Gateway:
             checked(limits.check_prompt_tokens, len(ids))
             max_tokens = _max_tokens(model, len(ids), req.max_tokens, "prompt", "max_tokens")
             sampling = make_sampling(req, max_tokens, logprobs=req.logprobs is not None,
-                                     top_logprobs=req.logprobs or 0, defaults=model.sampling)
+                                     top_logprobs=req.logprobs or 0, defaults=model.sampling, constraint=constraint)
             jobs += _jobs(rid, model, ids, sampling, p_index, req.n, req.priority or 0)
         fmt = CompletionFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs)
-        return Plan("completions", fmt, jobs, req.n, req.stream, req.include_usage)
+        return Plan("completions", fmt, jobs, req.n, req.stream, req.include_usage, constraint)
 
     async def _plan_chat(self, body: bytes) -> Plan:
         req = parse(ChatCompletionRequest, body)
@@ -177,10 +190,13 @@ class Gateway:
         checked(limits.check_max_tokens, requested, max_param)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+        tools = tool_use(req)
+        constraint = output_constraint(req, tools)
         messages = chat_messages(req)
         model = await self.catalog.get(req.model)
+        messages, extra = _with_tools(messages, tools, model.tokenizer.chat_template, req.chat_template_kwargs)
         try:
-            text = model.tokenizer.apply_chat_template(messages, req.add_generation_prompt, req.chat_template_kwargs)
+            text = model.tokenizer.apply_chat_template(messages, req.add_generation_prompt, extra)
         except (ChatTemplateError, ValueError) as e:
             raise bad_request(str(e), "messages") from None
         # The template already holds the special tokens it wants (as Hugging Face tokenizes chats).
@@ -188,11 +204,12 @@ class Gateway:
         checked(limits.check_prompt_tokens, len(ids), "messages")
         max_tokens = _max_tokens(model, len(ids), requested, "messages", max_param)
         sampling = make_sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                                 defaults=model.sampling, max_tokens_param=max_param)
+                                 defaults=model.sampling, max_tokens_param=max_param, constraint=constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs)
+        fmt = ChatFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs,
+                         tool_calls=tools is not None and tools.offered)
         return Plan("chat", fmt, _jobs(rid, model, ids, sampling, 0, req.n, req.priority or 0), req.n, req.stream,
-                    req.include_usage)
+                    req.include_usage, constraint)
 
     async def _complete(self, plan: Plan, started: float) -> JSONResponse:
         first_at: list[float] = []
@@ -251,10 +268,12 @@ class Gateway:
                 self.metrics.ttft.labels(plan.endpoint).observe(time.monotonic() - started)
                 index, msg = first
                 choices[index].track(msg)
-                yield sse(plan.fmt.chunk(index, msg, plan.include_usage))
+                if (chunk := plan.fmt.chunk(index, msg, plan.include_usage)) is not None:
+                    yield sse(chunk)
                 async for index, msg in events:
                     choices[index].track(msg)
-                    yield sse(plan.fmt.chunk(index, msg, plan.include_usage))
+                    if (chunk := plan.fmt.chunk(index, msg, plan.include_usage)) is not None:
+                        yield sse(chunk)
             totals = usage(list(choices.values()), plan.n)
             self._count(totals)
             if plan.include_usage:
@@ -262,6 +281,7 @@ class Gateway:
             yield SSE_DONE
             status[0] = 200
         except APIError as e:  # after the first chunk the status line is gone: report in band
+            e = plan.explain(e)
             status[0] = e.status
             yield sse(e.body())
             yield SSE_DONE
@@ -287,6 +307,19 @@ async def _encode(tok: GatewayTokenizer, text: str, add_special_tokens: bool) ->
     if len(text) > _INLINE_TOKENIZE_CHARS:
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
     return tok.encode(text, add_special_tokens)
+
+
+def _with_tools(messages: list[dict], tools: ToolUse | None, template: str | None,
+                kwargs: dict | None) -> tuple[list[dict], dict | None]:
+    """The messages and template variables with the offered tools and the history's calls and results:
+    through the template's own `tools` where it renders them as the parser reads them, else written
+    into the messages (tools.py)."""
+    offered = tools.tools if tools is not None and tools.offered else ()
+    if template_renders_tools(template):
+        return messages, ({**(kwargs or {}), "tools": [t.spec() for t in offered]} if offered else kwargs)
+    if offered or any(m.get("tool_calls") or m["role"] in ("tool", "function") for m in messages):
+        return inline_tools(messages, offered), kwargs
+    return messages, kwargs
 
 
 def _max_tokens(model: ServedModel, prompt_len: int, requested: int | None, prompt_param: str, param: str) -> int:

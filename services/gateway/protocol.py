@@ -3,11 +3,13 @@
 Parsing is the edge: a body that does not parse, or a value out of range, is an APIError 400 naming
 the offending parameter. Sampling values are checked with the engine's own `SamplingParams.validate`
 (torch-free), so the gateway rejects exactly what a worker would, before any worker is involved.
+Output constraints (response_format and its vLLM/SGLang spellings, tools) are read in structured.py
+and tools.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
@@ -16,6 +18,8 @@ from engine.errors import InvalidRequest
 from engine.sampling_params import OPENAI_DEFAULTS, SamplingDefaults, SamplingParams
 from engine.scheduler.queue_policy import check_priority
 from services.gateway.errors import bad_request
+from services.gateway.structured import Constraint, constraints, only_one
+from services.gateway.tools import ToolUse, history_calls, parse_tool_use
 from tandem.v1 import generation_pb2
 
 SEED_MASK = (1 << 64) - 1
@@ -52,6 +56,16 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     priority: StrictInt | None = None  # SGLang's extension; strict: "3", 3.0 and true are 400s
+    # Output constraints (structured.py checks them): OpenAI's, vLLM's two spellings, SGLang's.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -75,8 +89,9 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
@@ -107,6 +122,7 @@ class Sampling:
     """A request's validated sampling settings; `to_pb(seed_offset)` makes one choice's wire params."""
 
     params: SamplingParams
+    constraint: Constraint | None = field(default=None)
 
     def to_pb(self, seed_offset: int = 0) -> generation_pb2.SamplingParams:
         p = self.params
@@ -119,6 +135,8 @@ class Sampling:
             stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
             top_logprobs=p.top_logprobs, skip_special_tokens=p.skip_special_tokens,
         )
+        if self.constraint is not None:
+            pb.structured.CopyFrom(self.constraint.structured)
         if p.seed is not None:
             # Choice i of a seeded request uses seed + i: reproducible, yet the n choices differ.
             pb.seed = (p.seed + seed_offset) & SEED_MASK
@@ -138,7 +156,8 @@ def check_common(req: _Common, max_n: int) -> None:
 
 
 def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs: int,
-                  defaults: SamplingDefaults = OPENAI_DEFAULTS, max_tokens_param: str = "max_tokens") -> Sampling:
+                  defaults: SamplingDefaults = OPENAI_DEFAULTS, max_tokens_param: str = "max_tokens",
+                  constraint: Constraint | None = None) -> Sampling:
     """Build and validate the engine's SamplingParams, the fields the request leaves out taken from
     `defaults` (the model's); raises APIError 400 with the parameter's name."""
     try:
@@ -163,7 +182,21 @@ def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs
     except InvalidRequest as e:
         param = max_tokens_param if e.param == "max_tokens" else e.param
         raise bad_request(e.message.replace("max_tokens", max_tokens_param), param) from None
-    return Sampling(params)
+    return Sampling(params, constraint)
+
+
+def output_constraint(req: _Common, tools: ToolUse | None = None) -> Constraint | None:
+    """The request's one output constraint (or none); two or more are a 400 naming them."""
+    flat = {name: getattr(req, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                                  "regex", "json_schema", "ebnf")}
+    found = constraints(req.response_format, req.structured_outputs, flat)
+    if tools is not None and (c := tools.constraint()) is not None:
+        found.append(c)
+    return only_one(found)
+
+
+def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
+    return parse_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -191,11 +224,8 @@ def check_completion(req: CompletionRequest) -> None:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template wants them: `content` a string (text parts joined)."""
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+    """Messages as the chat template wants them: `content` a string (text parts joined), an assistant's
+    `tool_calls` checked, with their arguments as objects."""
     if not req.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -219,5 +249,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                               f"messages[{i}].content")
-        out.append({**m, "content": content})
+        msg = {**m, "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = history_calls(m, i)
+        out.append(msg)
     return out

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.tool_parser import ToolCallParser, parse_tool_calls
 from tandem.v1 import generation_pb2
 
 FINISH_REASONS = {
@@ -15,6 +16,22 @@ FINISH_REASONS = {
     generation_pb2.FINISH_REASON_STOP: "stop",
     generation_pb2.FINISH_REASON_ABORT: "abort",
 }
+_PREFIX = "FINISH_REASON_"
+
+
+def finish_reason(value: int) -> str | None:
+    """The OpenAI spelling of a finish reason. One this gateway has no entry for (a newer engine's)
+    passes as its own name in lower case (FINISH_REASON_X → "x"), never as "stop": a client must not
+    take an output that something else ended for a complete one."""
+    if value in FINISH_REASONS:
+        return FINISH_REASONS[value]
+    try:
+        name = generation_pb2.FinishReason.Name(value)
+    except ValueError:
+        return f"unknown_{value}"
+    return name.removeprefix(_PREFIX).lower()
+
+
 # JSON has no -inf; a token the sampler could never pick is reported with this logprob.
 _MIN_LOGPROB = -9999.0
 
@@ -62,7 +79,7 @@ class Choice:
 
     def observe(self, msg: generation_pb2.GenerateResponse) -> None:
         if msg.finish_reason:
-            self.finish_reason = FINISH_REASONS[msg.finish_reason]
+            self.finish_reason = finish_reason(msg.finish_reason)
             self.matched_stop = stop_reason(msg)
         if msg.HasField("usage"):
             self.usage = msg.usage
@@ -114,7 +131,7 @@ class CompletionFormat:
 
     def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> dict:
         choice = {"index": index, "text": msg.text, "logprobs": self._logprobs(index, msg.logprobs),
-                  "finish_reason": FINISH_REASONS[msg.finish_reason]}
+                  "finish_reason": finish_reason(msg.finish_reason)}
         if msg.finish_reason:
             choice["stop_reason"] = stop_reason(msg)
         out = {**self._head(), "choices": [choice]}
@@ -133,14 +150,19 @@ class CompletionFormat:
 
 
 class ChatFormat(CompletionFormat):
-    """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs as `content` entries."""
+    """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs as `content` entries.
+    `tool_calls`: the output is read for tool calls (tool_parser.py); a choice that made any and
+    stopped by itself finishes with "tool_calls"."""
 
     object = "chat.completion"
 
-    def __init__(self, rid: str, created: int, model: str, tokenizer: GatewayTokenizer, logprobs: bool):
+    def __init__(self, rid: str, created: int, model: str, tokenizer: GatewayTokenizer, logprobs: bool,
+                 tool_calls: bool = False):
         super().__init__(rid, created, model, tokenizer, None)
         self.chat_logprobs = logprobs
+        self.tool_calls = tool_calls
         self._started: set[int] = set()
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.tokenizer.token_text(token_id)
@@ -153,13 +175,28 @@ class ChatFormat(CompletionFormat):
                              "top_logprobs": [self._entry(t.token_id, t.logprob) for t in lp.top]} for lp in lps],
                 "refusal": None}
 
-    def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> dict:
+    def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> dict | None:
+        """One stream chunk, or None when there is nothing to send yet (text held back by the tool parser)."""
         delta: dict = {"content": msg.text}
+        reason = finish_reason(msg.finish_reason)
+        if self.tool_calls:
+            parser = self._parsers.setdefault(index, ToolCallParser())
+            d = parser.feed(msg.text)
+            if msg.finish_reason:
+                end = parser.finish()
+                d.content += end.content
+                d.calls += end.calls
+                reason = _with_calls(reason, bool(parser.calls))
+            delta = {"content": d.content} if d.content else {}
+            if d.calls:
+                delta["tool_calls"] = d.calls
+            if not delta and not msg.finish_reason and not msg.logprobs and index in self._started:
+                return None
         if index not in self._started:  # the first chunk of a choice carries its role
             self._started.add(index)
-            delta = {"role": "assistant", "content": msg.text}
+            delta = {"role": "assistant", **delta} if delta else {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(msg.logprobs),
-                  "finish_reason": FINISH_REASONS[msg.finish_reason]}
+                  "finish_reason": reason}
         if msg.finish_reason:
             choice["stop_reason"] = stop_reason(msg)
         out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -173,8 +210,23 @@ class ChatFormat(CompletionFormat):
                 "system_fingerprint": None, "choices": [], "usage": usage_}
 
     def response(self, choices: list[Choice], n: int) -> dict:
-        return {**self._head(), "system_fingerprint": None, "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-             "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason,
-             "stop_reason": c.matched_stop}
-            for c in choices], "usage": usage(choices, n)}
+        return {**self._head(), "system_fingerprint": None, "choices": [self._choice(c) for c in choices],
+                "usage": usage(choices, n)}
+
+    def _choice(self, c: Choice) -> dict:
+        text = "".join(c.text)
+        message: dict = {"role": "assistant", "content": text}
+        reason = c.finish_reason
+        if self.tool_calls:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [call.message() for call in calls]}
+                reason = _with_calls(reason, True)
+        return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(c.logprobs),
+                "finish_reason": reason, "stop_reason": c.matched_stop}
+
+
+def _with_calls(reason: str | None, called: bool) -> str | None:
+    # OpenAI's "tool_calls" says the model stopped to have its calls run; one cut short keeps "length".
+    return "tool_calls" if called and reason == "stop" else reason

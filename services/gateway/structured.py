@@ -1,0 +1,224 @@
+"""What the output must match: the request's constraint fields → one `StructuredOutput` (proto).
+
+Accepted spellings, at most one per request (two are a 400 naming both):
+  OpenAI   `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+  vLLM     `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object": ...}, and the older
+           `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
+  SGLang   `regex`, `json_schema`, `ebnf`
+Tool calling adds its own constraint (tools.py) and counts as one more.
+
+The checks here need no grammar library: a schema is JSON and has the shape of a JSON Schema, a
+regex compiles, a choice list holds non-empty strings. Whether the decoder can enforce it (a keyword
+it lacks, a grammar that does not compile) is the router's check; its INVALID_ARGUMENT comes back
+with the field renamed to the one the request used (`Constraint.explain`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import APIError, bad_request
+from tandem.v1 import generation_pb2 as pb
+
+SCHEMA_TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
+# JSON Schema keywords whose value is a schema, a list of schemas, or an object of schemas.
+_ONE_SCHEMA = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint: the proto, and the request field it came from (for error messages).
+    `schema_params[i]` names the field of tool-call schema i (tools[k].function.parameters)."""
+
+    structured: pb.StructuredOutput
+    param: str
+    schema_params: tuple[str, ...] = ()
+
+    def explain(self, err: APIError) -> APIError:
+        """A router/worker 400 about `structured...` renamed to the field the request used."""
+        if err.status != 400 or (err.param and not err.param.startswith("structured")):
+            return err
+        param = self.param
+        m = re.search(r"schemas\[(\d+)\]", err.param or "")
+        if m and int(m.group(1)) < len(self.schema_params):
+            param = self.schema_params[int(m.group(1))]
+        message = err.message if err.message.startswith(param) else f"{param}: {err.message}"
+        return APIError(400, message, param, err.code)
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """Raise a 400 naming `param` (and the place inside the schema) unless `schema` has a JSON Schema's shape."""
+    problem = _schema_problem(schema, "")
+    if problem is not None:
+        raise bad_request(f"{param} is not a valid JSON Schema: {problem}", param)
+
+
+def _schema_problem(s: Any, at: str) -> str | None:
+    where = at or "the schema"
+    if isinstance(s, bool):
+        return None
+    if not isinstance(s, dict):
+        return f"{where} must be an object (or a boolean), got {type(s).__name__}"
+    t = s.get("type")
+    if t is not None:
+        types = t if isinstance(t, list) else [t]
+        bad = [x for x in types if not isinstance(x, str) or x not in SCHEMA_TYPES]
+        if bad or not types:
+            return f"{at + '.' if at else ''}type: {t!r} is not a JSON Schema type ({', '.join(sorted(SCHEMA_TYPES))})"
+    req = s.get("required")
+    if req is not None and (not isinstance(req, list) or not all(isinstance(x, str) for x in req)):
+        return f"{at + '.' if at else ''}required must be a list of property names"
+    enum = s.get("enum")
+    if enum is not None and (not isinstance(enum, list) or not enum):
+        return f"{at + '.' if at else ''}enum must be a non-empty list"
+    for key in _COUNTS:
+        v = s.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return f"{at + '.' if at else ''}{key} must be a non-negative integer"
+    ref = s.get("$ref")
+    if ref is not None and not isinstance(ref, str):
+        return f"{at + '.' if at else ''}$ref must be a string"
+    for key in _ONE_SCHEMA:
+        if key in s:
+            v = s[key]
+            if key == "items" and isinstance(v, list):  # draft-07 tuple form
+                for i, sub in enumerate(v):
+                    if (p := _schema_problem(sub, f"{at}{'.' if at else ''}items[{i}]")) is not None:
+                        return p
+            elif (p := _schema_problem(v, f"{at}{'.' if at else ''}{key}")) is not None:
+                return p
+    for key in _SCHEMA_LIST:
+        if key in s:
+            v = s[key]
+            if not isinstance(v, list) or not v:
+                return f"{at + '.' if at else ''}{key} must be a non-empty list of schemas"
+            for i, sub in enumerate(v):
+                if (p := _schema_problem(sub, f"{at}{'.' if at else ''}{key}[{i}]")) is not None:
+                    return p
+    for key in _SCHEMA_MAP:
+        if key in s:
+            v = s[key]
+            if not isinstance(v, dict):
+                return f"{at + '.' if at else ''}{key} must be an object of schemas"
+            for name, sub in v.items():
+                if (p := _schema_problem(sub, f"{at}{'.' if at else ''}{key}.{name}")) is not None:
+                    return p
+    return None
+
+
+def schema_text(value: Any, param: str) -> str:
+    """A schema given as an object or as JSON text → checked JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+    check_schema(value, param)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _regex(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string (a regular expression)", param)
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise bad_request(f"{param} is not a valid regular expression: {e}", param) from None
+    return value
+
+
+def _choices(value: Any, param: str) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"{param} must be a non-empty list of strings", param)
+    for i, c in enumerate(value):
+        if not isinstance(c, str) or not c:
+            raise bad_request(f"{param}[{i}] must be a non-empty string", f"{param}[{i}]")
+    return value
+
+
+def _grammar(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request(f"{param} must be a non-empty string (a grammar)", param)
+    return value
+
+
+def _from_response_format(rf: Any) -> Constraint | None:
+    if not isinstance(rf, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(pb.StructuredOutput(json_object=True), "response_format")
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format.type")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad_request("response_format.json_schema must be an object with `name` and `schema`",
+                          "response_format.json_schema")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
+    if "schema" not in js:
+        raise bad_request("response_format.json_schema.schema is required", "response_format.json_schema.schema")
+    param = "response_format.json_schema.schema"
+    return Constraint(pb.StructuredOutput(json_schema=schema_text(js["schema"], param), strict=bool(strict)), param)
+
+
+# vLLM's structured_outputs keys, and the flat fields that mean the same: field → (kind, check)
+_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+          "json_object": "json_object"}
+FLAT_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+               "regex": "regex", "json_schema": "json", "ebnf": "grammar"}
+
+
+def _one(key: str, value: Any, param: str) -> Constraint:
+    if key == "json":
+        return Constraint(pb.StructuredOutput(json_schema=schema_text(value, param)), param)
+    if key == "regex":
+        return Constraint(pb.StructuredOutput(regex=_regex(value, param)), param)
+    if key == "choice":
+        return Constraint(pb.StructuredOutput(choice=pb.ChoiceList(choices=_choices(value, param))), param)
+    if key == "grammar":
+        return Constraint(pb.StructuredOutput(grammar=_grammar(value, param)), param)
+    assert key == "json_object"
+    return Constraint(pb.StructuredOutput(json_object=True), param)
+
+
+def constraints(response_format: Any, structured_outputs: Any, flat: dict[str, Any]) -> list[Constraint]:
+    """Every constraint the request sets, in the order of the spellings above (validated)."""
+    out: list[Constraint] = []
+    if response_format is not None and (c := _from_response_format(response_format)) is not None:
+        out.append(c)
+    if structured_outputs is not None:
+        if not isinstance(structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        if structured_outputs.get("structural_tag") is not None:
+            raise bad_request("structured_outputs.structural_tag is not supported", "structured_outputs.structural_tag")
+        for key in _KINDS:
+            value = structured_outputs.get(key)
+            if value is None or (key == "json_object" and value is False):
+                continue
+            if key == "json_object" and value is not True:
+                raise bad_request("structured_outputs.json_object must be a boolean", "structured_outputs.json_object")
+            out.append(_one(key, value, f"structured_outputs.{key}"))
+    for name, key in FLAT_FIELDS.items():
+        if flat.get(name) is not None:
+            out.append(_one(key, flat[name], name))
+    return out
+
+
+def only_one(found: list[Constraint]) -> Constraint | None:
+    if len(found) > 1:
+        names = ", ".join(c.param.split(".")[0] for c in found)
+        raise bad_request(f"a request takes one output constraint; this one sets {len(found)}: {names}",
+                          found[1].param.split(".")[0])
+    return found[0] if found else None

@@ -1,0 +1,165 @@
+"""Output constraints at the gateway: every accepted spelling → StructuredOutput, and the 400s that need
+no grammar library (each naming its field), through the app in front of a fake router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from services.gateway.errors import APIError
+from services.gateway.structured import check_schema, constraints
+from tandem.v1 import generation_pb2 as pb
+from tests.sdk.fake_router import FakeRouter, failing
+from tests.services.gateway.conftest import MODEL, gateway_client
+
+pytestmark = pytest.mark.timeout(60)
+CHAT = [{"role": "user", "content": "hi"}]
+MODELS = (pb.ModelInfo(id=MODEL, max_context_len=4096, vocab_size=512),)  # room for a tool listing
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name"]}
+
+
+@pytest.fixture
+def fake():
+    with FakeRouter(models=MODELS) as f:
+        yield f
+
+
+def post(fake, tiny_llama, path: str, bodies: list[dict]):
+    async def go():
+        async with gateway_client(fake.addr, str(tiny_llama)) as (client, _gw):
+            return [await client.post(path, json=b) for b in bodies]
+
+    return asyncio.run(go())
+
+
+def chat(**extra) -> dict:
+    return {"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra}
+
+
+def test_every_spelling_reaches_the_router_as_one_structured_output(fake, tiny_llama):
+    cases = [
+        (chat(response_format={"type": "json_object"}), ("json_object", True)),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}),
+         ("json_schema", SCHEMA)),
+        (chat(structured_outputs={"json": json.dumps(SCHEMA)}), ("json_schema", SCHEMA)),
+        (chat(structured_outputs={"regex": "[a-z]+"}), ("regex", "[a-z]+")),
+        (chat(structured_outputs={"choice": ["yes", "no"]}), ("choice", ["yes", "no"])),
+        (chat(structured_outputs={"grammar": "start: \"a\""}), ("grammar", "start: \"a\"")),
+        (chat(structured_outputs={"json_object": True}), ("json_object", True)),
+        (chat(guided_json=SCHEMA), ("json_schema", SCHEMA)),
+        (chat(guided_regex="\\d+"), ("regex", "\\d+")),
+        (chat(guided_choice=["a", "b"]), ("choice", ["a", "b"])),
+        (chat(guided_grammar="root ::= \"a\""), ("grammar", "root ::= \"a\"")),
+        (chat(regex="x|y"), ("regex", "x|y")),
+        (chat(json_schema=json.dumps(SCHEMA)), ("json_schema", SCHEMA)),
+        (chat(ebnf="root ::= \"a\""), ("grammar", "root ::= \"a\"")),
+        (chat(response_format={"type": "text"}), (None, None)),
+    ]
+    responses = post(fake, tiny_llama, "/v1/chat/completions", [b for b, _ in cases])
+    assert [r.status_code for r in responses] == [200] * len(cases), [r.text for r in responses]
+    for req, (_, (kind, value)) in zip(fake.requests, cases, strict=True):
+        s = req.sampling.structured
+        assert s.WhichOneof("kind") == kind
+        if kind == "json_schema":
+            assert json.loads(s.json_schema) == value
+        elif kind == "choice":
+            assert list(s.choice.choices) == value
+        elif kind is not None:
+            assert getattr(s, kind) == value
+    assert fake.requests[1].sampling.structured.strict and not fake.requests[2].sampling.structured.strict
+
+
+def test_completions_take_them_too_on_every_choice(fake, tiny_llama):
+    (r,) = post(fake, tiny_llama, "/v1/completions",
+                [{"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2,
+                  "response_format": {"type": "json_object"}}])
+    assert r.status_code == 200, r.text
+    assert len(fake.requests) == 4 and all(q.sampling.structured.json_object for q in fake.requests)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": [1, 2]}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
+    ({"structured_outputs": {"grammar": "  "}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": "json"}, "structured_outputs"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+    ({"guided_json": {"properties": {"a": {"type": 3}}}}, "guided_json"),
+    ({"guided_regex": "[z-a]"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+])
+def test_bad_constraints_are_400s_naming_the_field_and_reach_no_worker(fake, tiny_llama, extra, param):
+    (r,) = post(fake, tiny_llama, "/v1/chat/completions", [chat(**extra)])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert not fake.requests
+
+
+def test_two_constraints_name_both_fields(fake, tiny_llama):
+    (r,) = post(fake, tiny_llama, "/v1/chat/completions",
+                [chat(response_format={"type": "json_object"}, guided_regex="a")])
+    assert "response_format, guided_regex" in r.json()["error"]["message"]
+
+
+def test_the_routers_invalid_argument_names_the_requests_field(tiny_llama):
+    bodies = [chat(guided_grammar="root ::= ???"),
+              chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+              chat(tools=[{"type": "function", "function": {"name": "a"}},
+                          {"type": "function", "function": {"name": "b", "parameters": SCHEMA}}],
+                   tool_choice={"type": "function", "function": {"name": "b"}})]
+    for body, router_param, param in [(bodies[0], "structured.grammar", "guided_grammar"),
+                                      (bodies[1], "structured", "response_format.json_schema.schema"),
+                                      (bodies[2], "structured.tool_calls.schemas[0]", "tools[1].function.parameters")]:
+        with FakeRouter(failing(grpc.StatusCode.INVALID_ARGUMENT, "the grammar does not compile: line 1",
+                                router_param), models=MODELS) as fake:
+            for stream in (False, True):
+                (r,) = post(fake, tiny_llama, "/v1/chat/completions", [{**body, "stream": stream}])
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == param and err["message"].startswith(f"{param}: the grammar does not compile")
+
+
+def test_a_worker_400_about_another_field_keeps_its_name(tiny_llama):
+    with FakeRouter(failing(grpc.StatusCode.INVALID_ARGUMENT, "bad top_k", "top_k"), models=MODELS) as fake:
+        (r,) = post(fake, tiny_llama, "/v1/chat/completions", [chat(guided_regex="a")])
+    assert r.json()["error"]["param"] == "top_k"
+
+
+@pytest.mark.parametrize("schema", [True, {}, SCHEMA, {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}],
+                                                        "$defs": {"a": {"type": ["string", "null"]}}},
+                                    {"type": "array", "items": [{"type": "integer"}], "minItems": 1}])
+def test_schema_shapes_that_pass(schema):
+    check_schema(schema, "x")
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ([], "the schema"), ({"type": []}, "type"), ({"required": "a"}, "required"), ({"enum": []}, "enum"),
+    ({"minLength": -1}, "minLength"), ({"properties": {"a": {"items": {"type": "float"}}}}, "properties.a.items.type"),
+    ({"anyOf": []}, "anyOf"), ({"allOf": [{"type": "string"}, 5]}, "allOf[1]"), ({"$ref": 3}, "$ref"),
+])
+def test_schema_problems_say_where(schema, where):
+    with pytest.raises(APIError) as e:
+        check_schema(schema, "response_format.json_schema.schema")
+    assert e.value.param == "response_format.json_schema.schema" and where in e.value.message
+
+
+def test_false_json_object_is_no_constraint():
+    assert constraints(None, {"json_object": False}, {}) == []
