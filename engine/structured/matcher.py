@@ -111,7 +111,8 @@ class GrammarBackend:
             proto = llguidance.LLMatcher(self.tokenizer, compile_grammar(spec), log_level=0)
             if proto.is_error():
                 raise InvalidRequest(f"structured output: {proto.get_error().strip()}", "structured")
-            if proto.is_stopped() and not proto.is_accepting():
+            first = np.frombuffer(proto.compute_bitmask(), dtype=np.uint8)   # llguidance finds a dead end here
+            if not first.any() or (proto.is_stopped() and not proto.is_accepting()):
                 raise InvalidRequest("structured output: the constraint admits no output", "structured")
             with self._lock:
                 self._protos[key] = proto
