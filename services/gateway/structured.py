@@ -49,7 +49,11 @@ class Constraint:
         m = re.search(r"schemas\[(\d+)\]", err.param or "")
         if m and int(m.group(1)) < len(self.schema_params):
             param = self.schema_params[int(m.group(1))]
-        message = err.message if err.message.startswith(param) else f"{param}: {err.message}"
+        message = err.message
+        if err.param and err.param in message:   # the router names the wire field: say the request's
+            message = message.replace(err.param, param, 1)
+        if not message.startswith(param):
+            message = f"{param}: {message}"
         return APIError(400, message, param, err.code)
 
 
