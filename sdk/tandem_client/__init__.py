@@ -23,6 +23,17 @@ from tandem_client.errors import (
     TandemError,
     UnavailableError,
 )
+from tandem_client.structured import (
+    Choice,
+    Grammar,
+    JsonObject,
+    JsonSchema,
+    Regex,
+    Tool,
+    ToolCall,
+    ToolCalls,
+    parse_tool_calls,
+)
 from tandem_client.types import (
     NO_RETRY,
     FinishReason,
@@ -40,8 +51,9 @@ from tandem_client.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "NO_RETRY", "AsyncClient", "AsyncStream", "AuthenticationError", "Client", "DeadlineExceededError",
-    "FinishReason", "GenerateResult", "InvalidRequestError", "ModelInfo", "ModelNotFoundError",
-    "RequestCancelledError", "ResourceExhaustedError", "RetryPolicy", "SamplingParams", "ServerError", "Stream",
-    "StreamChunk", "TLSConfig", "TandemError", "TokenLogprob", "TopLogprob", "UnavailableError", "Usage",
+    "NO_RETRY", "AsyncClient", "AsyncStream", "AuthenticationError", "Choice", "Client", "DeadlineExceededError",
+    "FinishReason", "GenerateResult", "Grammar", "InvalidRequestError", "JsonObject", "JsonSchema", "ModelInfo",
+    "ModelNotFoundError", "Regex", "RequestCancelledError", "ResourceExhaustedError", "RetryPolicy", "SamplingParams",
+    "ServerError", "Stream", "StreamChunk", "TLSConfig", "TandemError", "TokenLogprob", "Tool", "ToolCall",
+    "ToolCalls", "TopLogprob", "UnavailableError", "Usage", "parse_tool_calls",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from tandem_client._proto import generation_pb2 as pb
+from tandem_client.structured import Choice, Grammar, JsonObject, JsonSchema, Regex, Structured, ToolCalls
 from tandem_client.types import (
     FinishReason,
     ModelInfo,
@@ -24,6 +25,7 @@ _FINISH = {
     pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     pb.FINISH_REASON_STOP: FinishReason.STOP,
     pb.FINISH_REASON_ABORT: FinishReason.ABORT,
+    pb.FINISH_REASON_GRAMMAR_DEAD_END: FinishReason.GRAMMAR_DEAD_END,
 }
 
 Prompt = str | Sequence[int]
@@ -49,7 +51,30 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     )
     if p.seed is not None:
         out.seed = p.seed & _SEED_MASK
+    if p.structured is not None:
+        out.structured.CopyFrom(structured_to_pb(p.structured))
     return out
+
+
+def structured_to_pb(s: Structured) -> pb.StructuredOutput:
+    if isinstance(s, JsonSchema):
+        return pb.StructuredOutput(json_schema=s.text, strict=s.strict)
+    if isinstance(s, JsonObject):
+        return pb.StructuredOutput(json_object=True)
+    if isinstance(s, Regex):
+        return pb.StructuredOutput(regex=s.pattern)
+    if isinstance(s, Choice):
+        if isinstance(s.options, str):
+            raise TypeError("Choice takes a sequence of strings, not one string: Choice([...])")
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(s.options)))
+    if isinstance(s, Grammar):
+        return pb.StructuredOutput(grammar=s.grammar)
+    if isinstance(s, ToolCalls):
+        return pb.StructuredOutput(tool_calls=pb.ToolCallFormat(
+            begin=s.begin, end=s.end, separator=s.separator, schemas=[t.call_schema() for t in s.tools],
+            min_calls=s.min_calls, max_calls=s.max_calls))
+    raise TypeError(f"structured must be JsonSchema, JsonObject, Regex, Choice, Grammar or ToolCalls, "
+                    f"got {type(s).__name__}")
 
 
 def build_request(prompt: Prompt, params: SamplingParams, model: str, request_id: str,

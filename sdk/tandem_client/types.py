@@ -6,11 +6,14 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem_client.structured import Structured
+
 
 class FinishReason(enum.StrEnum):
     LENGTH = "length"   # max_tokens reached
     STOP = "stop"       # EOS, a stop token id or a stop string
     ABORT = "abort"     # the server aborted the request
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # `structured`: no legal token was left; the text is not a complete value
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,8 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k < 0 disables top-k; `seed` makes sampling reproducible. The five
     fields left at None take the server's defaults: the model's `generation_config.json` where it sets
-    them, else greedy decoding with no top-p, top-k, min-p or repetition penalty.
+    them, else greedy decoding with no top-p, top-k, min-p or repetition penalty. `structured`: what
+    the output must match (tandem_client.structured), None for free text.
     """
 
     max_tokens: int = 16
@@ -37,6 +41,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    structured: Structured | None = None
 
 
 @dataclass(frozen=True)
