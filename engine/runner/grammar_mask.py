@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.scheduler.batch import SeqStep
-from engine.structured.matcher import bitmask_words
+from engine.structured.matcher import bitmask_words, fill_rows
 
 log = logging.getLogger(__name__)
 
@@ -55,31 +56,41 @@ class MaskJob:
     def fill(self) -> None:
         """Compute every constrained row's mask; never raises (a failure leaves the row unconstrained
         and is logged: the engine's token check then ends the request)."""
-        import time
         t0 = time.perf_counter()
         try:
-            for r in self.rows:
-                g = r.seq.req.grammar
-                if r.seq.req.finished:
-                    continue          # ended while this step was planned (overlap): its token is dropped
-                drafts = r.seq.input_ids[len(r.seq.input_ids) - r.seq.num_drafts:] if r.seq.num_drafts else []
-                walked = 0
-                for j in range(len(drafts) + 1):
-                    row = self.bitmask[r.first + j]
-                    if not g.fill(row):
+            live = [r for r in self.rows if not r.seq.req.finished]   # (overlap) ended meanwhile: dropped
+            plain = [r for r in live if not r.seq.num_drafts]
+            if plain:
+                fill_rows([(r.seq.req.grammar, r.first) for r in plain], self.bitmask)
+                for r in plain:
+                    row = self.bitmask[r.first]
+                    if r.seq.req.grammar.dead or not row.any():
                         row.fill(-1)
-                        self.empty_rows.append(r.first + j)
-                    # Drafts were checked when proposed; a refused one would leave the rows after open.
-                    if j == len(drafts) or g.accepts(drafts[j:j + 1]) != 1:
-                        break
-                    g.consume(drafts[j:j + 1])
-                    walked += 1
-                g.rollback(walked)
+                        self.empty_rows.append(r.first)
+            for r in live:
+                if r.seq.num_drafts:
+                    self._fill_verify_row(r)
         except Exception:
             log.exception("grammar mask computation failed")
         finally:
             self.fill_s = time.perf_counter() - t0
             self._done.set()
+
+    def _fill_verify_row(self, r: _Row) -> None:
+        g = r.seq.req.grammar
+        drafts = r.seq.input_ids[len(r.seq.input_ids) - r.seq.num_drafts:]
+        walked = 0
+        for j in range(len(drafts) + 1):
+            row = self.bitmask[r.first + j]
+            if not g.fill(row):
+                row.fill(-1)
+                self.empty_rows.append(r.first + j)
+            # Drafts were checked when proposed; a refused one would leave the rows after open.
+            if j == len(drafts) or g.accepts(drafts[j:j + 1]) != 1:
+                break
+            g.consume(drafts[j:j + 1])
+            walked += 1
+        g.rollback(walked)
 
     def wait(self, device: torch.device) -> torch.Tensor:
         """[rows, vocab] bool on `device`: True where the token is allowed."""

@@ -87,6 +87,20 @@ class RequestGrammar:
         return self._m.get_error()
 
 
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_rows(rows: Sequence[tuple[RequestGrammar, int]], bitmask: np.ndarray) -> None:
+    """Masks of many matchers into their rows of `bitmask` in one call that holds the GIL once (a
+    call per row would wait for the GIL per row while the forward pass runs Python between ops)."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
+    _executor.unsafe_compute_mask_ptr([(g._m, i) for g, i in rows], bitmask.ctypes.data,
+                                      bitmask.shape[1] * 4, bitmask.shape[0])
+
+
 class GrammarBackend:
     """A worker's grammar compiler: the tokenizer in llguidance's form and an LRU of compiled
     matchers by the constraint's canonical key. Thread-safe."""
