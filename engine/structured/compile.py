@@ -123,9 +123,12 @@ def _tool_calls_lark(t: ToolCallSpec, strict: bool) -> str:
         # Checked one by one so that the error names the schema.
         _checked(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)), param, "JSON Schema")
         alts.append(f"fn{i}: %json {json.dumps(schema)}")
-    more = f"{{{t.min_calls - 1},{t.max_calls - 1 if t.max_calls else ''}}}"
     sep = _lit(t.separator) + " " if t.separator else ""
-    lines = [f"start: call ({sep}call){more}",
+    if t.max_calls == 1:   # exactly one call (Lark refuses an empty range {0,0})
+        start = "start: call"
+    else:
+        start = f"start: call ({sep}call){{{t.min_calls - 1},{t.max_calls - 1 if t.max_calls else ''}}}"
+    lines = [start,
              f"call: {_lit(t.begin)} args {_lit(t.end) if t.end else ''}",
              "args: " + " | ".join(f"fn{i}" for i in range(len(t.schemas))), *alts]
     return "\n".join(lines) + "\n"

@@ -163,8 +163,6 @@ def _ask_tools(client, parallel: bool) -> list[tuple]:
             zip(jobs, concurrently(ask, jobs), strict=True)]
 
 
-@pytest.mark.xfail(strict=True, reason="engine/structured/compile.py writes max_calls=1 as the Lark range {0,0}, "
-                                       "which Lark refuses: the router answers 400")
 def test_required_and_named_tool_choices_always_give_one_valid_call(client):
     for question, named, c in _ask_tools(client, parallel=False):
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, (question, c)

@@ -186,8 +186,6 @@ def test_what_the_gateway_sends_compiles_in_the_engines_compiler(fake, tiny_llam
         validate_structured(structured_from_pb(req.sampling.structured))
 
 
-@pytest.mark.xfail(strict=True, reason="engine/structured/compile.py writes max_calls=1 as the Lark range {0,0}, "
-                                       "which Lark refuses")
 def test_one_call_at_most_compiles(fake, tiny_llama):
     from engine.structured.compile import validate_structured
     from services.common.convert import structured_from_pb
