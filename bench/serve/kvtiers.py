@@ -82,8 +82,8 @@ class KVTiersConfig:
     user_len: int = 200                  # user tokens each turn adds (range_ratio applies)
     output_len: int = 48                 # each answer's tokens (range_ratio applies: 32-64 by default)
     range_ratio: float = 0.33
-    think_time_s: float = 2.0            # mean pause between an answer and the next turn (exponential)
-    rate: float = 0.25                   # conversation starts per second (Poisson)
+    think_time_s: float = 20.0           # mean pause between an answer and the next turn (exponential)
+    rate: float = 1.0                    # conversation starts per second (Poisson): all conversations in flight at once
     seed: int = 0
     num_warmups: int = 2                 # first turns of conversations of their own, before the measured run
     l1_tokens: int | None = None         # None: the largest that makes the working set >= working_set_ratio x L1
