@@ -2,8 +2,10 @@
 the forward pass and applied to the logits before sampling.
 
 `MaskJob.for_step` lists the step's constrained rows at prepare time; `fill` computes their masks
-(llguidance releases the GIL, so it runs in parallel with the forward pass) and `wait` hands the
-sampler a [rows, vocab] bool tensor. Who runs `fill`, and when, is the engine's choice: without
+(llguidance releases the GIL, so it runs in parallel with the forward pass) and turns them into an
+additive bias, and `wait` hands the sampler that [rows, vocab] float32 tensor (0 where a token is
+allowed, -inf where not): adding it costs a fraction of a masked_fill on the sampler's critical path
+(batch 32, 49k vocabulary: ~0.3 vs ~4 ms on this CPU), and the unpacking runs off it. Who runs `fill`, and when, is the engine's choice: without
 overlap a helper thread right after prepare (every token the masks depend on is known); with
 overlap the scheduling thread once the previous step's tokens have been consumed, while this
 step's forward pass runs. A verify row (speculation) gets num_drafts + 1 masks: the matcher is
@@ -25,9 +27,6 @@ from engine.structured.matcher import bitmask_words, fill_rows
 
 log = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 @dataclass
 class _Row:
     first: int          # its first logits row among the step's sampled rows
@@ -40,6 +39,7 @@ class MaskJob:
         self.vocab_size = vocab_size
         self.bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
         self.empty_rows: list[int] = []    # rows whose grammar left no token (dead end: all allowed)
+        self._bias: np.ndarray | None = None
         self._done = threading.Event()
         self.fill_s = 0.0
 
@@ -72,6 +72,12 @@ class MaskJob:
                     self._fill_verify_row(r)
         except Exception:
             log.exception("grammar mask computation failed")
+        try:
+            # Bit t of int32 word t // 32 is bit t % 8 of byte t // 8 (little-endian words).
+            allowed = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+            self._bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
+        except Exception:
+            log.exception("grammar mask computation failed")
         finally:
             self.fill_s = time.perf_counter() - t0
             self._done.set()
@@ -92,9 +98,10 @@ class MaskJob:
             walked += 1
         g.rollback(walked)
 
-    def wait(self, device: torch.device) -> torch.Tensor:
-        """[rows, vocab] bool on `device`: True where the token is allowed."""
+    def wait(self, device: torch.device) -> torch.Tensor | None:
+        """[rows, vocab] float32 on `device`: 0 where the token is allowed, -inf where the grammar
+        forbids it (None if the masks could not be computed: unconstrained, logged)."""
         self._done.wait()
-        bits = torch.from_numpy(self.bitmask)
-        allowed = ((bits.unsqueeze(-1) >> _BITS) & 1).bool().reshape(bits.shape[0], -1)[:, :self.vocab_size]
-        return allowed.to(device, non_blocking=True)
+        if self._bias is None:
+            return None
+        return torch.from_numpy(self._bias).to(device, non_blocking=True)

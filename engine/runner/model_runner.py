@@ -284,16 +284,16 @@ class ModelRunner:
             self.forward_spans.append((t1, t2))
             self.last_timings = StepTimings(step.prepare_s, t2 - t1, 0.0)
             return []
-        allowed = step.masks.wait(self.device) if step.masks is not None else None
+        bias = step.masks.wait(self.device) if step.masks is not None else None
         wait_s = time.perf_counter() - t2
         if any(s.num_drafts for s in step.sampling):   # speculative verification (never with overlap)
-            result = self._verify_and_sample(logits, step.sampling, allowed)
+            result = self._verify_and_sample(logits, step.sampling, bias)
             t3 = time.perf_counter()
             self.forward_spans.append((t1, t3))
             self.last_timings = StepTimings(step.prepare_s, t2 - t1, t3 - t2, wait_s)
             return result
-        if allowed is not None:
-            step.sampling_batch.allowed = allowed
+        if bias is not None:
+            step.sampling_batch.grammar_bias = bias
         out = self.sampler(logits, step.sampling_batch)
         self.future_map[step.futures] = out.token_ids
         result = self._tokens(out, step.sampling)
@@ -303,7 +303,7 @@ class ModelRunner:
         return result
 
     def _verify_and_sample(self, logits: torch.Tensor, sampling: list[SeqStep],
-                           allowed: torch.Tensor | None = None) -> list[SampledToken | list[SampledToken]]:
+                           bias: torch.Tensor | None = None) -> list[SampledToken | list[SampledToken]]:
         """Sequences with drafts own num_drafts + 1 logits rows each, the others one."""
         plain_rows, spec_rows, row = [], [], 0
         for s in sampling:
@@ -320,15 +320,15 @@ class ModelRunner:
                 output_ids=[s.req.output_ids for s in plain],
                 generators=[self._generator(s.req.rid, s.req.params.seed) for s in plain],
                 vocab_size=self.model_cfg.vocab_size, device=dev)
-            if allowed is not None:
-                sb.allowed = allowed[torch.tensor(plain_rows, device=dev)]
+            if bias is not None:
+                sb.grammar_bias = bias[torch.tensor(plain_rows, device=dev)]
             plain_out = self._tokens(self.sampler(logits[torch.tensor(plain_rows, device=dev)], sb), plain)
         spec_out = iter(verify(
             logits[torch.tensor(spec_rows, device=dev)],
             [VerifyRow(s.req.params, s.input_ids[-s.num_drafts:], self._generator(s.req.rid, s.req.params.seed))
              for s in spec],
             self.model_cfg.vocab_size,
-            allowed[torch.tensor(spec_rows, device=dev)] if allowed is not None else None))
+            bias[torch.tensor(spec_rows, device=dev)] if bias is not None else None))
         it = iter(plain_out)
         return [next(spec_out) if s.num_drafts else next(it) for s in sampling]
 

@@ -58,9 +58,10 @@ class SamplingBatch:
     penalty_ids: torch.Tensor | None  # [B, M] int64
     penalty_amounts: torch.Tensor | None  # [B, M] fp32
     seeded_rows: tuple[tuple[int, torch.Generator], ...]  # sampled rows drawing from their own generator
-    # Structured output: [B, V] bool, the tokens each row's grammar allows (None: no row constrained).
-    # Set by the runner once the step's masks are computed (engine/runner/grammar_mask.py).
-    allowed: torch.Tensor | None = None
+    # Structured output: [B, V] float32 added to the logits, 0 where each row's grammar allows the
+    # token and -inf where it does not (None: no row constrained). Set by the runner once the step's
+    # masks are computed (engine/runner/grammar_mask.py).
+    grammar_bias: torch.Tensor | None = None
 
     @property
     def any_penalties(self) -> bool:
@@ -227,8 +228,8 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     Penalties touch only the penalized ids (gather / scatter), not all B x V logits.
     """
-    if batch.allowed is not None:
-        x = x.masked_fill(~batch.allowed, float("-inf"))
+    if batch.grammar_bias is not None:
+        x = x + batch.grammar_bias   # a new tensor: the raw logits stay intact
     if not batch.any_penalties:
         return x
     x = x.clone()

@@ -40,9 +40,10 @@ class VerifyRow:
 
 
 def verify(logits: torch.Tensor, rows: list[VerifyRow], vocab_size: int,
-           allowed: torch.Tensor | None = None) -> list[list[SampledToken]]:
-    """`logits`: [sum(len(drafts) + 1), V], the rows of each VerifyRow in order. `allowed`: the
-    grammar's mask of each of those rows ([rows, V] bool; structured output), None: unconstrained.
+           grammar_bias: torch.Tensor | None = None) -> list[list[SampledToken]]:
+    """`logits`: [sum(len(drafts) + 1), V], the rows of each VerifyRow in order. `grammar_bias`:
+    the grammar's mask of each of those rows ([rows, V] float32, 0 allowed / -inf forbidden;
+    structured output), None: unconstrained.
     Drafts were cut where the grammar refused them, and the masks of a row's positions assume the
     drafts before them, so every emitted token is one the grammar allows."""
     device = logits.device
@@ -54,9 +55,9 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], vocab_size: int,
     params = [r.params for r in rows for _ in range(len(r.drafts) + 1)]
     sb = SamplingBatch.build(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
                              vocab_size, device)
-    sb.allowed = allowed
+    sb.grammar_bias = grammar_bias
     raw = logits.float()
-    picked = raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))
+    picked = raw if grammar_bias is None else raw + grammar_bias
     greedy_ids = picked.argmax(dim=-1).tolist()
     cdf = order = None
     if not sb.all_greedy:
