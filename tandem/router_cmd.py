@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at module import: `tandem --help` stays instant.
+    from services.common import tracing
     from services.router.server import run as run_router
+
+    tracing.configure(args.otlp_traces_endpoint, "tandem-router")
 
     return run_router(args)

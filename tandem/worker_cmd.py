@@ -26,6 +26,7 @@ def fault_config(args: argparse.Namespace):
 
 
 def run(role: str, args: argparse.Namespace) -> int:
+    from services.common import tracing
     from services.common.auth import InternalAuth
     from services.common.tls import tls_from_args
     from services.worker.config import WorkerConfig
@@ -53,6 +54,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         step_trace_dir=args.step_trace_dir, log_stats_interval_s=args.log_stats_interval, faults=faults,
         peer_probe_s=args.peer_probe_interval, kv_events=args.kv_events, auth=auth,
     )
+    tracing.configure(args.otlp_traces_endpoint, f"tandem-{role}")
     return run_worker(engine_config_from_args(args), wcfg)
 
 

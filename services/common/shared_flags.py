@@ -56,3 +56,8 @@ QUEUE_FLAGS = (
 LOG_LEVEL = Flag(("--log-level",), Owner.LAUNCHER | Owner.ENGINE | SERVICES, OBSERVABILITY,
                  "Python logging level of this process: DEBUG, INFO, WARNING, ERROR", default="WARNING",
                  up=Owner.NONE)
+OTLP_TRACES_ENDPOINT = Flag(("--otlp-traces-endpoint",), SERVICES, OBSERVABILITY,
+                            "export OpenTelemetry traces of every request: an OTLP/gRPC collector "
+                            "(http://host:4317) or a file of JSON lines (file:///path/traces.jsonl, which "
+                            "`tandem trace` reads); unset: the OTEL_* variables decide, by default off "
+                            "(docs/observability.md#tracing)", default="", metavar="URL")

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common import tracing
 from services.gateway.catalog import ModelCatalog, ServedModel
 from services.gateway.chat_template import ChatTemplateError
 from services.gateway.config import GatewayConfig
@@ -78,6 +79,15 @@ class Plan:
         """A worker's 400 about the constraint, renamed to the request's field."""
         return self.constraint.explain(err) if self.constraint is not None else err
 
+    def trace_attributes(self) -> dict:
+        """The request's GenAI semantic-convention attributes, for its gateway span."""
+        first = self.jobs[0]
+        return {"gen_ai.operation.name": "chat" if self.endpoint == "chat" else "text_completion",
+                "gen_ai.request.model": first.request.model, "gen_ai.request.choice.count": self.n,
+                "gen_ai.request.max_tokens": first.request.sampling.max_tokens,
+                "gen_ai.usage.input_tokens": sum(j.prompt_tokens for j in self.jobs[:: max(1, self.n)]),
+                "tandem.stream": self.stream, "tandem.request_id": first.request.request_id.rsplit("-", 1)[0]}
+
 
 class Gateway:
     """Lifecycle: create inside the serving event loop → serve requests → `close()` (idempotent)."""
@@ -109,8 +119,11 @@ class Gateway:
         status = 500
         streaming = False
         plan: Plan | None = None
+        span = None
 
         def release(final_status: int) -> None:
+            tracing.end(span, {"http.response.status_code": final_status},
+                        error=str(final_status) if final_status >= 500 else None)
             self.inflight -= 1
             self.metrics.inflight.dec()
             self.metrics.requests.labels(endpoint, str(final_status)).inc()
@@ -128,14 +141,21 @@ class Gateway:
                             code="rate_limit_exceeded").response()
         self.inflight += 1
         self.metrics.inflight.inc()
+        # The request's root span (or the child of the caller's `traceparent`); it ends with `release`.
+        span = tracing.start(f"POST /v1/{endpoint}", tracing.extract(request.headers), server=True,
+                             attributes={"http.request.method": "POST", "url.path": f"/v1/{endpoint}"},
+                             start_s=started)
         try:
             body = await read_body(request, self.config.limits.max_request_bytes)
             plan = await (self._plan_completion(body) if endpoint == "completions" else self._plan_chat(body))
-            if plan.stream:
-                response = await self._stream(request, plan, started, release)
-                streaming = isinstance(response, EventStream)  # the stream's end releases the slot
-            else:
-                response = await until_disconnect(request, self._complete(plan, started))
+            if span is not None:
+                span.set_attributes(plan.trace_attributes())
+            with tracing.current(span):   # the router calls start in here and carry the span
+                if plan.stream:
+                    response = await self._stream(request, plan, started, release)
+                    streaming = isinstance(response, EventStream)  # the stream's end releases the slot
+                else:
+                    response = await until_disconnect(request, self._complete(plan, started))
             status = response.status_code
             return response
         except APIError as e:

@@ -9,7 +9,14 @@ from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL
 from services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
 from services.common.flags import Flag, Owner, add_flags
 from services.common.limits import LIMIT_FLAGS, RequestLimits
-from services.common.shared_flags import DRAIN_TIMEOUT, HOST, MAX_INFLIGHT, PORT, REQUEST_TIMEOUT
+from services.common.shared_flags import (
+    DRAIN_TIMEOUT,
+    HOST,
+    MAX_INFLIGHT,
+    OTLP_TRACES_ENDPOINT,
+    PORT,
+    REQUEST_TIMEOUT,
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ GATEWAY_FLAGS = (
          "model id)", field="tokenizer"),
     API_KEY, MAX_INFLIGHT,
     Flag(("--max-n",), Owner.GATEWAY, LIMITS, "the largest `n` a request may ask for", field="max_n", type=int),
-    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS,
+    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT,
 )
 
 

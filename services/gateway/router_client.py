@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import tracing
 from services.common.auth import InternalAuth
 from services.gateway.errors import APIError
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -35,7 +36,7 @@ class RouterClient:
     async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The router's chunks; raises APIError. Closing (or cancelling) the iterator cancels the call,
         which makes the router abort the request on its workers and free their pages."""
-        call = self._stub.Generate(request, timeout=self.request_timeout_s or None)
+        call = self._stub.Generate(request, timeout=self.request_timeout_s or None, metadata=tracing.outgoing())
         try:
             while True:
                 msg = await call.read()

@@ -19,6 +19,7 @@ import grpc
 
 from engine.errors import ModelNotFound, TandemError
 from engine.scheduler.queue_policy import QueuePolicy
+from services.common import tracing
 from services.common.grpc_errors import (
     PARAM_METADATA_KEY,
     abort,
@@ -152,8 +153,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         self.metrics.inflight.inc()
         status = "unknown"
+        span = tracing.start("router.generate", tracing.extract(context.invocation_metadata()), server=True,
+                             start_s=started, attributes={"tandem.request_id": rid,
+                                                          "gen_ai.request.model": request.model})
+        tracing.record("router.queue", span, started, time.monotonic(), {"tandem.priority": request.priority})
         try:
-            sent = await self._route(request, rid, context, self._deadline(context, started), started)
+            with tracing.current(span):
+                sent = await self._route(request, rid, context, self._deadline(context, started), started)
             status = "ok"
             log.debug("[%s] done: %d chunks in %.3f s", rid, sent, time.monotonic() - started)
         except TandemError as e:
@@ -176,6 +182,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.admission.release()
             self.metrics.inflight.dec()
             self.metrics.requests.labels(status).inc()
+            tracing.end(span, {"tandem.status": status}, error=None if status == "ok" else status)
 
     # ---- routing -----------------------------------------------------------------------------
 
@@ -219,14 +226,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         while True:
             current = plan
             self.planner.begin(current)
+            span = tracing.start("router.attempt", attributes=self._trace_plan(current, attempt))
             try:
-                if self.config.mode == "colocated":
-                    await self._colocated(request, rid, current.decode, relay, deadline)
-                else:
-                    await self._disagg(request, rid, current.prefill, current.decode, relay, deadline)
+                with tracing.current(span):   # the worker calls carry it
+                    if self.config.mode == "colocated":
+                        await self._colocated(request, rid, current.decode, relay, deadline)
+                    else:
+                        await self._disagg(request, rid, current.prefill, current.decode, relay, deadline)
                 self._outcome(current, None)
                 return relay.sent
             except RouteError as e:
+                tracing.end(span, {"tandem.error_worker": e.worker_id or ""}, error=f"{e.code.name}: {e.message}")
+                span = None
                 self._outcome(current, e)
                 if e.code == grpc.StatusCode.UNAVAILABLE and relay.sent:
                     e.message += (f" (the stream broke after {relay.sent} chunk{'s' if relay.sent != 1 else ''}; "
@@ -246,7 +257,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.metrics.retries.inc()
                 log.warning("[%s] %s; retrying on %s", rid, e.message, ", ".join(w.worker_id for w in plan.workers))
             finally:
+                tracing.end(span)
                 self.planner.end(current)
+
+    def _trace_plan(self, plan: RoutePlan, attempt: int) -> dict | None:
+        """The policy decision as span attributes (None, and nothing computed, when tracing is off)."""
+        if not tracing.enabled():
+            return None
+        p = plan.prefill
+        return {"tandem.route.policy": self.config.policy, "tandem.route": plan.route, "tandem.attempt": attempt,
+                "tandem.route.prefill_worker": p.worker_id if p is not None else "",
+                "tandem.route.decode_worker": plan.decode.worker_id,
+                "tandem.route.prefill_tokens": plan.prefill_tokens,
+                "tandem.route.candidates": [f"{w.worker_id}:{self.planner.inflight[w.worker_id]}"
+                                            for role in self.config.roles for w in self.registry.workers(role)]}
 
     def _outcome(self, plan: RoutePlan, err: RouteError | None) -> None:
         """Feed the circuit breakers: a worker that answered UNAVAILABLE failed; a finished pair worked."""
@@ -275,7 +299,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
                                           priority=request.priority, **prompt),
-                timeout=timeout,
+                timeout=timeout, metadata=tracing.outgoing(),
             )
             peer = {"prefill_bootstrap_addr": p.bootstrap_addr, "prefill_worker_id": p.worker_id,
                     "prefill_boot_epoch": p.boot_epoch}
@@ -284,7 +308,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
             worker_pb2.DecodeRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
                                      priority=request.priority, **prompt, **peer),
-            timeout=timeout,
+            timeout=timeout, metadata=tracing.outgoing(),
         )
         prefill_done = asyncio.ensure_future(self._await_prefill(prefill_call, p, room))
         read: asyncio.Future | None = None
@@ -347,7 +371,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         forwarded.CopyFrom(request)
         forwarded.request_id = rid
         call = generation_pb2_grpc.GenerationStub(self.channels.get(w.grpc_addr)).Generate(
-            forwarded, timeout=self._timeout(deadline)
+            forwarded, timeout=self._timeout(deadline), metadata=tracing.outgoing()
         )
         try:
             while True:

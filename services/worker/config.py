@@ -12,7 +12,14 @@ from services.common.arg_groups import DEPLOYMENT, DISAGGREGATION, OBSERVABILITY
 from services.common.auth import INTERNAL_TOKEN_FILE, InternalAuth
 from services.common.cpu_cores import CpuListError, parse_worker_cores
 from services.common.flags import Flag, Owner
-from services.common.shared_flags import DRAIN_TIMEOUT, HOST, METRICS_PORT, PORT, REDIS_URL
+from services.common.shared_flags import (
+    DRAIN_TIMEOUT,
+    HOST,
+    METRICS_PORT,
+    OTLP_TRACES_ENDPOINT,
+    PORT,
+    REDIS_URL,
+)
 from services.common.tls import TLS_FLAGS
 from services.worker.faults import FaultConfig
 
@@ -111,7 +118,7 @@ WORKER_FLAGS = (
          "an engine step (scheduling + forward pass) still running after this long logs every thread's stack and "
          "exits the worker non-zero, for its supervisor to restart; 0: off", field="watchdog_timeout_s",
          type=float, metavar="SECONDS"),
-    DRAIN_TIMEOUT, METRICS_PORT,
+    DRAIN_TIMEOUT, METRICS_PORT, OTLP_TRACES_ENDPOINT,
     Flag(("--log-stats-interval",), _W, OBSERVABILITY,
          "while busy, log one line this often: running/queued requests, prefill and decode tokens/s, KV usage "
          "(like SGLang's decode log); 0: off", field="log_stats_interval_s", type=float, metavar="SECONDS"),
