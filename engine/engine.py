@@ -14,6 +14,7 @@ forward pass. See engine/scheduler/future.py for how step N+1 refers to tokens s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -86,11 +87,11 @@ class LLMEngine:
 
     # --- primitives --------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, resume_ids: Sequence[int] = ()) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequest / ResourceExhausted.
         A full queue may turn away a queued request of lower priority instead: the caller collects it
         with `take_evicted` (already forgotten here) and answers it."""
-        req = self.make_request(prompt, params, rid, priority)
+        req = self.make_request(prompt, params, rid, priority, resume_ids)
         try:
             self.scheduler.add(req)
         except Exception:
@@ -99,11 +100,23 @@ class LLMEngine:
         return req.rid
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, resume_ids: Sequence[int] = ()) -> Request:
         """Validate, tokenize and start tracking a request without queueing it (disaggregated
         workers queue it themselves). Unset sampling fields get `sampling_defaults` here, the one place
-        every entry point (gRPC workers, `tandem generate`, this API) passes. Raises InvalidRequest."""
+        every entry point (gRPC workers, `tandem generate`, this API) passes. Raises InvalidRequest.
+
+        `resume_ids`: output tokens another worker already produced and streamed (the router's
+        mid-stream migration). The request continues after prompt + them as if it had produced them
+        here: they count against max_tokens, the detokenizer replays them (their text, held-back
+        stop-string prefixes and half characters included, is not emitted again), a seeded generator
+        skips their draws and a grammar consumes them. Output-only penalties (frequency, presence)
+        see them as prompt: docs/resilience.md."""
         params = self.sampling_defaults.fill(params)
+        if resume_ids:
+            if params.max_tokens <= len(resume_ids):
+                raise InvalidRequest(f"{len(resume_ids)} resumed tokens leave nothing of max_tokens "
+                                     f"{params.max_tokens}", "resume_ids")
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - len(resume_ids))
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
@@ -114,18 +127,26 @@ class LLMEngine:
             bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise InvalidRequest(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}", "prompt")
+        resumed = [int(t) for t in resume_ids]
+        bad = [t for t in resumed if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"resumed token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}",
+                                 "resume_ids")
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
-        req = Request(rid, prompt_ids, params, priority=priority)
+        req = Request(rid, prompt_ids + resumed, params, priority=priority)
         self.scheduler.validate(req)
         if params.structured is not None:
             req.grammar = self.grammar_backend().matcher(params.structured)
-        self._tracked[rid] = _Tracked(
-            req,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop),
-            StopChecker(params, self.eos_token_ids),
-        )
+            if req.grammar.consume(resumed) != len(resumed):
+                raise InvalidRequest("the resumed tokens do not match the structured-output constraint", "resume_ids")
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
+        for t in resumed:  # the same appends the first worker made: the same window, held text and offsets
+            detok.append(t)
+        if resumed and not params.is_greedy:
+            self.runner.skip_draws(rid, params.seed, len(resumed))
+        self._tracked[rid] = _Tracked(req, detok, StopChecker(params, self.eos_token_ids))
         return req
 
     def grammar_backend(self) -> GrammarBackend:

@@ -33,8 +33,8 @@ class ColocatedWorker:
         self._export_tiers = metrics.kv_tier_exporter(engine)
 
     def add(self, prompt, params, rid: str, emit: Callable[[RequestOutput | BaseException], None],
-            priority: int = 0) -> None:
-        self.engine.add_request(prompt, params, rid, priority)
+            priority: int = 0, resume_ids=()) -> None:
+        self.engine.add_request(prompt, params, rid, priority, resume_ids)
         self.streams[rid] = emit
         for evicted, err in self.engine.take_evicted():  # pushed out of the full queue by this one
             metrics.REQUESTS.labels("rejected").inc()
@@ -90,7 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add(
                 prompt_from_pb(request), params, rid, lambda out: self.loop.deliver(queue.put_nowait, out),
-                priority))
+                priority, list(request.resume_ids)))
         except TandemError as e:
             await abort_with(context, e)
         finished = False

@@ -34,7 +34,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add_prefill(
-                request.bootstrap_room, rid, prompt_from_pb(request), params, on_done, priority))
+                request.bootstrap_room, rid, prompt_from_pb(request), params, on_done, priority,
+                list(request.resume_ids)))
         except TandemError as e:
             await abort_with(context, e)
         try:

@@ -51,7 +51,8 @@ class PrefillWorker:
         metrics.QUEUE_CAP.labels("bootstrap").set(max_rooms)
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
-    def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0) -> None:
+    def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0,
+                    resume_ids=()) -> None:
         """The router's Prefill: validate and wait for D's Bootstrap. Raises InvalidRequest."""
         if room_id in self.rooms and self.rooms[room_id].req is not None:
             raise InvalidRequest(f"bootstrap room {room_id} is already in use", "bootstrap_room")
@@ -60,8 +61,10 @@ class PrefillWorker:
         room = self.rooms.get(room_id)
         if room is None:
             self._check_capacity()
-        # P samples exactly one token; D validates the whole request (context, max_tokens) too.
-        req = self.engine.make_request(prompt, dataclasses.replace(params, max_tokens=1), rid, priority)
+        # P samples exactly one token (after the resumed ones, which count against max_tokens); D
+        # validates the whole request (context, max_tokens) too.
+        req = self.engine.make_request(prompt, dataclasses.replace(params, max_tokens=1 + len(resume_ids)), rid,
+                                       priority, resume_ids)
         if room is None:
             room = self.rooms[room_id] = PrefillRoom(room_id)
         room.req, room.on_done = req, on_done
