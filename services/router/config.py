@@ -51,6 +51,11 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # 0 = no router-side deadline
     drain_timeout_s: float = 5.0
     max_retries: int = 1  # extra attempts on another pair, only on UNAVAILABLE before the first token
+    # Resubmissions of a stream that broke after tokens reached the client (servicer.py, migration.py).
+    # 2: one worker death, plus one failed continuation (e.g. onto a worker that died in the same
+    # event and is still registered until its TTL); more is likely a systemic failure, and each
+    # migration re-prefills a longer prompt.
+    max_migrations: int = 2
     circuit_breaker: bool = True  # skip a worker after cb_failure_threshold UNAVAILABLEs in a row (breaker.py)
     cb_failure_threshold: int = 3
     cb_timeout_s: float = 5.0  # how long an opened circuit skips its worker (doubles while it keeps failing)
@@ -98,7 +103,7 @@ class RouterConfig:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
-        if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0:
+        if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0 or self.max_migrations < 0:
             raise ValueError("timeouts and retries must be >= 0")
         if self.cb_failure_threshold < 1 or self.cb_timeout_s <= 0:
             raise ValueError("--cb-failure-threshold must be >= 1 and --cb-timeout-duration-secs > 0")
@@ -138,6 +143,7 @@ class RouterConfig:
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
             max_retries=args.retry_max_retries,
+            max_migrations=args.max_migrations,
             circuit_breaker=args.circuit_breaker,
             cb_failure_threshold=args.cb_failure_threshold,
             cb_timeout_s=args.cb_timeout_duration_secs,
@@ -197,6 +203,10 @@ RESILIENCE_FLAGS = (
     Flag(("--retry-max-retries",), Owner.ROUTER, RESILIENCE,
          "a request that fails with UNAVAILABLE before anything reached the client is tried again on another "
          "(prefill, decode) pair, up to this many times", field="max_retries", type=int),
+    Flag(("--max-migrations",), Owner.ROUTER, RESILIENCE,
+         "a stream that breaks with UNAVAILABLE after tokens reached the client is continued on another pair "
+         "(prompt + the tokens already sent; no token repeated or missing), up to this many times per request; "
+         "0: it fails", field="max_migrations", type=int),
     Flag(("--cb-failure-threshold",), Owner.ROUTER, RESILIENCE,
          "consecutive UNAVAILABLE failures after which a worker's circuit opens (it gets no new requests until "
          "the timeout passes, unless every worker of its role is open)", field="cb_failure_threshold", type=int),

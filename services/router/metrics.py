@@ -25,6 +25,12 @@ class RouterMetrics:
         self.retries = Counter(
             "tandem_router_retries", "Requests retried on another pair after UNAVAILABLE", registry=self.registry
         )
+        self.migrations = Counter(
+            "tandem_router_migrations", "Streams that broke after tokens reached the client, by outcome: "
+            "migrated (continued on another pair), exhausted (--max-migrations reached), no_worker (nothing "
+            "left to continue on), unsupported (nothing left of max_tokens), deadline (the request's deadline passed)",
+            ["outcome"], registry=self.registry,
+        )
         self.open_circuits = Gauge(
             "tandem_router_open_circuits", "Workers skipped by their open circuit breaker", registry=self.registry
         )

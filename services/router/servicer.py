@@ -3,7 +3,8 @@
 One request, disaggregated: pick (P, D) by policy, draw a random 63-bit bootstrap room, call
 `P.Prefill` and `D.Decode` concurrently and relay D's stream to the client. A failure of either call
 cancels the other; a client cancel cancels both. Before the first chunk reaches the client, an
-UNAVAILABLE worker (gone) is retried once on another pair.
+UNAVAILABLE worker (gone) is retried once on another pair; after it, the stream is migrated: continued
+on another pair from the tokens already sent (migration.py), up to --max-migrations times.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from services.router.channels import ChannelPool
 from services.router.config import RouterConfig
 from services.router.kv_feed import EventPrefixView
 from services.router.metrics import RouterMetrics
+from services.router.migration import StreamLedger
 from services.router.planner import RoutePlan, RoutePlanner, prompt_key
 from services.router.validation import validate_request
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -49,6 +51,15 @@ _CALLER_CODES = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+# Why a stream that broke after tokens were sent was not migrated (metric outcome -> message).
+_NOT_MIGRATED = {
+    "exhausted": "--max-migrations {n} reached",
+    "unsupported": "max_tokens already produced",
+    "deadline": "the request's deadline passed",
+    "no_worker": "no other worker to continue on",
 }
 
 
@@ -79,13 +90,14 @@ class RouteError(Exception):
 
 
 class _Relay:
-    """Writes worker chunks to the client; remembers whether anything was sent (no retry after that)."""
+    """Writes worker chunks to the client; remembers what was sent (migrated, not retried, after that)."""
 
     def __init__(self, context: grpc.aio.ServicerContext, started: float, metrics: RouterMetrics,
-                 on_first: Callable[[], None] = lambda: None):
+                 ledger: StreamLedger, on_first: Callable[[], None] = lambda: None):
         self.context = context
         self.started = started
         self.metrics = metrics
+        self.ledger = ledger
         self.on_first = on_first  # the prompt was prefilled (the planner stops counting it as queued)
         self.sent = 0
 
@@ -94,7 +106,7 @@ class _Relay:
             self.metrics.ttft.observe(time.monotonic() - self.started)
             self.on_first()
         self.sent += 1
-        await self.context.write(msg)
+        await self.context.write(self.ledger.record(msg))
 
 
 def _discard(task: asyncio.Future | None) -> None:
@@ -221,27 +233,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         failed: set[str] = set()
         key = prompt_key(request)
         plan = self._pick(request.model, key, failed, set())
-        relay = _Relay(context, started, self.metrics, on_first=lambda: self.planner.first_token(plan))
+        ledger = StreamLedger(request, self.config.max_migrations)
+        relay = _Relay(context, started, self.metrics, ledger, on_first=lambda: self.planner.first_token(plan))
         attempt = 0
+        sent_request = request  # the original, or the continuation after a migration
         while True:
             current = plan
             self.planner.begin(current)
-            span = tracing.start("router.attempt", attributes=self._trace_plan(current, attempt))
+            attrs = self._trace_plan(current, attempt)
+            if attrs is not None and ledger.migrations:
+                attrs.update({"tandem.migration": ledger.migrations, "tandem.migration.resumed_tokens": ledger.resumed})
+            span = tracing.start("router.attempt", attributes=attrs)
             try:
                 with tracing.current(span):   # the worker calls carry it
                     if self.config.mode == "colocated":
-                        await self._colocated(request, rid, current.decode, relay, deadline)
+                        await self._colocated(sent_request, rid, current.decode, relay, deadline)
                     else:
-                        await self._disagg(request, rid, current.prefill, current.decode, relay, deadline)
+                        await self._disagg(sent_request, rid, current.prefill, current.decode, relay, deadline)
                 self._outcome(current, None)
                 return relay.sent
             except RouteError as e:
                 tracing.end(span, {"tandem.error_worker": e.worker_id or ""}, error=f"{e.code.name}: {e.message}")
                 span = None
                 self._outcome(current, e)
-                if e.code == grpc.StatusCode.UNAVAILABLE and relay.sent:
-                    e.message += (f" (the stream broke after {relay.sent} chunk{'s' if relay.sent != 1 else ''}; "
-                                  "it is not resumed on another worker)")
+                if ledger.finished:  # the final chunk went out; only the stream's end was lost
+                    log.info("[%s] %s after the final chunk", rid, e.message)
+                    return relay.sent
+                if relay.sent:
+                    plan = self._migrate(rid, e, ledger, request, key, failed, current, deadline)
+                    sent_request = ledger.continuation()
+                    attempt += 1
+                    self.metrics.migrations.labels("migrated").inc()
+                    log.warning("[%s] %s; migrating after %d tokens to %s (migration %d of at most %d)", rid,
+                                e.message, len(ledger.sent_ids), ", ".join(w.worker_id for w in plan.workers),
+                                ledger.migrations, ledger.max_migrations)
+                    continue
                 retry = (
                     e.code == grpc.StatusCode.UNAVAILABLE and e.worker_id and relay.sent == 0
                     and attempt < self.config.max_retries and (deadline is None or time.monotonic() < deadline)
@@ -272,6 +298,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 "tandem.route.candidates": [f"{w.worker_id}:{self.planner.inflight[w.worker_id]}"
                                             for role in self.config.roles for w in self.registry.workers(role)]}
 
+    def _migrate(self, rid: str, e: RouteError, ledger: StreamLedger, request, key: PromptKey, failed: set[str],
+                 current: RoutePlan, deadline: float | None) -> RoutePlan:
+        """The pair to continue a stream that broke after tokens were sent, or raise `e` saying why not."""
+        why = ledger.why_not(e.code, request.sampling.max_tokens or None) if e.worker_id else "not_migratable"
+        if why is None and deadline is not None and time.monotonic() >= deadline:
+            why = "deadline"
+        if why is None:
+            failed.add(e.worker_id)
+            try:  # never the worker that failed, preferably neither of the pair
+                return self._pick(request.model, key, failed, {w.worker_id for w in current.workers})
+            except RouteError:
+                why = "no_worker"
+        if why != "not_migratable":
+            self.metrics.migrations.labels(why).inc()
+            e.message += (f" (the stream broke after {len(ledger.sent_ids)} tokens and was not continued: "
+                          f"{_NOT_MIGRATED[why].format(n=ledger.max_migrations)})")
+            log.warning("[%s] not migrated (%s)", rid, why)
+        raise e
+
     def _outcome(self, plan: RoutePlan, err: RouteError | None) -> None:
         """Feed the circuit breakers: a worker that answered UNAVAILABLE failed; a finished pair worked."""
         if self.breakers is None:
@@ -298,7 +343,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if p is not None:
             prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
-                                          priority=request.priority, **prompt),
+                                          priority=request.priority, resume_ids=request.resume_ids, **prompt),
                 timeout=timeout, metadata=tracing.outgoing(),
             )
             peer = {"prefill_bootstrap_addr": p.bootstrap_addr, "prefill_worker_id": p.worker_id,
@@ -307,7 +352,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             peer = {"local_prefill": True}
         decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
             worker_pb2.DecodeRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
-                                     priority=request.priority, **prompt, **peer),
+                                     priority=request.priority, resume_ids=request.resume_ids, **prompt, **peer),
             timeout=timeout, metadata=tracing.outgoing(),
         )
         prefill_done = asyncio.ensure_future(self._await_prefill(prefill_call, p, room))

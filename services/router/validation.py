@@ -12,6 +12,8 @@ from tandem.v1 import generation_pb2
 
 def validate_request(req: generation_pb2.GenerateRequest, limits: RequestLimits = RequestLimits()) -> None:
     """Raise InvalidRequest (with `param`) for a request no worker could accept, or over `limits`."""
+    if req.resume_ids:
+        raise InvalidRequest("resume_ids is set by the router only (mid-stream migration)", "resume_ids")
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("a prompt is required: set text or token_ids", "prompt")

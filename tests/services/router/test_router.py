@@ -199,23 +199,24 @@ def test_unavailable_with_no_other_worker_fails_with_the_worker_error():
     arun(body())
 
 
-def test_no_retry_after_the_first_token():
+def test_no_retry_after_the_first_token_without_migrations():
     async def body():
-        # d0 streams one token and then dies with UNAVAILABLE; d1 must never be called.
+        # d0 streams one token and then dies with UNAVAILABLE; with --max-migrations 0 d1 must never
+        # be called (migration: test_migration.py).
         class Dropping(FakeDecode):
             async def _decode(self, request, context):
                 await context.write(generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[1]))
                 await context.abort(S.UNAVAILABLE, "worker shutting down")
 
         p0, p1, d0, d1 = FakePrefill(), FakePrefill(), Dropping(), FakeDecode()
-        async with cluster([p0, p1], [d0, d1]) as (_, stub):
+        async with cluster([p0, p1], [d0, d1], config=replace(BASE, max_migrations=0)) as (_, stub):
             call = stub.Generate(_req())
             assert list((await call.read()).token_ids) == [1]
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
             assert info.value.code() == S.UNAVAILABLE
             assert "worker shutting down" in info.value.details()
-            assert "broke after 1 chunk; it is not resumed on another worker" in info.value.details()
+            assert "broke after 1 tokens and was not continued: --max-migrations 0 reached" in info.value.details()
             assert d1.requests == []
 
     arun(body())
