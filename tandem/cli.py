@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from tandem import bench_cmd, gateway_cmd, generate_cmd, router_cmd, up_cmd, worker_cmd
+from tandem import bench_cmd, gateway_cmd, generate_cmd, router_cmd, trace_cmd, up_cmd, worker_cmd
 from tandem.command import HelpFormatter, add_global_arguments, start
 
 # name -> (one-line description, add_arguments, run); each subcommand lives in its own module.
@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
     "gateway": (gateway_cmd.SUMMARY, gateway_cmd.add_arguments, gateway_cmd.run),
     "bench": ("load-test an endpoint (serve) or compare deployments across request rates (sweep)",
               bench_cmd.add_arguments, bench_cmd.run),
+    "trace": (trace_cmd.SUMMARY, trace_cmd.add_arguments, trace_cmd.run),
 }
 
 

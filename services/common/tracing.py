@@ -99,6 +99,11 @@ def shutdown() -> None:
     _tracer = _provider = None
 
 
+def flush() -> None:
+    if _provider is not None:
+        _provider.force_flush()
+
+
 def enabled() -> bool:
     return _tracer is not None
 

@@ -10,10 +10,12 @@ import grpc
 from engine.errors import TandemError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVReceiver
+from services.common import tracing
 from services.common.auth import InternalAuth
 from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.decode.worker import DecodeRoom, DecodeWorker
+from services.worker import trace as worker_trace
 from services.worker.convert import output_to_pb
 from services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -31,6 +33,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # One request id may arrive twice (the router retries on another pair before the first
         # token, while this worker may still be tearing down the first attempt): key by attempt.
         rid = f"{request.request_id}/{request.bootstrap_room:x}"
+        trace = worker_trace.decode_trace(context, request)   # None unless tracing is on
+        error = "cancelled"
 
         def emit(item) -> None:  # engine thread
             self.loop.deliver(queue.put_nowait, item)
@@ -40,6 +44,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                       priority_from_pb(request), list(request.resume_ids))
             room = DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
                               request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch)
+            if trace is not None:
+                trace.room = room
             if request.local_prefill:
                 self.worker.add_local(room)
             else:
@@ -54,17 +60,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    finished, error = True, str(item)
                     await abort_with(context, item)
                 resp = output_to_pb(item, engine.tokenizer.convert_ids_to_tokens)
                 resp.request_id = request.request_id
+                if trace is not None:
+                    trace.output(item)
                 yield resp
                 if item.finished:
-                    finished = True
+                    finished, error = True, None
                     return
         finally:
             if not finished:  # cancelled by the router (client gone) or the stream broke
                 self.loop.post(lambda: self.worker.cancel(rid))
+            if trace is not None:
+                trace.finish(error)
 
 
 class BootstrapClient:
@@ -118,12 +128,13 @@ class BootstrapClient:
         req.decode_boot_epoch = self.boot_epoch
         req.decode_grpc_addr = self.grpc_addr
         error = None
+        span = worker_trace.bootstrap_span(room.room)
         try:
             stub = self._stub(room.prefill_addr)
             for _ in range(2):
                 if room.prefill_id not in self._told:
                     req.transfer_metadata = self.receiver.metadata()
-                resp = await stub.Bootstrap(req, timeout=self.timeout_s)
+                resp = await stub.Bootstrap(req, timeout=self.timeout_s, metadata=tracing.outgoing(span))
                 if resp.need_metadata:
                     self._told.discard(room.prefill_id)
                     continue
@@ -136,6 +147,7 @@ class BootstrapClient:
                 error = "prefill worker kept asking for transfer metadata"
         except grpc.aio.AioRpcError as e:
             error = f"{e.code().name}: {e.details()}"
+        tracing.end(span, {"tandem.prefill_worker": room.prefill_id}, error=error)
         self.loop.post(lambda: self.worker.bootstrap_done(room.room, error))
 
     async def _abort(self, room: DecodeRoom, reason: str) -> None:

@@ -83,6 +83,7 @@ class DecodeRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     created: float = dataclasses.field(default_factory=time.monotonic)
     bootstrapped_at: float | None = None
+    kv_ready_at: float | None = None  # its KV arrived (a stamp for the request's trace)
     outlived_timeout: bool = False  # still waited for, thanks to progress, after transfer_s from the bootstrap
     prefill_epoch: int = 0          # boot epoch of the prefill instance the router paired (0: unchecked)
 
@@ -266,6 +267,7 @@ class DecodeWorker:
         if aux.bootstrap_room != room.room:  # an index mix-up somewhere: never decode from wrong KV
             self._drop(room, TransferFailed(f"aux record for room {aux.bootstrap_room} arrived in room {room.room}"))
             return
+        room.kv_ready_at = time.monotonic()
         del self.transfer[room.room]
         self.receiver.release(room.room)
         if status.seconds > 0:

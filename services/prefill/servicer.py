@@ -9,11 +9,13 @@ import grpc
 
 from engine.errors import TandemError
 from kvtransfer.base import KVSender, TransferError
+from services.common import tracing
 from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.prefill.rooms import BootstrapInfo
 from services.prefill.worker import PrefillWorker
 from services.worker import metrics
+from services.worker import trace as worker_trace
 from services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -31,6 +33,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.loop.deliver(lambda: done.done() or done.set_result(resp))
 
         rid = f"{request.request_id}/{request.bootstrap_room:x}"  # unique per attempt (see decode)
+        span = worker_trace.prefill_span(context, request)   # None unless tracing is on
         try:
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add_prefill(
@@ -40,12 +43,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await abort_with(context, e)
         try:
             resp = await done
+            worker_trace.end_prefill(span, resp, type(self.worker.sender).__name__)
             if isinstance(resp, BaseException):  # turned away from the full waiting queue
                 await abort_with(context, resp)
             resp.request_id = request.request_id
             return resp
         except asyncio.CancelledError:
             # The router cancelled (client gone, or decode failed): stop and free the room.
+            tracing.end(span, error="cancelled")
             self.loop.post(lambda: self.worker.abort_request(rid, "cancelled by router"))
             raise
 

@@ -1,0 +1,86 @@
+"""The workers' request spans (services/common/tracing.py), kept out of the servicers.
+
+The engine thread only stamps `time.monotonic()` on its rooms (DecodeRoom.created / bootstrapped_at /
+kv_ready_at); the spans are built here, on the event loop, once the request is over, with those
+stamps as explicit start and end times. Every function is a no-op while tracing is off.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.common import tracing
+
+# bootstrap room -> the decode span of the request it belongs to, so the Bootstrap call that the
+# engine thread asks for (BootstrapClient) joins the request's trace. Only filled while tracing is on.
+_ROOM_SPANS: dict[int, object] = {}
+
+
+class DecodeTrace:
+    """One Decode call: admission (prealloc queue + pages), the wait for the KV, the first token."""
+
+    def __init__(self, context, request):
+        self.started = time.monotonic()
+        self.room_id = request.bootstrap_room
+        self.span = tracing.start("tandem.decode", tracing.extract(context.invocation_metadata()), server=True,
+                                  start_s=self.started, attributes={
+                                      "tandem.request_id": request.request_id, "tandem.bootstrap_room": self.room_id,
+                                      "tandem.prefill_worker": request.prefill_worker_id,
+                                      "tandem.local_prefill": request.local_prefill,
+                                      "gen_ai.request.max_tokens": request.sampling.max_tokens})
+        _ROOM_SPANS[self.room_id] = self.span
+        self.room = None
+        self.first_at: float | None = None
+        self.tokens = 0
+        self.usage = None
+
+    def output(self, item) -> None:
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        self.tokens += len(item.token_ids)
+        self.usage = item.usage or self.usage
+
+    def finish(self, error: str | None = None) -> None:
+        _ROOM_SPANS.pop(self.room_id, None)
+        room, span = self.room, self.span
+        if room is not None:
+            tracing.record("decode.admission", span, room.created, room.bootstrapped_at)
+            tracing.record("decode.wait_kv", span, room.bootstrapped_at, room.kv_ready_at)
+            ready = room.kv_ready_at or room.bootstrapped_at or room.created
+            tracing.record("decode.first_token", span, ready, self.first_at)
+        attrs = {"gen_ai.usage.output_tokens": self.tokens}
+        if (usage := self.usage) is not None:
+            attrs.update({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                          "gen_ai.usage.output_tokens": usage.completion_tokens,
+                          "tandem.cached_tokens": usage.cached_tokens})
+        tracing.end(span, attrs, error=error)
+
+
+def decode_trace(context, request) -> DecodeTrace | None:
+    return DecodeTrace(context, request) if tracing.enabled() else None
+
+
+def bootstrap_span(room_id: int):
+    """A client span for D's Bootstrap call of `room_id` (None when off or the room is not traced)."""
+    parent = _ROOM_SPANS.get(room_id)
+    return tracing.start("decode.bootstrap", parent, {"tandem.bootstrap_room": room_id}) if parent else None
+
+
+def prefill_span(context, request):
+    return tracing.start("tandem.prefill", tracing.extract(context.invocation_metadata()), server=True,
+                         attributes={"tandem.request_id": request.request_id,
+                                     "tandem.bootstrap_room": request.bootstrap_room})
+
+
+def end_prefill(span, resp, backend: str) -> None:
+    """The prefill span, with the KV transfer as a child ending now and lasting `transfer_ms`."""
+    if span is None:
+        return
+    if not isinstance(resp, BaseException):
+        now = time.monotonic()
+        tracing.record("prefill.kv_transfer", span, now - resp.transfer_ms / 1e3, now,
+                       {"tandem.kv.bytes": resp.transfer_bytes, "tandem.kv.backend": backend})
+        tracing.end(span, {"tandem.cached_tokens": resp.cached_tokens, "tandem.transfer_state": resp.state},
+                    error=resp.error or None)
+    else:
+        tracing.end(span, error=str(resp))
