@@ -32,6 +32,10 @@ class PrefillRoom:
     error: str = ""
     rejection: BaseException | None = None      # the Prefill RPC fails with this status instead (queue full)
     on_done: Callable[[PrefillRoom], None] | None = None  # resolves the Prefill RPC
+    # Stamps for the request's trace (services/worker/trace.py), time.monotonic(): when both halves
+    # had arrived, and (step start, step end, tokens) of each step that ran one of its chunks.
+    started_at: float | None = None
+    chunks: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:

@@ -36,14 +36,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         span = worker_trace.prefill_span(context, request)   # None unless tracing is on
         try:
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
-            await self.loop.call(lambda: self.worker.add_prefill(
+            room = await self.loop.call(lambda: self.worker.add_prefill(
                 request.bootstrap_room, rid, prompt_from_pb(request), params, on_done, priority,
                 list(request.resume_ids)))
         except TandemError as e:
             await abort_with(context, e)
         try:
             resp = await done
-            worker_trace.end_prefill(span, resp, type(self.worker.sender).__name__)
+            worker_trace.end_prefill(span, resp, type(self.worker.sender).__name__, room)
             if isinstance(resp, BaseException):  # turned away from the full waiting queue
                 await abort_with(context, resp)
             resp.request_id = request.request_id

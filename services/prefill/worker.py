@@ -52,8 +52,9 @@ class PrefillWorker:
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
     def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0,
-                    resume_ids=()) -> None:
-        """The router's Prefill: validate and wait for D's Bootstrap. Raises InvalidRequest."""
+                    resume_ids=()) -> PrefillRoom:
+        """The router's Prefill: validate and wait for D's Bootstrap. Returns its room (whose stamps
+        the servicer reads once it is done); raises InvalidRequest."""
         if room_id in self.rooms and self.rooms[room_id].req is not None:
             raise InvalidRequest(f"bootstrap room {room_id} is already in use", "bootstrap_room")
         if rid in self._by_rid:
@@ -71,6 +72,7 @@ class PrefillWorker:
         self._by_rid[rid] = room
         if room.ready:
             self._start(room)
+        return room
 
     def bootstrap(self, room_id: int, info: BootstrapInfo) -> None:
         """D's Bootstrap: its pages are reserved. Raises InvalidRequest / ResourceExhausted."""
@@ -104,8 +106,9 @@ class PrefillWorker:
 
     def step(self) -> None:
         self.progress.before_step(self.sched, self._by_rid)
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.monotonic()
         finished = self.engine.advance()
+        ended = time.monotonic()
         self.progress.pace.observe(sum(len(s.input_ids) for batch, _ in finished for s in batch.seqs),
                                    time.perf_counter() - t0)
         # With overlap, `advance` launches the next chunk before this one's pages are sent, so
@@ -117,6 +120,7 @@ class PrefillWorker:
                 room = self._by_rid.get(seq.req.rid)
                 if room is None or room.state.done:
                     continue
+                room.chunks.append((began, ended, len(seq.input_ids)))
                 tok = done.get(seq.req.rid)
                 if isinstance(tok, list):   # structured output: the grammar refused the only token there was
                     self._fail(room, "structured output: the grammar left no legal first token")
@@ -166,6 +170,7 @@ class PrefillWorker:
             raise ResourceExhausted(f"prefill bootstrap queue is full ({self.max_rooms} rooms)")
 
     def _start(self, room: PrefillRoom) -> None:
+        room.started_at = time.monotonic()
         try:
             _check_pages(room.req.prompt_ids, room.info, self.page_size)
             self.sched.add(room.req)

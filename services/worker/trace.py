@@ -67,19 +67,32 @@ def bootstrap_span(room_id: int):
 
 
 def prefill_span(context, request):
+    """The Prefill call's span, started now (None when off)."""
     return tracing.start("tandem.prefill", tracing.extract(context.invocation_metadata()), server=True,
                          attributes={"tandem.request_id": request.request_id,
                                      "tandem.bootstrap_room": request.bootstrap_room})
 
 
-def end_prefill(span, resp, backend: str) -> None:
-    """The prefill span, with the KV transfer as a child ending now and lasting `transfer_ms`."""
+def end_prefill(span, resp, backend: str, room=None) -> None:
+    """The prefill span and its phases from the room's engine stamps: waiting for D's Bootstrap, the
+    queue, each chunk's step, and the KV transfer's tail (from the last chunk's aux record to the
+    transfer's completion; pages of earlier chunks went out after each chunk)."""
     if span is None:
         return
+    now = time.monotonic()
+    if room is not None:
+        began = span.start_time / 1e9 - time.time() + now      # the span's start as a monotonic stamp
+        if room.started_at is not None and room.started_at > began:
+            tracing.record("prefill.wait_bootstrap", span, began, room.started_at)
+        if room.chunks:
+            tracing.record("prefill.queue", span, room.started_at, room.chunks[0][0])
+        for i, (start, end, tokens) in enumerate(room.chunks):
+            tracing.record("prefill.chunk", span, start, end, {"tandem.chunk": i, "tandem.chunk.tokens": tokens})
     if not isinstance(resp, BaseException):
-        now = time.monotonic()
-        tracing.record("prefill.kv_transfer", span, now - resp.transfer_ms / 1e3, now,
-                       {"tandem.kv.bytes": resp.transfer_bytes, "tandem.kv.backend": backend})
+        start = room.finished_at if room is not None and room.finished_at is not None else now - resp.transfer_ms / 1e3
+        tracing.record("prefill.kv_transfer", span, start, now,
+                       {"tandem.kv.bytes": resp.transfer_bytes, "tandem.kv.backend": backend,
+                        "tandem.kv.transfer_ms": resp.transfer_ms})
         tracing.end(span, {"tandem.cached_tokens": resp.cached_tokens, "tandem.transfer_state": resp.state},
                     error=resp.error or None)
     else:

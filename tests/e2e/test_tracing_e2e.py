@@ -22,7 +22,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 SERVICES = {"tandem-gateway", "tandem-router", "tandem-prefill", "tandem-decode"}
 NAMES = {"POST /v1/completions", "router.generate", "router.queue", "router.attempt", "tandem.prefill",
-         "prefill.kv_transfer", "tandem.decode", "decode.bootstrap", "decode.admission", "decode.wait_kv",
+         "prefill.queue", "prefill.chunk", "prefill.kv_transfer", "tandem.decode", "decode.bootstrap", "decode.admission", "decode.wait_kv",
          "decode.first_token"}
 
 
@@ -58,6 +58,8 @@ def check(spans: list[dict]) -> None:
     assert parent[by_name["decode.bootstrap"]["parent_id"]] == "tandem.decode"
     assert by_name["tandem.decode"]["attributes"]["gen_ai.usage.output_tokens"] == 4
     assert by_name["prefill.kv_transfer"]["attributes"]["tandem.kv.bytes"] > 0
+    assert parent[by_name["prefill.chunk"]["parent_id"]] == "tandem.prefill"
+    assert by_name["prefill.chunk"]["attributes"]["tandem.chunk.tokens"] > 0
     for s in spans:   # children inside their parents (same clock: one machine)
         if s["parent_id"] in ids:
             p = next(x for x in spans if x["span_id"] == s["parent_id"])
