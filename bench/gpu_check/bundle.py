@@ -67,6 +67,7 @@ WHEELS = (
     Wheel("grpcio-health-checking", "1.85.1", "workers' and the router's gRPC health service"),
     Wheel("grpcio-reflection", "1.85.1", "the router's gRPC reflection"),
     Wheel("gguf", "0.19.0", "engine.models.source imports the GGUF importer at module level"),
+    Wheel("llguidance", "1.9.1", "structured output: the engine and the router's request check compile grammars"),
 )
 
 # Requirements of carried wheels that deliberately do not travel.
