@@ -70,7 +70,8 @@ def test_decode_killed_mid_stream_ends_it_clearly_and_is_restarted(tiny_llama):
                     decode["pid"] = 0
         assert 3 <= got < 400
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "decode worker" in err.value.details() and "not resumed" in err.value.details()
+        # Its only decode worker died: nothing to migrate the stream to (test_decode_killed_mid_stream_...migrated).
+        assert "decode worker" in err.value.details() and "no other worker to continue on" in err.value.details()
         event = _restarted(stack, "decode-0")
         assert event["restarts"] == 1 and event["pid"] != stack.workers("decode")[0]["pid"]
         # The new instance serves (under the same worker id, a new boot epoch); the prefill side is clean.
@@ -85,5 +86,41 @@ def test_decode_killed_mid_stream_ends_it_clearly_and_is_restarted(tiny_llama):
         free, total = stack.wait_pages_free(stack.workers("prefill")[0])
         assert free == total
         assert "decode-0 exited (killed by SIGKILL); restarting it" in "\n".join(stack.log)
+    finally:
+        stack.close()
+
+
+def test_decode_killed_mid_stream_every_stream_is_migrated_and_matches_an_undisturbed_run(tiny_llama):
+    # Steps slowed so that every stream is surely mid-output when the worker dies.
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--prefill", "1", "--decode", "2",
+                  "--enable-fault-injection", "--fault-inject", "forward_delay_ms=15")
+    try:
+        prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(8)]
+        want = [list(stack.generate(p, max_tokens=120, ignore_eos=True).token_ids) for p in prompts]
+        victim = stack.workers("decode")[0]
+        progress = [0] * len(prompts)
+
+        def stream(i: int) -> list[int]:
+            req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=120,
+                                                                                          ignore_eos=True))
+            req.token_ids.ids.extend(prompts[i])
+            got = []
+            for chunk in stack.stub.Generate(req, timeout=120):
+                got += chunk.token_ids
+                progress[i] = len(got)
+            return got
+
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(stream, i) for i in range(len(prompts))]
+            t0 = time.monotonic()
+            while min(progress) < 3:
+                assert time.monotonic() - t0 < 60, progress
+                time.sleep(0.01)
+            os.kill(victim["pid"], signal.SIGKILL)
+            assert max(progress) < 120
+            got = [f.result() for f in futures]
+        assert got == want  # every stream completed: no token twice, none missing, the same greedy tokens
+        router = {"metrics_port": stack.info["router_metrics_port"]}
+        assert stack.metric(router, 'tandem_router_migrations_total{outcome="migrated"}') >= 1
     finally:
         stack.close()
