@@ -123,6 +123,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force-output-len", default="ignore-eos", choices=FORCE_OUTPUT_LEN,
                    help="how to make the server produce exactly --output-len tokens")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every HTTP request body")
+    p.add_argument("--trace-file", default=None,
+                   help="the spans file of a stack run with --otlp-traces-endpoint file://PATH: print and store "
+                        "TTFT broken into phases (p50/p99), warm-ups included (bench/trace_breakdown.py)")
     p.add_argument("--api-key", default=None,
                    help="bearer token: HTTP `Authorization` header, or tandem-grpc metadata "
                         "(default: $TANDEM_API_KEY, else $OPENAI_API_KEY)")
@@ -192,7 +195,8 @@ def run_serve(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer or args.model, dataset=_dataset(args, 100), request_rates=args.request_rate,
             burstiness=args.burstiness, max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
             slo=SLO.parse(args.slo), percentiles=args.percentiles, progress=not args.no_progress,
-            label=args.label, out=args.out, plot=not args.no_plot, save_requests=not args.no_save_requests)
+            label=args.label, out=args.out, plot=not args.no_plot, save_requests=not args.no_save_requests,
+            trace_file=args.trace_file)
         result = run_serve(cfg)
     except (ValueError, OSError, WarmupFailed) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -57,6 +57,7 @@ class ServeConfig:
     out: str | None = None               # results JSON; plots go beside it
     plot: bool = True
     save_requests: bool = True           # per-request records in the JSON
+    trace_file: str | None = None        # the stack's spans file (file:// exporter): TTFT broken into phases
 
 
 @dataclass
@@ -136,6 +137,7 @@ async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
 def run_serve(cfg: ServeConfig, echo=print) -> dict:
     """The `tandem bench serve` command: run, print summaries, write JSON and plots; return the JSON."""
     tokenizer = load_tokenizer(cfg.tokenizer)
+    began_ns = time.time_ns()
     runs = asyncio.run(run_rates(cfg, tokenizer, echo))
     result = {
         "tool": "tandem bench serve",
@@ -144,6 +146,13 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
         "config": config_dict(cfg),
         "runs": [r.to_dict(cfg.save_requests) for r in runs],
     }
+    if cfg.trace_file:
+        from bench.trace_breakdown import breakdown, format_table
+        from tandem.trace_cmd import load
+
+        time.sleep(1.5)   # the processes export in batches every 0.5 s: let the last requests' spans land
+        result["ttft_breakdown"] = breakdown(load(cfg.trace_file), since_ns=began_ns)
+        echo("\n".join(format_table(result["ttft_breakdown"])))
     if cfg.out:
         out = Path(cfg.out)
         write_json(out, result)

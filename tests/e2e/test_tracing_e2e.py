@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from bench.trace_breakdown import breakdown
 from tandem.trace_cmd import find, load, timeline
 from tests.e2e.stack import Stack, service_env
 
@@ -90,6 +91,8 @@ def test_file_exporter_one_trace_across_processes(tiny_llama, tmp_path):
     check(spans)
     lines = timeline(find(load(str(path)), None))
     assert "router.queue" in "\n".join(lines)
+    phases = breakdown(load(str(path)))["phases"]
+    assert {"router_queue", "prefill_compute", "decode_wait_kv", "decode_first_token", "ttft"} <= set(phases)
 
 
 class _Receiver:
