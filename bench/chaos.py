@@ -163,10 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=2, help="decode workers")
     p.add_argument("--up-arg", action="append", default=[], help="extra `tandem up` argument (repeatable)")
     p.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"), help="JSON results")
+    p.add_argument("--scenario", choices=("drill", "migration"), default="drill",
+                   help="drill: the kill phases above; migration: SIGKILL a decode worker of 1P2D while --streams "
+                   "streams are mid-output, and compare their text with an undisturbed run (bench/chaos_migration.py)")
+    p.add_argument("--streams", type=int, default=16, help="migration: concurrent streams")
+    p.add_argument("--kill-after-chunks", type=int, default=3,
+                   help="migration: SIGKILL once every stream has this many chunks")
     args = p.parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
+
+    if args.scenario == "migration":
+        return _migration(args, log)
 
     base = ["--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode),
             "--transfer-backend", "tcp", "--peer-probe-interval", "0.5", "--bootstrap-timeout", "10",
@@ -185,6 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         log(f"FAILED phases (hung, leaked pages or unclear errors): {bad}")
     return 1 if bad else 0
+
+
+def _migration(args: argparse.Namespace, log) -> int:
+    from bench.chaos_migration import run
+
+    load_before = _uptime()
+    row = run(["--model", args.model, "--transfer-backend", "tcp", *args.up_arg], model_id, args, log)
+    result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "host": platform.node(), "uptime_before": load_before, "uptime_after": _uptime(), "migration": row}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    log(f"wrote {args.out}")
+    ok = row["completed"] == row["identical_to_undisturbed"] == args.streams and not row["pages_leaked"]
+    return 0 if ok else 1
 
 
 def _delta(before: float, after: float | None) -> float | None:

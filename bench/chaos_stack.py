@@ -81,12 +81,16 @@ class ChaosStack:
 
     def router_retries(self) -> float | None:
         """The router's retries counter (it restarts from 0 with the router); None if unreadable."""
+        return self.router_metric("tandem_router_retries_total")
+
+    def router_metric(self, name: str) -> float | None:
+        """One sample of the router's /metrics (0 when absent); None if unreadable."""
         try:
             url = f"http://127.0.0.1:{self.router_metrics_port}/metrics"
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except (OSError, TypeError):
             return None
-        return _sample(text, "tandem_router_retries_total")
+        return _sample(text, name)
 
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict]:
         """Poll until every worker shows free == total pages (or the timeout), then report."""
