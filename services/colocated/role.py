@@ -15,6 +15,7 @@ from engine.outputs import RequestOutput
 from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
 from services.common.grpc_errors import abort_with
 from services.worker import metrics
+from services.worker import trace as worker_trace
 from services.worker.config import WorkerConfig
 from services.worker.convert import output_to_pb
 from services.worker.loop import EngineLoop
@@ -86,6 +87,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         engine = self.worker.engine
         rid = request.request_id or f"co-{id(queue):x}"
+        trace = worker_trace.colocated_trace(context, request)   # None unless tracing is on
+        error = "cancelled"
         try:
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add(
@@ -98,15 +101,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):  # turned away from the full queue
-                    finished = True
+                    finished, error = True, str(out)
                     await abort_with(context, out)
+                if trace is not None:
+                    trace.output(out)
                 yield output_to_pb(out, engine.tokenizer.convert_ids_to_tokens)
                 if out.finished:
-                    finished = True
+                    finished, error = True, None
                     return
         finally:
             if not finished:
                 self.loop.post(lambda: self.worker.cancel(rid))
+            if trace is not None:
+                trace.finish(error)
 
     async def ListModels(self, request, context):
         engine = self.worker.engine

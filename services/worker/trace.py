@@ -16,19 +16,20 @@ from services.common import tracing
 _ROOM_SPANS: dict[int, object] = {}
 
 
-class DecodeTrace:
-    """One Decode call: admission (prealloc queue + pages), the wait for the KV, the first token."""
+class StreamTrace:
+    """One streamed generation (a Decode call, or a co-located worker's Generate). On a decode
+    worker, with its room: admission (prealloc queue + pages), the wait for the KV, the first token;
+    on a co-located one: the time to its first token (queue + prefill)."""
 
-    def __init__(self, context, request):
+    def __init__(self, name: str, context, request, attributes: dict, room_id: int | None = None):
         self.started = time.monotonic()
-        self.room_id = request.bootstrap_room
-        self.span = tracing.start("tandem.decode", tracing.extract(context.invocation_metadata()), server=True,
+        self.room_id = room_id
+        self.span = tracing.start(name, tracing.extract(context.invocation_metadata()), server=True,
                                   start_s=self.started, attributes={
-                                      "tandem.request_id": request.request_id, "tandem.bootstrap_room": self.room_id,
-                                      "tandem.prefill_worker": request.prefill_worker_id,
-                                      "tandem.local_prefill": request.local_prefill,
-                                      "gen_ai.request.max_tokens": request.sampling.max_tokens})
-        _ROOM_SPANS[self.room_id] = self.span
+                                      "tandem.request_id": request.request_id,
+                                      "gen_ai.request.max_tokens": request.sampling.max_tokens, **attributes})
+        if room_id is not None:
+            _ROOM_SPANS[room_id] = self.span
         self.room = None
         self.first_at: float | None = None
         self.tokens = 0
@@ -43,6 +44,8 @@ class DecodeTrace:
     def finish(self, error: str | None = None) -> None:
         _ROOM_SPANS.pop(self.room_id, None)
         room, span = self.room, self.span
+        if self.room_id is None:
+            tracing.record("colocated.first_token", span, self.started, self.first_at)
         if room is not None:
             tracing.record("decode.admission", span, room.created, room.bootstrapped_at)
             tracing.record("decode.wait_kv", span, room.bootstrapped_at, room.kv_ready_at)
@@ -56,8 +59,18 @@ class DecodeTrace:
         tracing.end(span, attrs, error=error)
 
 
-def decode_trace(context, request) -> DecodeTrace | None:
-    return DecodeTrace(context, request) if tracing.enabled() else None
+def decode_trace(context, request) -> StreamTrace | None:
+    if not tracing.enabled():
+        return None
+    return StreamTrace("tandem.decode", context, request, {
+        "tandem.bootstrap_room": request.bootstrap_room, "tandem.prefill_worker": request.prefill_worker_id,
+        "tandem.local_prefill": request.local_prefill}, room_id=request.bootstrap_room)
+
+
+def colocated_trace(context, request) -> StreamTrace | None:
+    if not tracing.enabled():
+        return None
+    return StreamTrace("tandem.colocated", context, request, {"gen_ai.request.model": request.model})
 
 
 def bootstrap_span(room_id: int):

@@ -124,6 +124,30 @@ class _Receiver:
         self.server.start()
 
 
+def test_colocated_worker_joins_the_trace(tiny_llama, tmp_path):
+    path = tmp_path / "traces.jsonl"
+    stack = Stack(*engine_args(tiny_llama), "--mode", "colocated", "--otlp-traces-endpoint", f"file://{path}",
+                  gateway=True)
+    names = {"POST /v1/completions", "router.generate", "router.attempt", "tandem.colocated",
+             "colocated.first_token"}
+    try:
+        stack.info["model"] = model_id(stack)
+        complete(stack)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (
+                path.exists() and names <= {s["name"] for s in load(str(path)).get(TRACE_ID, [])}):
+            time.sleep(0.3)
+        time.sleep(1.0)
+    finally:
+        stack.close()
+    spans = load(str(path))[TRACE_ID]
+    parent = {s["span_id"]: s["name"] for s in spans}
+    by_name = {s["name"]: s for s in spans}
+    assert names <= set(by_name)
+    assert parent[by_name["tandem.colocated"]["parent_id"]] == "router.attempt"
+    assert by_name["tandem.colocated"]["attributes"]["gen_ai.usage.output_tokens"] == 4
+
+
 @pytest.mark.slow
 def test_otlp_receiver_gets_one_trace(tiny_llama):
     receiver = _Receiver()

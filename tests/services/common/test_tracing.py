@@ -80,3 +80,17 @@ def test_file_exporter_lines_and_timeline(tmp_path):
     assert lines[2].split()[2] == "root" and lines[3].split()[2] == "child"
     assert lines[3].index("child") > lines[2].index("root")     # nested under its parent
     assert find(traces, "nope") is None
+
+
+def test_off_never_imports_the_sdk():
+    # A fresh interpreter: the services' request paths imported and tracing configured off.
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import services.gateway.app, services.router.servicer, services.decode.servicer, services.prefill.servicer\n"
+            "from services.common import tracing\n"
+            "assert not tracing.configure('', 'x', {})\n"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
