@@ -48,6 +48,7 @@ class RoutePlan:
     key: PromptKey
     prefill_tokens: int = 0                     # charged to the prefilling worker until the first token
     first_token: bool = False
+    considered: tuple[Candidate, ...] = ()      # every worker weighed, with its costs (the request's trace)
 
     @property
     def prefill(self) -> worker_pb2.WorkerInfo | None:
@@ -78,9 +79,11 @@ class RoutePlanner:
     def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
         """`candidates`: the usable workers of every role this mode routes to (each non-empty)."""
         if COLOCATED in candidates:
-            w = self._pick(COLOCATED, self._candidates(candidates[COLOCATED], key))
-            return RoutePlan((w.info,), "colocated", key, w.uncached_tokens)
-        d = self._pick(DECODE, self._candidates(candidates[DECODE], key))
+            colocated = self._candidates(candidates[COLOCATED], key)
+            w = self._pick(COLOCATED, colocated)
+            return RoutePlan((w.info,), "colocated", key, w.uncached_tokens, considered=tuple(colocated))
+        decode = self._candidates(candidates[DECODE], key)
+        d = self._pick(DECODE, decode)
         prefill = self._candidates(candidates[PREFILL], key)   # built once: each looks up the prefix view
         route = "local" if self._local_sooner(d, prefill) else "remote"
         p = None
@@ -90,9 +93,10 @@ class RoutePlanner:
                 route = "local"
         if self.on_route is not None:
             self.on_route(route)
+        considered = (*prefill, *decode)
         if route == "local":
-            return RoutePlan((d.info,), "local", key, d.uncached_tokens)
-        return RoutePlan((p.info, d.info), "remote", key, p.uncached_tokens)
+            return RoutePlan((d.info,), "local", key, d.uncached_tokens, considered=considered)
+        return RoutePlan((p.info, d.info), "remote", key, p.uncached_tokens, considered=considered)
 
     def begin(self, plan: RoutePlan) -> None:
         """The attempt is being sent: count it. A prefill worker caches the prompt as soon as it has

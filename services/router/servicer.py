@@ -295,8 +295,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 "tandem.route.prefill_worker": p.worker_id if p is not None else "",
                 "tandem.route.decode_worker": plan.decode.worker_id,
                 "tandem.route.prefill_tokens": plan.prefill_tokens,
-                "tandem.route.candidates": [f"{w.worker_id}:{self.planner.inflight[w.worker_id]}"
-                                            for role in self.config.roles for w in self.registry.workers(role)]}
+                # Each worker weighed: role, id, tokens it would compute before this first token
+                # (queued + uncached), tokens of the prompt it holds, requests in flight on it.
+                "tandem.route.candidates": [
+                    f"{ROLE_NAMES.get(c.info.role, '?')}:{c.worker_id} cost={c.prefill_cost} cached={c.cached_tokens} "
+                    f"inflight={c.inflight}" for c in plan.considered]}
 
     def _migrate(self, rid: str, e: RouteError, ledger: StreamLedger, request, key: PromptKey, failed: set[str],
                  current: RoutePlan, deadline: float | None) -> RoutePlan:

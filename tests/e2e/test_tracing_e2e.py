@@ -55,6 +55,10 @@ def check(spans: list[dict]) -> None:
     parent = {s["span_id"]: s["name"] for s in spans}
     assert parent[by_name["router.generate"]["parent_id"]] == "POST /v1/completions"
     assert parent[by_name["tandem.prefill"]["parent_id"]] == "router.attempt"
+    route = by_name["router.attempt"]["attributes"]
+    assert route["tandem.route"] == "remote" and route["tandem.route.policy"]
+    assert sorted(c.split(":")[0] for c in route["tandem.route.candidates"]) == ["decode", "prefill"]
+    assert all(" cost=" in c for c in route["tandem.route.candidates"])
     assert parent[by_name["tandem.decode"]["parent_id"]] == "router.attempt"
     assert parent[by_name["decode.bootstrap"]["parent_id"]] == "tandem.decode"
     assert by_name["tandem.decode"]["attributes"]["gen_ai.usage.output_tokens"] == 4
@@ -95,6 +99,12 @@ def test_file_exporter_one_trace_across_processes(tiny_llama, tmp_path):
     assert {"router_queue", "prefill_compute", "decode_wait_kv", "decode_first_token", "ttft"} <= set(phases)
 
 
+def _value(v):
+    """An OTLP AnyValue as Python (arrays as lists)."""
+    kind = v.WhichOneof("value")
+    return [_value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+
+
 class _Receiver:
     """The OTLP TraceService a collector serves, keeping what it receives as the file exporter's dicts."""
 
@@ -114,8 +124,7 @@ class _Receiver:
                                 "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
                                 "parent_id": s.parent_span_id.hex() or None, "name": s.name, "service": service,
                                 "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                                "attributes": {a.key: getattr(a.value, a.value.WhichOneof("value"))
-                                               for a in s.attributes}})
+                                "attributes": {a.key: _value(a.value) for a in s.attributes}})
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
