@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from bench.trace_breakdown import breakdown
+from tandem.cli import main
 from tandem.trace_cmd import find, load, timeline
 from tests.e2e.stack import Stack, service_env
 
@@ -90,9 +91,17 @@ def test_file_exporter_one_trace_across_processes(tiny_llama, tmp_path):
         stack.info["model"] = model_id(stack)
         complete(stack)
         spans = wait_for(lambda: load(str(path)).get(TRACE_ID, []) if path.exists() else [])
+        # `tandem bench serve --trace-file` breaks its own requests' TTFT into phases.
+        out = tmp_path / "bench.json"
+        assert main(["bench", "serve", "--backend", "tandem-grpc", "--base-url", stack.info["router"],
+                     "--model", str(tiny_llama), "--num-prompts", "3", "--input-len", "16", "--output-len", "4",
+                     "--num-warmups", "0", "--trace-file", str(path), "--out", str(out), "--no-progress",
+                     "--no-plot"]) == 0
     finally:
         stack.close()
     check(spans)
+    bench = json.loads(out.read_text())["ttft_breakdown"]
+    assert bench["requests"] == 3 and bench["phases"]["prefill_compute"]["n"] == 3
     lines = timeline(find(load(str(path)), None))
     assert "router.queue" in "\n".join(lines)
     phases = breakdown(load(str(path)))["phases"]
