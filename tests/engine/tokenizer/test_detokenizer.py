@@ -277,4 +277,4 @@ def test_stop_token_wins_over_length():
 
 
 def test_finish_reason_values():
-    assert [r.value for r in FinishReason] == ["length", "stop", "abort"]
+    assert [r.value for r in FinishReason] == ["length", "stop", "abort", "grammar_dead_end"]
