@@ -43,7 +43,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await abort_with(context, e)
         try:
             resp = await done
-            worker_trace.end_prefill(span, resp, type(self.worker.sender).__name__, room)
+            worker_trace.end_prefill(span, resp, self.worker.sender, room)
             if isinstance(resp, BaseException):  # turned away from the full waiting queue
                 await abort_with(context, resp)
             resp.request_id = request.request_id

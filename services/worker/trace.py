@@ -86,7 +86,7 @@ def prefill_span(context, request):
                                      "tandem.bootstrap_room": request.bootstrap_room})
 
 
-def end_prefill(span, resp, backend: str, room=None) -> None:
+def end_prefill(span, resp, sender, room=None) -> None:
     """The prefill span and its phases from the room's engine stamps: waiting for D's Bootstrap, the
     queue, each chunk's step, and the KV transfer's tail (from the last chunk's aux record to the
     transfer's completion; pages of earlier chunks went out after each chunk)."""
@@ -104,9 +104,21 @@ def end_prefill(span, resp, backend: str, room=None) -> None:
     if not isinstance(resp, BaseException):
         start = room.finished_at if room is not None and room.finished_at is not None else now - resp.transfer_ms / 1e3
         tracing.record("prefill.kv_transfer", span, start, now,
-                       {"tandem.kv.bytes": resp.transfer_bytes, "tandem.kv.backend": backend,
+                       {"tandem.kv.bytes": resp.transfer_bytes, "tandem.kv.backend": _backend(sender, room),
                         "tandem.kv.transfer_ms": resp.transfer_ms})
         tracing.end(span, {"tandem.cached_tokens": resp.cached_tokens, "tandem.transfer_state": resp.state},
                     error=resp.error or None)
     else:
         tracing.end(span, error=str(resp))
+
+
+def _backend(sender, room) -> str:
+    """The data path the room's KV took ("shm", "tcp", ...; with `auto`, the one chosen for its peer),
+    else the sender's configured backend."""
+    path_kind = getattr(sender, "path_kind", None)
+    if path_kind is not None and room is not None and room.info is not None:
+        try:
+            return path_kind(room.info.peer_id)
+        except KeyError:   # the peer is gone since
+            pass
+    return getattr(sender, "name", "") or type(sender).__name__

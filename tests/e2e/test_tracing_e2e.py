@@ -64,6 +64,7 @@ def check(spans: list[dict]) -> None:
     assert parent[by_name["decode.bootstrap"]["parent_id"]] == "tandem.decode"
     assert by_name["tandem.decode"]["attributes"]["gen_ai.usage.output_tokens"] == 4
     assert by_name["prefill.kv_transfer"]["attributes"]["tandem.kv.bytes"] > 0
+    assert by_name["prefill.kv_transfer"]["attributes"]["tandem.kv.backend"] in ("shm", "tcp")   # what auto chose
     assert parent[by_name["prefill.chunk"]["parent_id"]] == "tandem.prefill"
     assert by_name["prefill.chunk"]["attributes"]["tandem.chunk.tokens"] > 0
     for s in spans:   # children inside their parents (same clock: one machine)
