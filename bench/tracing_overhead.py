@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.02, help="the p50 cost tracing may have")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench/results/tracing_overhead.json")
+    p.add_argument("--keep-traces", metavar="DIR",
+                   help="write the traced runs' span files (traces-N.jsonl) here and keep them, e.g. for "
+                        "`python -m bench.trace_breakdown` (default: a temporary directory, removed)")
     args = p.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="tandem-tracing-") as tmp:
+        traces = Path(args.keep_traces) if args.keep_traces else Path(tmp)
+        traces.mkdir(parents=True, exist_ok=True)
         for i in range(args.rounds * 2):
-            runs.append(one_run(args, traced=i % 2 == 1, workdir=Path(tmp), index=i))
+            runs.append(one_run(args, traced=i % 2 == 1, workdir=traces, index=i))
             print(json.dumps(runs[-1]))
     result = {"tool": "bench.tracing_overhead", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "config": vars(args), "runs": runs, **summary(runs, args.target)}
