@@ -167,6 +167,9 @@ def test_frames_for_a_released_room_do_not_land(pair):
     rx.expect(11, [12], tx.worker_id)
     _move(tx, rx, 11, [1], [12])
     assert wait_done(lambda: rx.poll(11)).state == RoomState.SUCCESS
+    # release() forgets a finished room: the sender's room is finished once D's DONE reached it, which
+    # can be after D's own room says SUCCESS (a DONE still in flight would settle the replay's room).
+    assert wait_done(lambda: tx.status(11)).state == RoomState.SUCCESS
     rx.release(11)
     before = page_bytes(rx.buffer, [12])
     tx.release(11)
