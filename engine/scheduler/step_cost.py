@@ -47,6 +47,19 @@ class StepCostModel:
         a = [[self._xtx[i][j] + (self.ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
         return _solve3(a, list(self._xty))
 
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c) fitted to every step seen so far, for reporting (the planner reads it through
+        the worker's load): None only before `_MIN_STEPS` steps. Unlike `coefficients`, which the
+        budgets trust only once both kinds of step were seen, a term that no step exercised comes
+        out 0 (the ridge pins it): a prefill-only worker reports its base and per-token cost with
+        b = 0, a decode worker that never prefilled reports c = 0. When every step had the same size
+        the base and the per-unit cost cannot be told apart and the ridge splits them (mostly into
+        the per-unit term); their sum at that size is still what was measured."""
+        if self.steps < _MIN_STEPS:
+            return None
+        a = [[self._xtx[i][j] + (self.ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
+        return _solve3(a, list(self._xty))
+
     def decode_step_s(self, rows: int) -> float | None:
         coef = self.coefficients()
         return None if coef is None else coef[0] + coef[1] * rows

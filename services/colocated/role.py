@@ -17,7 +17,7 @@ from services.common.grpc_errors import abort_with
 from services.worker import metrics
 from services.worker import trace as worker_trace
 from services.worker.config import WorkerConfig
-from services.worker.convert import output_to_pb
+from services.worker.convert import output_to_pb, step_cost_to_pb
 from services.worker.loop import EngineLoop
 from services.worker.server import RoleParts, register_role
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
@@ -76,7 +76,8 @@ class ColocatedWorker:
         stats = self.engine.scheduler.stats()
         return worker_pb2.WorkerLoad(running=stats.running + stats.prefilling, waiting=stats.waiting,
                                      free_pages=stats.free_pages, total_pages=stats.total_pages,
-                                     prefill_tokens=stats.prefill_tokens)
+                                     prefill_tokens=stats.prefill_tokens,
+                                     step_cost=step_cost_to_pb(self.engine.scheduler.cost))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -33,6 +33,7 @@ from engine.scheduler.request import Request
 from kvtransfer.base import KVReceiver, Progress, RoomState
 from services.common.grpc_errors import RpcFailed
 from services.worker import metrics
+from services.worker.convert import step_cost_to_pb
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -327,4 +328,5 @@ class DecodeWorker:
         return worker_pb2.WorkerLoad(
             running=stats.running + len(self.transfer) + len(self.loading), waiting=len(self.prealloc) + stats.waiting,
             free_pages=stats.free_pages, total_pages=stats.total_pages, prefill_tokens=stats.prefill_tokens,
+            step_cost=step_cost_to_pb(self.sched.cost),
         )

@@ -24,6 +24,7 @@ from kvtransfer.base import KVSender, RoomState
 from services.prefill.progress import ProgressReporter
 from services.prefill.rooms import BootstrapInfo, PrefillRoom
 from services.worker import metrics
+from services.worker.convert import step_cost_to_pb
 from tandem.v1 import generation_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,7 @@ class PrefillWorker:
         return worker_pb2.WorkerLoad(
             running=stats.prefilling, waiting=stats.waiting + len(self.rooms),
             free_pages=stats.free_pages, total_pages=stats.total_pages,
-            prefill_tokens=unstarted + stats.prefill_tokens,
+            prefill_tokens=unstarted + stats.prefill_tokens, step_cost=step_cost_to_pb(self.sched.cost),
         )
 
 

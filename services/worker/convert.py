@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.outputs import FinishReason, RequestOutput
-from tandem.v1 import generation_pb2
+from engine.scheduler.step_cost import StepCostModel
+from tandem.v1 import generation_pb2, worker_pb2
 
 _FINISH = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,
@@ -35,3 +36,12 @@ def output_to_pb(out: RequestOutput, convert_tokens=None) -> generation_pb2.Gene
             cached_tokens=out.usage.cached_tokens,
         ))
     return resp
+
+
+def step_cost_to_pb(cost: StepCostModel) -> worker_pb2.StepCost | None:
+    """The scheduler's fitted step costs for the worker's load (None, the field unset, before a fit)."""
+    fit = cost.fit()
+    if fit is None:
+        return None
+    a, b, c = fit
+    return worker_pb2.StepCost(base_s=a, per_decode_row_s=b, per_prefill_token_s=c, steps=cost.steps)
