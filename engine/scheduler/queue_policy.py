@@ -78,20 +78,30 @@ class QueuePolicy:
 class PolicyQueue(Generic[T]):
     """A waiting queue kept in the policy's order. Deque-like where the scheduler needs it:
     `append` queues by policy; `appendleft` puts a retracted request back in front (FIFO) or at its
-    place by priority and original arrival (priority scheduling). Iteration is in service order."""
+    place by priority and original arrival (priority scheduling). Iteration is in service order.
 
-    def __init__(self, policy: QueuePolicy, items: Iterable[T] = ()):
+    `order`: how equally urgent items are ordered, smallest first, in both modes (the router's
+    admission passes the deadline: earliest deadline first); None: arrival (priority scheduling) or
+    queueing order (FIFO). A full FIFO queue still turns away the newcomer whatever the order."""
+
+    def __init__(self, policy: QueuePolicy, items: Iterable[T] = (), order: Callable[[T], float] | None = None):
         self.policy = policy
+        self.order = order
         self._keys: list[tuple] = []
         self._items: list[T] = []
         self._seq = itertools.count(1)
         for item in items:
             self.append(item)
 
+    def _rank(self, item: T) -> tuple:
+        """Service order of `item` among others (smaller first), without the tie-breaking sequence."""
+        tie = self.order(item) if self.order is not None else item.arrival
+        return (-self.policy.urgency(item), tie, item.arrival)
+
     def _key(self, item: T, front: bool) -> tuple:
         n = next(self._seq)
-        if self.policy.enable_priority:
-            return (-self.policy.urgency(item), item.arrival, n)
+        if self.policy.enable_priority or self.order is not None:
+            return (*self._rank(item), n)
         return (0, -n if front else n)
 
     def _insert(self, item: T, front: bool) -> None:
@@ -141,8 +151,8 @@ class PolicyQueue(Generic[T]):
         if not self.policy.enable_priority:
             return item  # FIFO: the newcomer is served last by definition
         candidates = [x for x in self._items if evictable(x)]
-        last = max(candidates, key=lambda x: (-self.policy.urgency(x), x.arrival), default=None)
-        if last is None or (-self.policy.urgency(item), item.arrival) >= (-self.policy.urgency(last), last.arrival):
+        last = max(candidates, key=self._rank, default=None)
+        if last is None or self._rank(item) >= self._rank(last):
             return item
         self.remove(last)
         self.append(item)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.common.arg_groups import DEPLOYMENT, RESILIENCE, ROUTING
+from services.common.arg_groups import DEPLOYMENT, RESILIENCE, ROUTING, SCHEDULER
 from services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
 from services.common.flags import Flag, Owner, add_flags
 from services.common.limits import LIMIT_FLAGS, RequestLimits
@@ -48,6 +48,9 @@ class RouterConfig:
     max_queued_requests: int = 0  # requests waiting for an in-flight slot; 0 = refuse beyond max_inflight
     enable_priority_scheduling: bool = False  # the queue serves higher `priority` first (see queue_policy)
     low_priority_values_first: bool = False
+    # Longest wait for an in-flight slot (admission.py); also the deadline, for the queue's order, of a
+    # request without one. 0: only the request's deadline bounds the wait. SGLang router's default.
+    queue_timeout_s: float = 60.0
     request_timeout_s: float = 600.0  # 0 = no router-side deadline
     drain_timeout_s: float = 5.0
     max_retries: int = 1  # extra attempts on another pair, only on UNAVAILABLE before the first token
@@ -103,6 +106,8 @@ class RouterConfig:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if not self.queue_timeout_s >= 0:
+            raise ValueError(f"--queue-timeout-secs must be >= 0, got {self.queue_timeout_s}")
         if self.request_timeout_s < 0 or self.drain_timeout_s < 0 or self.max_retries < 0 or self.max_migrations < 0:
             raise ValueError("timeouts and retries must be >= 0")
         if self.cb_failure_threshold < 1 or self.cb_timeout_s <= 0:
@@ -140,6 +145,7 @@ class RouterConfig:
             max_queued_requests=args.max_queued_requests,
             enable_priority_scheduling=args.enable_priority_scheduling,
             low_priority_values_first=args.low_priority_values_first,
+            queue_timeout_s=args.queue_timeout_secs,
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
             max_retries=args.retry_max_retries,
@@ -218,9 +224,16 @@ RESILIENCE_FLAGS = (
          "opens after --cb-failure-threshold failures)", field="circuit_breaker", action="store_false",
          dest="circuit_breaker"),
 )
+# SGLang router's name and default (its --queue-size is our shared --max-queued-requests).
+QUEUE_TIMEOUT = Flag(("--queue-timeout-secs",), Owner.ROUTER, SCHEDULER,
+                     "seconds a request may wait in the router queue for an in-flight slot (--max-queued-requests); "
+                     "a waiter that cannot start within it, or before its own deadline, is shed at once with "
+                     "RESOURCE_EXHAUSTED / HTTP 429 rather than served late; waiters are served by priority, then "
+                     "earliest deadline (0: only the request's deadline bounds the wait)", field="queue_timeout_s",
+                     type=float, metavar="SECONDS")
 ROUTER_FLAGS = (
     HOST, PORT, MODE, REDIS_URL, *_DISCOVERY_FLAGS, MODEL_FLAG, POLICY, *ROUTE_FLAGS, METRICS_PORT, OTLP_TRACES_ENDPOINT, MAX_INFLIGHT,
-    *QUEUE_FLAGS, REQUEST_TIMEOUT, DRAIN_TIMEOUT, API_KEY, INTERNAL_TOKEN_FILE, *TLS_FLAGS, *LIMIT_FLAGS,
+    *QUEUE_FLAGS, QUEUE_TIMEOUT, REQUEST_TIMEOUT, DRAIN_TIMEOUT, API_KEY, INTERNAL_TOKEN_FILE, *TLS_FLAGS, *LIMIT_FLAGS,
     *RESILIENCE_FLAGS,
 )
 

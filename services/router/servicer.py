@@ -128,7 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.planner = RoutePlanner(config.policy, config.route, config.roles,
                                     on_route=lambda route: metrics.prefill_route.labels(route).inc(), exact=kv_view)
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
-            config.enable_priority_scheduling, config.low_priority_values_first))
+            config.enable_priority_scheduling, config.low_priority_values_first), config.queue_timeout_s)
         self.breakers = Breakers(config.cb_failure_threshold, config.cb_timeout_s) if config.circuit_breaker else None
 
     # ---- public RPCs -------------------------------------------------------------------------
@@ -152,16 +152,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         try:
             validate_request(request, self.config.limits)  # before queueing: a bad request never waits
-            await asyncio.wait_for(self.admission.acquire(request.priority),
-                                   self._timeout(self._deadline(context, started)))
+            # Queued by priority then deadline; shed (RESOURCE_EXHAUSTED) once it cannot start in time.
+            await self.admission.acquire(request.priority, self._deadline(context, started), started)
         except TandemError as e:
             self.metrics.requests.labels(status_for(e).name.lower()).inc()
             log.info("[%s] rejected: %s", request.request_id, e)
             await abort_with(context, e)
-        except TimeoutError:
-            self.metrics.requests.labels("deadline_exceeded").inc()
-            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed after "
-                        f"{time.monotonic() - started:.1f}s waiting in the router queue for an in-flight slot")
         rid = request.request_id or uuid.uuid4().hex
         self.metrics.inflight.inc()
         status = "unknown"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 
 import grpc
@@ -261,6 +262,28 @@ def test_router_queue_serves_by_priority_and_turns_away_the_lowest():
             assert len([m async for m in first]) == 3 and len(await high) == 3
             assert [r.priority for r in d.requests] == [0, 2] and [r.priority for r in p.requests] == [0, 2]
             assert router.servicer.inflight == 0
+
+    arun(body())
+
+
+def test_a_waiter_that_cannot_start_in_time_is_shed_with_resource_exhausted():
+    async def body():
+        p, d = FakePrefill("hang"), FakeDecode("hang")
+        config = replace(BASE, max_inflight=1, max_queued_requests=4, queue_timeout_s=0.3)
+        async with cluster([p], [d], config=config) as (router, stub):
+            first = stub.Generate(_req())
+            await wait_until(lambda: d.requests)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, _req())
+            assert info.value.code() == S.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 3.0
+            assert "shed from the router queue" in info.value.details()
+            assert "--queue-timeout-secs 0.3" in info.value.details()
+            assert _metric(router, "tandem_router_requests_total", status="resource_exhausted") == 1
+            p.release.set()
+            d.release.set()
+            assert len([m async for m in first]) == 3 and router.servicer.inflight == 0
+            assert not router.servicer.admission.queue
 
     arun(body())
 
