@@ -90,7 +90,9 @@ class RouteError(Exception):
 
 
 class _Relay:
-    """Writes worker chunks to the client; remembers what was sent (migrated, not retried, after that)."""
+    """Writes worker chunks to the client; remembers what was sent (migrated, not retried, after that).
+    Measures what the client sees: TTFT, the gaps between later tokens (ITL), and once the final
+    chunk went out the request's prompt and output lengths."""
 
     def __init__(self, context: grpc.aio.ServicerContext, started: float, metrics: RouterMetrics,
                  ledger: StreamLedger, on_first: Callable[[], None] = lambda: None):
@@ -100,13 +102,24 @@ class _Relay:
         self.ledger = ledger
         self.on_first = on_first  # the prompt was prefilled (the planner stops counting it as queued)
         self.sent = 0
+        self._last_token = 0.0  # when the last chunk with tokens went out
 
     async def send(self, msg: generation_pb2.GenerateResponse) -> None:
+        now = time.monotonic()
         if self.sent == 0:
-            self.metrics.ttft.observe(time.monotonic() - self.started)
+            self.metrics.ttft.observe(now - self.started)
             self.on_first()
+        elif msg.token_ids:
+            self.metrics.observe_itl(now - self._last_token, len(msg.token_ids))
+        if msg.token_ids or self.sent == 0:
+            self._last_token = now
         self.sent += 1
         await self.context.write(self.ledger.record(msg))
+        if self.ledger.finished:
+            request = self.ledger.request
+            prompt = msg.usage.prompt_tokens if msg.HasField("usage") else len(request.token_ids.ids)
+            self.metrics.prompt_tokens.observe(prompt)
+            self.metrics.output_tokens.observe(len(self.ledger.sent_ids))
 
 
 def _discard(task: asyncio.Future | None) -> None:
@@ -130,6 +143,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
             config.enable_priority_scheduling, config.low_priority_values_first), config.queue_timeout_s)
         self.breakers = Breakers(config.cb_failure_threshold, config.cb_timeout_s) if config.circuit_breaker else None
+        metrics.watch_workers(registry.all_workers)  # their announced loads, for the planner
 
     # ---- public RPCs -------------------------------------------------------------------------
 
@@ -150,6 +164,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         started = time.monotonic()
+        self.metrics.arrivals.inc()
         try:
             validate_request(request, self.config.limits)  # before queueing: a bad request never waits
             # Queued by priority then deadline; shed (RESOURCE_EXHAUSTED) once it cannot start in time.
