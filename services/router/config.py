@@ -43,6 +43,9 @@ class RouterConfig:
     probe_s: float = 2.0  # static workers: health and WorkerIdentity period; 0 = asked at start, never dropped
     policy: str = "cache_aware"  # measured better than round_robin (docs/benchmarks.md)
     mode: str = "disagg"
+    # Prefill workers the router needs to serve (disagg). 0: with none registered (or none usable) every
+    # prompt is prefilled on its decode worker (the "local" route): serving with decode workers only.
+    min_prefill_workers: int = 1
     metrics_port: int = -1  # 0 = pick a free port, -1 = no metrics endpoint
     max_inflight: int = 1024
     max_queued_requests: int = 0  # requests waiting for an in-flight slot; 0 = refuse beyond max_inflight
@@ -100,6 +103,8 @@ class RouterConfig:
             raise ValueError("--mode disagg needs at least one --prefill and one --decode address")
         if static and self.mode == "colocated" and not self.colocated:
             raise ValueError("--mode colocated needs at least one --colocated address")
+        if self.min_prefill_workers < 0:
+            raise ValueError(f"--min-prefill-workers must be >= 0, got {self.min_prefill_workers}")
         if not 0 <= self.port < 65536 or not -1 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535] (metrics: -1 = off)")
         if self.max_inflight < 1:
@@ -140,6 +145,7 @@ class RouterConfig:
             probe_s=args.probe_interval,
             policy=args.policy,
             mode=args.mode,
+            min_prefill_workers=args.min_prefill_workers,
             metrics_port=args.metrics_port,
             max_inflight=args.max_inflight,
             max_queued_requests=args.max_queued_requests,
@@ -180,6 +186,12 @@ def _addresses(role: str) -> Flag:
 MODE = Flag(("--mode",), Owner.ROUTER | Owner.LAUNCHER, DEPLOYMENT,
             "disagg: separate prefill and decode workers, a request goes to a pair; colocated: each worker does "
             "both", field="mode", choices=MODES)
+MIN_PREFILL_WORKERS = Flag(
+    ("--min-prefill-workers",), Owner.ROUTER, DEPLOYMENT,
+    "disagg: prefill workers that must be registered for the router to serve; 0: with none registered (or none "
+    "usable) each decode worker prefills its own prompts (local route) and the router is ready with decode "
+    "workers alone (what `tandem up --planner` runs, so that a shape may have no prefill worker)",
+    field="min_prefill_workers", type=int, metavar="N")
 POLICY = Flag(("--policy",), Owner.ROUTER, ROUTING,
               "how a (prefill, decode) pair is picked: in turn (round_robin), the least queued prefill work "
               "(least_load), or the best prefix-cache match unless loads are imbalanced (cache_aware)",
@@ -232,7 +244,7 @@ QUEUE_TIMEOUT = Flag(("--queue-timeout-secs",), Owner.ROUTER, SCHEDULER,
                      "earliest deadline (0: only the request's deadline bounds the wait)", field="queue_timeout_s",
                      type=float, metavar="SECONDS")
 ROUTER_FLAGS = (
-    HOST, PORT, MODE, REDIS_URL, *_DISCOVERY_FLAGS, MODEL_FLAG, POLICY, *ROUTE_FLAGS, METRICS_PORT, OTLP_TRACES_ENDPOINT, MAX_INFLIGHT,
+    HOST, PORT, MODE, MIN_PREFILL_WORKERS, REDIS_URL, *_DISCOVERY_FLAGS, MODEL_FLAG, POLICY, *ROUTE_FLAGS, METRICS_PORT, OTLP_TRACES_ENDPOINT, MAX_INFLIGHT,
     *QUEUE_FLAGS, QUEUE_TIMEOUT, REQUEST_TIMEOUT, DRAIN_TIMEOUT, API_KEY, INTERNAL_TOKEN_FILE, *TLS_FLAGS, *LIMIT_FLAGS,
     *RESILIENCE_FLAGS,
 )

@@ -77,7 +77,8 @@ class RoutePlanner:
         self.inflight_tokens: Counter[str] = Counter()
 
     def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
-        """`candidates`: the usable workers of every role this mode routes to (each non-empty)."""
+        """`candidates`: the usable workers of every role this mode routes to (each non-empty, except
+        prefill under --min-prefill-workers 0: none means the local route)."""
         if COLOCATED in candidates:
             colocated = self._candidates(candidates[COLOCATED], key)
             w = self._pick(COLOCATED, colocated)
@@ -85,7 +86,8 @@ class RoutePlanner:
         decode = self._candidates(candidates[DECODE], key)
         d = self._pick(DECODE, decode)
         prefill = self._candidates(candidates[PREFILL], key)   # built once: each looks up the prefix view
-        route = "local" if self._local_sooner(d, prefill) else "remote"
+        # No usable prefill worker (--min-prefill-workers 0): D prefills its own prompt.
+        route = "local" if not prefill or self._local_sooner(d, prefill) else "remote"
         p = None
         if route == "remote":
             p = self._pick(PREFILL, prefill)

@@ -19,7 +19,7 @@ from services.router.config import RouterConfig
 from services.router.kv_feed import EventPrefixView, KVEventFeed
 from services.router.metrics import RouterMetrics
 from services.router.servicer import GenerationServicer
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class RouterServer:
         return f"{host}:{self.port}"
 
     def can_route(self) -> bool:
-        return all(self.registry.workers(role) for role in self.config.roles)
+        """Every role the mode routes to has a worker; prefill only `--min-prefill-workers` of them."""
+        need = {worker_pb2.WORKER_ROLE_PREFILL: self.config.min_prefill_workers}
+        return all(len(self.registry.workers(role)) >= need.get(role, 1) for role in self.config.roles)
 
     async def start(self) -> None:
         await self._set_health(False)

@@ -232,6 +232,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Workers for every role of the mode (planner.py), never a failed one, preferably not one in `avoid`."""
         usable = {}
         for role in self.config.roles:
+            if role == worker_pb2.WORKER_ROLE_PREFILL and self.config.min_prefill_workers == 0:
+                usable[role] = self._optional_prefill(model, failed, avoid)
+                continue
             candidates = self._candidates(role, model, failed | avoid) or self._candidates(role, model, failed)
             if not candidates:
                 raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no other {ROLE_NAMES[role]} worker to retry on")
@@ -239,6 +242,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 candidates = self.breakers.healthy(candidates)
             usable[role] = candidates
         return self.planner.plan(key, usable)
+
+    def _optional_prefill(self, model: str, failed: set[str], avoid: set[str]) -> list[worker_pb2.WorkerInfo]:
+        """--min-prefill-workers 0: the usable prefill workers, possibly none (the decode worker then
+        prefills the prompt itself; the decode role still answers for a model nobody serves)."""
+        try:
+            candidates = (self._candidates(worker_pb2.WORKER_ROLE_PREFILL, model, failed | avoid)
+                          or self._candidates(worker_pb2.WORKER_ROLE_PREFILL, model, failed))
+        except (RouteError, ModelNotFound):
+            return []
+        return self.breakers.healthy(candidates) if self.breakers is not None and candidates else candidates
 
     async def _route(self, request, rid: str, context, deadline: float | None, started: float) -> int:
         failed: set[str] = set()

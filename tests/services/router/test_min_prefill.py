@@ -1,0 +1,100 @@
+"""--min-prefill-workers 0: a disaggregated router with no prefill worker registered serves every prompt
+on its decode worker (the local route) and says it is SERVING; once a prefill worker registers, prompts
+go to it again; when it leaves, local again. The default (1) still refuses without one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from services.common.registry import RedisRegistry
+from services.router.config import RouterConfig
+from tandem.v1 import worker_pb2
+from tests.services.common.conftest import arun, wait_until
+from tests.services.router.fakes import FakeDecode, FakePrefill
+from tests.services.router.test_router import BASE, _collect, _metric, _req, cluster
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _long(t: int):
+    req = _req()
+    req.token_ids.ids.extend([t] * 200)   # never local by size: BASE has --local-prefill-max-tokens -1
+    return req
+
+
+async def _announce(redis_url: str, info: worker_pb2.WorkerInfo) -> RedisRegistry:
+    reg = RedisRegistry(redis_url, watch=False, ttl_s=1.0, heartbeat_s=0.1)
+    await reg.start()
+    await reg.announce(info)
+    return reg
+
+
+def test_with_no_prefill_worker_the_decode_worker_prefills_and_the_router_serves(redis_url):
+    async def body():
+        p, d = FakePrefill(), FakeDecode(tokens=(5,))
+        p_addr, d_addr = await p.start(), await d.start()
+        config = replace(BASE, min_prefill_workers=0)
+        async with cluster([], [], config, registry=RedisRegistry(redis_url, poll_s=0.05)) as (router, stub):
+            assert not router.can_route()          # still needs a decode worker
+            dreg = await _announce(redis_url, worker_pb2.WorkerInfo(
+                worker_id="d0", role=worker_pb2.WORKER_ROLE_DECODE, grpc_addr=d_addr, model="tiny"))
+            await wait_until(lambda: router.health._server_status[""] == SERVING)
+
+            assert [t for m in await _collect(stub, _long(6)) for t in m.token_ids] == [5]
+            assert d.requests[-1].local_prefill and not d.requests[-1].prefill_worker_id
+            assert _metric(router, "tandem_router_prefill_route_total", route="local") == 1
+
+            preg = await _announce(redis_url, worker_pb2.WorkerInfo(
+                worker_id="p0", role=worker_pb2.WORKER_ROLE_PREFILL, grpc_addr=p_addr,
+                bootstrap_addr="p0-bootstrap:1", model="tiny"))
+            await wait_until(lambda: router.registry.workers(worker_pb2.WORKER_ROLE_PREFILL))
+            await _collect(stub, _long(7))
+            assert d.requests[-1].prefill_worker_id == "p0" and not d.requests[-1].local_prefill
+            assert [list(r.token_ids.ids) for r in p.requests] == [[7] * 200]
+
+            await preg.close()                     # the prefill worker leaves (a reshape to 0P1D)
+            await wait_until(lambda: not router.registry.workers(worker_pb2.WORKER_ROLE_PREFILL))
+            assert router.health._server_status[""] == SERVING
+            await _collect(stub, _long(8))
+            assert d.requests[-1].local_prefill and len(p.requests) == 1
+            assert _metric(router, "tandem_router_prefill_route_total", route="local") == 2
+            assert not router.servicer.planner.inflight and not router.servicer.planner.inflight_tokens
+
+            await dreg.close()
+            await wait_until(lambda: router.health._server_status[""] == NOT_SERVING)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, _long(9))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "no decode workers" in info.value.details()
+        await p.stop()
+        await d.stop()
+
+    arun(body())
+
+
+def test_by_default_a_prefill_worker_is_needed(redis_url):
+    async def body():
+        d = FakeDecode(tokens=(5,))
+        d_addr = await d.start()
+        async with cluster([], [], BASE, registry=RedisRegistry(redis_url, poll_s=0.05)) as (router, stub):
+            dreg = await _announce(redis_url, worker_pb2.WorkerInfo(
+                worker_id="d0", role=worker_pb2.WORKER_ROLE_DECODE, grpc_addr=d_addr, model="tiny"))
+            await wait_until(lambda: router.registry.workers(worker_pb2.WORKER_ROLE_DECODE))
+            assert not router.can_route() and router.health._server_status[""] == NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, _long(6))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no prefill workers are registered" in info.value.details()
+            assert not d.requests
+            await dreg.close()
+        await d.stop()
+
+    arun(body())
+
+
+def test_the_flag_is_validated():
+    with pytest.raises(ValueError, match="--min-prefill-workers must be >= 0"):
+        replace(RouterConfig(redis_url="redis://x"), min_prefill_workers=-1).validate()
