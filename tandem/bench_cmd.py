@@ -31,6 +31,15 @@ def _priority_mix(text: str) -> tuple[tuple[int, float], ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _load_profile(text: str):
+    from bench.serve.load_profile import parse_load_profile
+
+    try:
+        return parse_load_profile(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "sharegpt", "multi-turn"],
@@ -118,6 +127,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, a model folder or an alias (default: --model)")
     p.add_argument("--request-rate", type=_floats, default=(math.inf,),
                    help="requests/s, comma-separated for several runs (inf = all at once)")
+    p.add_argument("--load-profile", type=_load_profile, default=None, metavar="SPEC",
+                   help="one run made of phases instead of --request-rate/--num-prompts: DURATION@RATE:IN/OUT,..., "
+                        "e.g. 90s@0.5:128/256,120s@3:256/64,90s@1:1024/32 (a phase may be named, burst=120s@3:256/64), "
+                        "or a JSON file of phases; Poisson arrivals follow the phase (--burstiness applies), "
+                        "metrics are reported per phase and as a time series")
+    p.add_argument("--load-profile-window", type=float, default=5.0, metavar="SECONDS",
+                   help="--load-profile: the time series' window (s)")
     _add_run_arguments(p, num_warmups=1, slo="", out=None)
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--force-output-len", default="ignore-eos", choices=FORCE_OUTPUT_LEN,
@@ -183,6 +199,9 @@ def run_serve(args: argparse.Namespace) -> int:
         extra = json.loads(args.extra_body) if args.extra_body else {}
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
+        if args.load_profile is not None and (args.num_prompts is not None or args.request_rate != (math.inf,)):
+            raise ValueError("--load-profile sets the request rates and counts: leave out --request-rate and "
+                             "--num-prompts")
         name = args.served_model_name
         if name is None:
             name = args.model if args.backend == "openai-http" else ""
@@ -196,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
             burstiness=args.burstiness, max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
             slo=SLO.parse(args.slo), percentiles=args.percentiles, progress=not args.no_progress,
             label=args.label, out=args.out, plot=not args.no_plot, save_requests=not args.no_save_requests,
-            trace_file=args.trace_file)
+            trace_file=args.trace_file, load_profile=args.load_profile, window_s=args.load_profile_window)
         result = run_serve(cfg)
     except (ValueError, OSError, WarmupFailed) as e:
         print(f"error: {e}", file=sys.stderr)

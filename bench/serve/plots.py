@@ -104,3 +104,50 @@ def _slo_of(series: Mapping[str, Sequence[tuple[float, dict]]]) -> str:
         for _, m in points:
             return m.get("slo", "")
     return ""
+
+
+def plot_timeline(series: Mapping[str, Sequence[dict]], path: Path, title: str = "",
+                  shapes: Mapping[str, Sequence[dict]] | None = None) -> Path | None:
+    """A load-profile run over time. series: label -> time-series rows (load_profile.time_series);
+    shapes: label -> [{"t_s", "prefill", "decode", "colocated"}, ...] (worker counts sampled from the
+    router), drawn as a third panel when given. Panels: offered load, shape, goodput."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    n = 3 if shapes else 2
+    fig, axes = plt.subplots(n, 1, figsize=(12, 3.2 * n), sharex=True)
+    ax_load, ax_good = axes[0], axes[-1]
+    first = next(iter(series.values()), [])
+    if first:
+        w = first[1]["t_s"] - first[0]["t_s"] if len(first) > 1 else 1.0
+        ts = [r["t_s"] for r in first]
+        ax_load.step([*ts, ts[-1] + w], [*(r["offered_rate"] for r in first), first[-1]["offered_rate"]],
+                     where="post", color="k", label="offered rate (phase)")
+        ax_load.bar(ts, [r["sent"] / w for r in first], width=w, align="edge", alpha=0.3, color="C7",
+                    label=f"sent per {w:g} s window (/s)")
+    ax_load.set(ylabel="requests/s", title="load")
+    for i, (label, rows) in enumerate(series.items()):
+        if rows:
+            w = rows[1]["t_s"] - rows[0]["t_s"] if len(rows) > 1 else 1.0
+            ax_good.step([*(r["t_s"] for r in rows), rows[-1]["t_s"] + w],
+                         [*(r["goodput"] for r in rows), rows[-1]["goodput"]], where="post", color=f"C{i}", label=label)
+    ax_good.set(ylabel="goodput (req/s)", title="goodput per window (requests that met the SLO, by end time)",
+                xlabel="time since start (s)")
+    if shapes:
+        ax_shape = axes[1]
+        for i, (label, samples) in enumerate(shapes.items()):
+            ts = [s["t_s"] for s in samples]
+            ax_shape.step(ts, [s.get("prefill", 0) for s in samples], where="post", color=f"C{i}",
+                          label=f"{label} prefill")
+            ax_shape.step(ts, [s.get("decode", 0) + s.get("colocated", 0) for s in samples], where="post",
+                          color=f"C{i}", linestyle="--", label=f"{label} decode / co-located")
+        ax_shape.set(ylabel="workers", title="shape: prefill (solid), decode or co-located (dashed) workers")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -22,6 +22,7 @@ class BenchRequest:
     # A chat history, (role, content) pairs ending with the user's turn: what a chat endpoint is sent
     # instead of `prompt` (multi-turn); `prompt` is then the same contents concatenated.
     messages: tuple[tuple[str, str], ...] | None = None
+    phase: int | None = None             # --load-profile: the index of the phase it was sent in
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RequestRecord:
     output_text: str = ""                # the generated text as streamed (a multi-turn answer goes into the next turn)
     conversation: int | None = None      # multi-turn: which conversation (0-based) and which turn (1-based)
     turn: int | None = None
+    phase: int | None = None             # --load-profile: the phase it was sent in
 
     @property
     def ttft(self) -> float | None:
@@ -69,7 +71,9 @@ class RequestRecord:
     def to_dict(self, t0: float) -> dict:
         """JSON form, times in ms, `sent_ms` relative to the benchmark's start `t0`."""
         ms = 1e3
+        phase = {} if self.phase is None else {"phase": self.phase}   # only in load-profile runs
         return {
+            **phase,
             "sent_ms": round((self.start - t0) * ms, 3),
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,

@@ -67,9 +67,13 @@ async def run_warmups(backend: Backend, warmups: Sequence[BenchRequest]) -> list
 
 
 async def run_load(backend: Backend, requests: Sequence[BenchRequest], load: LoadConfig,
-                   warmups: Sequence[BenchRequest] = (), progress: bool = False, desc: str = "") -> RunResult:
+                   warmups: Sequence[BenchRequest] = (), progress: bool = False, desc: str = "",
+                   offsets: Sequence[float] | None = None) -> RunResult:
+    """`offsets`: the send times (s from the start) of `requests`, e.g. a load profile's; default: drawn
+    from `load`'s rate and burstiness."""
     warm = await run_warmups(backend, warmups)
-    offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, random.Random(load.seed))
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, random.Random(load.seed))
     sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     bar = _progress_bar(len(requests), desc, progress)
 
@@ -82,6 +86,7 @@ async def run_load(backend: Backend, requests: Sequence[BenchRequest], load: Loa
         else:
             async with sem:
                 rec = await backend.send(req)
+        rec.phase = req.phase
         bar.update(1)
         return rec
 

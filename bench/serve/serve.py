@@ -1,7 +1,8 @@
 """One benchmark: a workload against one endpoint at one or more request rates -> JSON (+ PNG).
 
 Rate i draws its prompts with seed + i, so a server's prefix cache never serves a prompt of an
-earlier rate; warm-ups (their own seed) run once, before the first rate.
+earlier rate; warm-ups (their own seed) run once, before the first rate. With a load profile
+(load_profile.py) there is one run instead, made of its phases, reported per phase and over time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.serve import load_profile as lp
 from bench.serve import multiturn, plots
 from bench.serve.backends import BackendConfig, make_backend
 from bench.serve.datasets import DatasetConfig, build_dataset, describe, load_tokenizer
@@ -58,6 +60,8 @@ class ServeConfig:
     plot: bool = True
     save_requests: bool = True           # per-request records in the JSON
     trace_file: str | None = None        # the stack's spans file (file:// exporter): TTFT broken into phases
+    load_profile: lp.LoadProfile | None = None   # phases of rate and lengths, instead of request_rates
+    window_s: float = 5.0                # the load profile's time-series window
 
 
 @dataclass
@@ -77,6 +81,58 @@ class RateRun:
         if save_requests:
             d["requests"] = self.records
         return d
+
+
+@dataclass
+class ProfileRun:
+    """One run of a load profile: the whole run (the profile's length as the window), each phase, the
+    time series; `t0` is its start (time.perf_counter())."""
+
+    profile: lp.LoadProfile
+    metrics: BenchMetrics
+    phases: list[lp.PhaseResult]
+    series: list[dict]
+    records: list[dict]
+    t0: float
+
+    def to_dict(self, save_requests: bool) -> dict:
+        d = {"request_rate": "profile", "load_profile": str(self.profile), "metrics": self.metrics.to_dict(),
+             "phases": [p.to_dict() for p in self.phases], "time_series": self.series}
+        if save_requests:
+            d["requests"] = self.records
+        return d
+
+
+async def run_profile(cfg: ServeConfig, tokenizer, echo=print) -> ProfileRun:
+    """`cfg.load_profile` against one already-running endpoint (warm-ups first, with the first phase's lengths)."""
+    profile = cfg.load_profile
+    assert profile is not None
+    if cfg.dataset.name == multiturn.NAME:
+        raise ValueError("--load-profile sends prompts on a schedule; the multi-turn dataset is closed-loop")
+    schedule = lp.arrival_schedule(profile, cfg.burstiness, cfg.dataset.seed)
+    reqs = lp.build_requests(profile, schedule, cfg.dataset, tokenizer, build_dataset)
+    first = profile.phases[0]
+    warmups = []
+    if cfg.num_warmups > 0:
+        warmups = build_dataset(dataclasses.replace(cfg.dataset, num_prompts=cfg.num_warmups, input_len=first.input_len,
+                                                    output_len=first.output_len,
+                                                    seed=cfg.dataset.seed + WARMUP_SEED_OFFSET), tokenizer)
+    echo(f"load profile: {profile} ({profile.duration_s:g} s, {len(reqs)} requests)")
+    backend = make_backend(cfg.backend, cfg.backend_cfg)
+    await backend.start()
+    try:
+        load = LoadConfig(burstiness=cfg.burstiness, max_concurrency=cfg.max_concurrency, seed=cfg.dataset.seed)
+        result = await run_load(backend, reqs, load, warmups=warmups, progress=cfg.progress,
+                                desc=f"{cfg.label + ' ' if cfg.label else ''}load profile",
+                                offsets=[t for t, _ in schedule])
+    finally:
+        await backend.close()
+    metrics = compute_metrics(result.records, profile.duration_s, cfg.slo, cfg.percentiles)
+    phases = lp.phase_metrics(profile, result.records, cfg.slo, cfg.percentiles)
+    series = lp.time_series(profile, result.records, result.t0, cfg.slo, cfg.window_s)
+    echo(format_summary(metrics, f"{cfg.label + ': ' if cfg.label else ''}load profile {profile}", cfg.slo))
+    echo(lp.format_phase_table(phases))
+    return ProfileRun(profile, metrics, phases, series, [r.to_dict(result.t0) for r in result.records], result.t0)
 
 
 async def run_rates(cfg: ServeConfig, tokenizer, echo=print) -> list[RateRun]:
@@ -138,7 +194,10 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
     """The `tandem bench serve` command: run, print summaries, write JSON and plots; return the JSON."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     began_ns = time.time_ns()
-    runs = asyncio.run(run_rates(cfg, tokenizer, echo))
+    runs: list[RateRun] | list[ProfileRun]
+    runs = asyncio.run(run_profile(cfg, tokenizer, echo) if cfg.load_profile else run_rates(cfg, tokenizer, echo))
+    if isinstance(runs, ProfileRun):
+        runs = [runs]
     result = {
         "tool": "tandem bench serve",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -157,7 +216,15 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
         out = Path(cfg.out)
         write_json(out, result)
         echo(f"results: {out}")
-        if cfg.plot:
+        if cfg.plot and cfg.load_profile:
+            label = cfg.label or cfg.backend
+            for p in (plots.plot_cdfs({label: cdf_values(runs[0].records)}, out.with_suffix(".cdf.png"),
+                                      title=f"{label}: latency CDFs"),
+                      plots.plot_timeline({label: runs[0].series}, out.with_suffix(".profile.png"),
+                                          title=f"{label}: load profile {cfg.load_profile}")):
+                if p is not None:
+                    echo(f"plot: {p}")
+        elif cfg.plot:
             label = cfg.label or cfg.backend
             cdf = plots.plot_cdfs({f"{label} @ {plots.rate_label(r.request_rate)}": cdf_values(r.records) for r in runs},
                                   out.with_suffix(".cdf.png"), title=f"{label}: latency CDFs")
@@ -183,6 +250,8 @@ def config_dict(cfg) -> dict:
     d = dataclasses.asdict(cfg)
     if "request_rates" in d:
         d["request_rates"] = [plots.rate_label(r) for r in cfg.request_rates]
+    if d.get("load_profile") is not None:
+        d["load_profile"] = str(cfg.load_profile)
     d["slo"] = str(cfg.slo)
     return d
 
