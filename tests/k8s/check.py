@@ -3,7 +3,9 @@
 1. Schema: `kubernetes-validate --strict` against the OpenAPI schemas of KUBERNETES_VERSION (unknown
    or misspelt fields fail).
 2. Tandem's own invariants (`invariants`): every role has a Deployment with probes, resources, a
-   locked-down securityContext and a drain-sized grace period, a PodDisruptionBudget and an HPA.
+   locked-down securityContext and a drain-sized grace period, a PodDisruptionBudget, and exactly one
+   controller of its replicas: an HPA, or for the workers the SLO planner (k8s/components/planner),
+   whose RBAC is exactly get and patch of its two Deployments' scale (`planner_problems`).
 3. Security posture: checkov on the rendered manifests, zero failures; each skipped check has a
    written reason (k8s/checkov-skips.yaml, an overlay's checkov-skips.yaml, or a resource's
    `checkov.io/skipN: ID=reason` annotation).
@@ -28,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSION = "1.33.0"
 ROLES = ("gateway", "router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
+PLANNER = "planner"
+PLANNER_VERBS = ["get", "patch"]
 DEFAULT_CHECKOV = ROOT / ".venv" / "tools" / "checkov" / "bin" / "checkov"
 
 
@@ -56,17 +60,28 @@ def invariants(objs: list[dict]) -> list[str]:
     for o in objs:
         by_kind.setdefault(o["kind"], []).append(o)
     deployments = {_role(d): d for d in by_kind.get("Deployment", [])}
+    configmaps = {c["metadata"]["name"]: c.get("data") or {} for c in by_kind.get("ConfigMap", [])}
+    scaled_by_planner = set(_planner_scales(by_kind))
     for role in ROLES:
         d = deployments.get(role)
         if d is None:
             out.append(f"no Deployment labelled tandem.ai/role={role}")
             continue
-        out += _deployment_problems(d, role)
+        out += _deployment_problems(d, role, configmaps)
         if not any(_selects(p["spec"].get("selector"), d) for p in by_kind.get("PodDisruptionBudget", [])):
             out.append(f"{_name(d)}: no PodDisruptionBudget selects its pods")
-        if not any(h["spec"]["scaleTargetRef"]["name"] == d["metadata"]["name"]
-                   for h in by_kind.get("HorizontalPodAutoscaler", [])):
+        hpas = [h for h in by_kind.get("HorizontalPodAutoscaler", [])
+                if h["spec"]["scaleTargetRef"]["name"] == d["metadata"]["name"]]
+        planned = d["metadata"]["name"] in scaled_by_planner
+        if planned and hpas:
+            out.append(f"{_name(d)}: scaled by the planner and by {_name(hpas[0])}: two controllers writing one "
+                       "replicas field flap (k8s/components/planner deletes the workers' HPAs)")
+        elif not planned and not hpas:
             out.append(f"{_name(d)}: no HorizontalPodAutoscaler")
+        elif planned and role not in WORKERS:
+            out.append(f"{_name(d)}: the planner scales only the prefill and decode workers")
+    if PLANNER in deployments or scaled_by_planner:
+        out += planner_problems(objs)
     for role in WORKERS:
         svcs = [s for s in by_kind.get("Service", []) if (s["metadata"].get("labels") or {}).get("tandem.ai/role") == role]
         if not svcs or any(s["spec"].get("clusterIP") != "None" for s in svcs):
@@ -76,7 +91,7 @@ def invariants(objs: list[dict]) -> list[str]:
     return out
 
 
-def _deployment_problems(d: dict, role: str) -> list[str]:
+def _deployment_problems(d: dict, role: str, configmaps: dict[str, dict] | None = None) -> list[str]:
     out = []
     pod = d["spec"]["template"]["spec"]
     psc = pod.get("securityContext") or {}
@@ -89,7 +104,7 @@ def _deployment_problems(d: dict, role: str) -> list[str]:
             if probe not in c:
                 out.append(f"{where}: no {probe}")
         grpc_probe = any("grpc" in (c.get(p) or {}) for p in ("readinessProbe", "livenessProbe"))
-        if role != "gateway" and not grpc_probe:
+        if role not in ("gateway", PLANNER) and not grpc_probe:   # both serve HTTP only
             out.append(f"{where}: a gRPC service is probed with gRPC health")
         res = c.get("resources") or {}
         for kind in ("requests", "limits"):
@@ -104,12 +119,99 @@ def _deployment_problems(d: dict, role: str) -> list[str]:
         added = set(caps.get("add") or ())
         if added - {"IPC_LOCK"} or (added and role not in WORKERS):
             out.append(f"{where}: adds capabilities {sorted(added)} (only IPC_LOCK, only on RDMA workers)")
+        if role == PLANNER:   # no gRPC, nothing to drain, no internal secret: it only reads /metrics
+            continue
         if not ((c.get("lifecycle") or {}).get("preStop")):
             out.append(f"{where}: no preStop hook")
         out += _secret_problems(pod, c, where)
-        drain = _flag(c, "--drain-timeout")
+        drain = _flag(c, "--drain-timeout", _container_vars(c, configmaps or {}))
         if drain is not None and drain + 5 >= grace:
             out.append(f"{where}: terminationGracePeriodSeconds {grace} leaves no room for --drain-timeout {drain}")
+    return out
+
+
+def _planner_sa(by_kind: dict[str, list[dict]]) -> tuple[str, str] | None:
+    """(namespace, name) of the planner pods' ServiceAccount; None without a planner Deployment."""
+    for d in by_kind.get("Deployment", []):
+        if _role(d) == PLANNER:
+            pod = d["spec"]["template"]["spec"]
+            return d["metadata"].get("namespace", ""), pod.get("serviceAccountName", "default")
+    return None
+
+
+def _grants(by_kind: dict[str, list[dict]], sa: tuple[str, str]) -> list[tuple[dict, dict]]:
+    """(binding, role) for every RoleBinding / ClusterRoleBinding that names the ServiceAccount `sa`."""
+    out = []
+    for kind in ("RoleBinding", "ClusterRoleBinding"):
+        for b in by_kind.get(kind, []):
+            if any(x.get("kind") == "ServiceAccount" and (x.get("namespace", ""), x["name"]) == sa
+                   for x in b.get("subjects") or ()):
+                ref = b["roleRef"]
+                roles = [r for r in by_kind.get(ref["kind"], []) if r["metadata"]["name"] == ref["name"]]
+                out.append((b, roles[0] if roles else {"kind": ref["kind"], "metadata": {"name": ref["name"]}}))
+    return out
+
+
+def _planner_scales(by_kind: dict[str, list[dict]]) -> list[str]:
+    """The Deployments whose scale the planner's ServiceAccount may patch (all of them: ["*"])."""
+    sa = _planner_sa(by_kind)
+    names: list[str] = []
+    for _, role in _grants(by_kind, sa) if sa else ():
+        for rule in role.get("rules") or ():
+            if {"deployments/scale", "*"} & set(rule.get("resources") or ()) and \
+                    {"patch", "update", "*"} & set(rule.get("verbs") or ()):
+                names += rule.get("resourceNames") or [d["metadata"]["name"] for d in by_kind.get("Deployment", [])]
+    return names
+
+
+def planner_problems(objs: list[dict]) -> list[str]:
+    """The planner is one pod whose only permission is get and patch of deployments/scale of the prefill
+    and decode Deployments it is told to scale, by name (docs/planner.md, "On Kubernetes")."""
+    from services.planner.k8s_config import KubernetesTarget
+
+    by_kind: dict[str, list[dict]] = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], []).append(o)
+    planners = [d for d in by_kind.get("Deployment", []) if _role(d) == PLANNER]
+    if len(planners) != 1:
+        return [f"{len(planners)} Deployments labelled tandem.ai/role={PLANNER}: exactly one planner writes replicas"]
+    [d] = planners
+    out = _deployment_problems(d, PLANNER)
+    if d["spec"].get("replicas", 1) != 1 or (d["spec"].get("strategy") or {}).get("type") != "Recreate":
+        out.append(f"{_name(d)}: needs replicas 1 and strategy Recreate (two planners would both scale)")
+    [c] = d["spec"]["template"]["spec"]["containers"]
+    default = KubernetesTarget()
+    targets = [_arg(c, "--prefill-deployment") or default.prefill_deployment,
+               _arg(c, "--decode-deployment") or default.decode_deployment]
+    workers = {_role(w): w["metadata"]["name"] for w in by_kind.get("Deployment", []) if _role(w) in WORKERS}
+    if targets != [workers.get("prefill"), workers.get("decode")]:
+        out.append(f"{_name(d)}: scales {targets}, but the worker Deployments are "
+                   f"{[workers.get('prefill'), workers.get('decode')]}")
+    sa = _planner_sa(by_kind)
+    if not any(a["metadata"]["name"] == sa[1] for a in by_kind.get("ServiceAccount", [])):
+        out.append(f"{_name(d)}: no ServiceAccount {sa[1]}")
+    grants = _grants(by_kind, sa)
+    want = [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": sorted(targets),
+             "verbs": PLANNER_VERBS}]
+    if len(grants) != 1 or grants[0][0]["kind"] != "RoleBinding" or grants[0][1]["kind"] != "Role":
+        out.append(f"ServiceAccount/{sa[1]}: needs exactly one RoleBinding to a Role, has "
+                   f"{[(_name(b), _name(r)) for b, r in grants]}")
+    for b, role in grants:
+        rules = [{k: sorted(v) for k, v in r.items()} for r in role.get("rules") or ()]
+        if rules != want:
+            out.append(f"{_name(role)} (bound to the planner): rules {rules}; only {want} is allowed")
+        others = [x for x in b.get("subjects") or () if (x.get("namespace", ""), x.get("name")) != sa]
+        if others:
+            out.append(f"{_name(b)}: binds the planner's Role to others too: {others}")
+    planner_roles = {(r["kind"], r["metadata"]["name"]) for _, r in grants}
+    for kind in ("Role", "ClusterRole"):
+        for r in by_kind.get(kind, []):
+            if (kind, r["metadata"]["name"]) in planner_roles:
+                continue
+            for rule in r.get("rules") or ():
+                if {"deployments", "deployments/scale", "*"} & set(rule.get("resources") or ()):
+                    out.append(f"{_name(r)}: grants {rule.get('verbs')} on {rule.get('resources')}: only the "
+                               "planner may touch Deployments' scale")
     return out
 
 
@@ -124,15 +226,32 @@ def _secret_problems(pod: dict, c: dict, where: str) -> list[str]:
     return [] if mounted else [f"{where}: --internal-token-file {path} is not in a mounted Secret volume"]
 
 
-def _flag(container: dict, name: str) -> float | None:
+def _flag(container: dict, name: str, env: dict[str, str] | None = None) -> float | None:
+    """A numeric flag of `container`'s args; `$(VAR)` resolved from `env` (its ConfigMap variables)."""
+    value = _arg(container, name)
+    if value is None:
+        return None
+    if value.startswith("$(") and value.endswith(")"):
+        value = (env or {}).get(value[2:-1], "")
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _arg(container: dict, name: str) -> str | None:
     for a in container.get("args") or ():
         if a.startswith(name + "="):
-            value = a.split("=", 1)[1]
-            try:
-                return float(value)
-            except ValueError:
-                return None   # $(VAR): checked through the ConfigMap by the caller's docs
+            return a.split("=", 1)[1]
     return None
+
+
+def _container_vars(c: dict, configmaps: dict[str, dict]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for src in c.get("envFrom") or ():
+        env.update({str(k): str(v) for k, v in configmaps.get((src.get("configMapRef") or {}).get("name"), {}).items()})
+    env.update({e["name"]: str(e["value"]) for e in c.get("env") or () if "value" in e})
+    return env
 
 
 def _role(o: dict) -> str:

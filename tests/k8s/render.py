@@ -1,9 +1,10 @@
 """Check-only renderer for Tandem's own kustomizations (k8s/), for `make k8s-check` and its tests.
 
 Not a kustomize: kubectl and kustomize binaries are not installable here, so the check resolves the
-small subset of kustomization.yaml that k8s/ uses -- `resources` (files and directories), `namespace`,
-`images`, `replicas` and strategic-merge `patches` (by file, target taken from the patch's kind and
-name) -- and refuses any other field, so k8s/ cannot start using a feature this renderer would
+small subset of kustomization.yaml that k8s/ uses -- `resources` (files and directories), `components`
+(kind: Component, applied after the resources and before the including kustomization's own patches,
+as kustomize does), `namespace`, `images`, `replicas` and strategic-merge `patches` (by file, target
+taken from the patch's kind and name; `$patch: delete` removes the target) -- and refuses any other field, so k8s/ cannot start using a feature this renderer would
 silently ignore. Users deploy with `kubectl apply -k`, which uses the real kustomize.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-SUPPORTED = {"apiVersion", "kind", "resources", "namespace", "images", "replicas", "patches"}
+SUPPORTED = {"apiVersion", "kind", "resources", "components", "namespace", "images", "replicas", "patches"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass", "StorageClass",
                   "CustomResourceDefinition", "PersistentVolume", "RuntimeClass"}
 SCALABLE = {"Deployment", "StatefulSet", "ReplicaSet", "ReplicationController"}
@@ -29,7 +30,11 @@ class RenderError(Exception):
 
 def render(path: str | Path) -> list[dict]:
     """The objects `kubectl kustomize PATH` would print, for the subset described above."""
-    root = Path(path)
+    return _build(Path(path), [], component=False)
+
+
+def _build(root: Path, objs: list[dict], component: bool) -> list[dict]:
+    """`objs` (what a component is applied to; [] for a kustomization) with `root`'s resources and edits."""
     kfile = root / "kustomization.yaml"
     if not kfile.is_file():
         raise RenderError(f"{root}: no kustomization.yaml")
@@ -37,10 +42,15 @@ def render(path: str | Path) -> list[dict]:
     unknown = set(k) - SUPPORTED
     if unknown:
         raise RenderError(f"{kfile}: fields {sorted(unknown)} are not supported by the check renderer")
-    objs: list[dict] = []
+    if (k.get("kind") == "Component") != component:
+        raise RenderError(f"{kfile}: kind {k.get('kind')!r} where a {'Component' if component else 'Kustomization'}"
+                          " is expected")
+    objs = list(objs)
     for res in k.get("resources") or ():
         p = root / res
         objs += render(p) if p.is_dir() else _load(p)
+    for comp in k.get("components") or ():
+        objs = _build(root / comp, objs, component=True)
     for patch in k.get("patches") or ():
         if set(patch) != {"path"}:
             raise RenderError(f"{kfile}: only `patches: - path: FILE` is supported, got {patch}")
@@ -71,6 +81,9 @@ def _find(objs: list[dict], kind: str | None, name: str, where: Path) -> dict:
 
 def _apply_patch(objs: list[dict], patch: dict, where: Path) -> None:
     target = _find(objs, patch.get("kind"), patch["metadata"]["name"], where)
+    if patch.get("$patch") == "delete":
+        objs.remove(target)
+        return
     merged = merge(target, patch)
     target.clear()
     target.update(merged)

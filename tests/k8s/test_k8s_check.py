@@ -34,7 +34,7 @@ def edit(path: Path, fn) -> None:
 
 
 def test_every_overlay_passes_schemas_invariants_and_checkov():
-    assert check(K8S) == {"cpu-dev": [], "gpu-rdma": []}
+    assert check(K8S) == {"cpu-dev": [], "gpu-rdma": [], "planner": []}
 
 
 def test_the_renderer_resolves_the_overlays():
