@@ -6,7 +6,16 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from tandem import bench_cmd, gateway_cmd, generate_cmd, router_cmd, trace_cmd, up_cmd, worker_cmd
+from tandem import (
+    bench_cmd,
+    gateway_cmd,
+    generate_cmd,
+    reshape_cmd,
+    router_cmd,
+    trace_cmd,
+    up_cmd,
+    worker_cmd,
+)
 from tandem.command import HelpFormatter, add_global_arguments, start
 
 # name -> (one-line description, add_arguments, run); each subcommand lives in its own module.
@@ -26,6 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
     "bench": ("load-test an endpoint (serve) or compare deployments across request rates (sweep)",
               bench_cmd.add_arguments, bench_cmd.run),
     "trace": (trace_cmd.SUMMARY, trace_cmd.add_arguments, trace_cmd.run),
+    "reshape": (reshape_cmd.SUMMARY, reshape_cmd.add_arguments, reshape_cmd.run),
 }
 
 

@@ -74,6 +74,19 @@ def gateway_args(args: argparse.Namespace) -> list[str]:
     return child_argv(args, Owner.GATEWAY)
 
 
+def planner_args(args: argparse.Namespace) -> list[str]:
+    return child_argv(args, Owner.PLANNER)
+
+
+def router_args_up(args: argparse.Namespace) -> list[str]:
+    """The router's; with --planner it serves with no prefill worker too, unless the user said otherwise
+    (a shape may have none: the decode workers then prefill their own prompts)."""
+    out = router_args(args)
+    if args.planner and "--min-prefill-workers" not in out:
+        out += ["--min-prefill-workers", "0"]
+    return out
+
+
 def up_config(args: argparse.Namespace):
     """The launcher's UpConfig from a parsed `tandem up` command line (not validated)."""
     from services.launcher.config import UpConfig
@@ -84,8 +97,8 @@ def up_config(args: argparse.Namespace):
         # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
         stop_grace_s=args.drain_timeout + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
         cpu_cores=args.cpu_cores, internal_token_file=args.internal_token_file, max_restarts=args.max_restarts,
-        worker_args=tuple(worker_args(args)), router_args=tuple(router_args(args)),
-        gateway_args=tuple(gateway_args(args)),
+        worker_args=tuple(worker_args(args)), router_args=tuple(router_args_up(args)),
+        gateway_args=tuple(gateway_args(args)), planner=args.planner, planner_args=tuple(planner_args(args)),
     )
 
 

@@ -37,13 +37,14 @@ class Owner(enum.Flag):
     WORKER = enum.auto()     # prefill, decode and co-located workers (their service-level flags)
     ROUTER = enum.auto()
     GATEWAY = enum.auto()
+    PLANNER = enum.auto()    # the SLO planner (`tandem up --planner` starts it)
 
 
 # The order a default is looked up in when several owners of a flag are present (`tandem up`).
-OWNER_ORDER = (Owner.LAUNCHER, Owner.ENGINE, Owner.WORKER, Owner.ROUTER, Owner.GATEWAY)
+OWNER_ORDER = (Owner.LAUNCHER, Owner.ENGINE, Owner.WORKER, Owner.ROUTER, Owner.GATEWAY, Owner.PLANNER)
 SERVICES = Owner.WORKER | Owner.ROUTER | Owner.GATEWAY
 _NAMES = {Owner.LAUNCHER: "launcher", Owner.ENGINE: "engine", Owner.WORKER: "workers", Owner.ROUTER: "router",
-          Owner.GATEWAY: "gateway"}
+          Owner.GATEWAY: "gateway", Owner.PLANNER: "planner"}
 
 @dataclass(frozen=True, eq=False)   # eq=False: a declaration is itself, whatever it says
 class Flag:

@@ -34,6 +34,8 @@ class UpConfig:
     cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
     max_restarts: int = 20               # per process; 0: nothing is restarted (a dead router/gateway stops all)
     internal_token_file: str | None = None  # None: $TANDEM_INTERNAL_TOKEN, else a fresh secret in the children's env
+    planner: bool = False                # also start `tandem planner --planner-target host` (supervised)
+    planner_args: tuple[str, ...] = ()   # the planner's flags the user set (forwarded)
 
 
 def _count(role: str, *aliases: str, what: str) -> Flag:
@@ -65,6 +67,11 @@ LAUNCHER_FLAGS = (
          "(exponential backoff from 0.5s; each restart is logged with the exit status); 0: never (a dead router "
          "or gateway then stops everything)", field="max_restarts", type=int, metavar="N"),
     API_KEY,
+    Flag(("--planner",), _L, DEPLOYMENT,
+         "also run the SLO planner (`tandem planner --planner-target host`, supervised): it reshapes the "
+         "deployment live, moving workers between prefill and decode on their cores (`tandem reshape` does it "
+         "by hand at any time); the router then serves with no prefill worker too (--min-prefill-workers 0 "
+         "unless given)", field="planner", action="store_true"),
     Flag(("--quiet",), _L, OBSERVABILITY,
          "no banner and no service logs, only the services' readiness lines and errors", field="quiet",
          action="store_true"),

@@ -73,6 +73,11 @@ class Supervisor:
         self.entries[name] = entry
         return entry
 
+    def retire(self, name: str) -> Child:
+        """Stop supervising `name` (a worker the launcher stops on purpose, e.g. to start another role
+        on its cores): it is never restarted nor reported; returns its current instance."""
+        return self.entries.pop(name).child
+
     def restarts(self) -> dict[str, int]:
         return {name: e.restarts for name, e in self.entries.items()}
 

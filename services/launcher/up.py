@@ -25,6 +25,8 @@ from services.common.cpu_cores import (
 from services.launcher.config import UpConfig
 from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
 from services.launcher.redis_server import EmbeddedRedis
+from services.launcher.reshape import Reshaper
+from services.launcher.shaping import reshaper, start_planner
 from services.launcher.supervisor import Supervisor
 
 # With `ready_json`, the one stdout line scripts and tests wait for: this prefix, then the summary JSON.
@@ -148,7 +150,9 @@ def run_up(cfg: UpConfig) -> int:
     workers: list[Child] = []
     router: Child | None = None
     gateway: Child | None = None
+    planner: Child | None = None
     sup: Supervisor | None = None
+    shaper: Reshaper | None = None
     up = False
     try:
         roles = worker_roles(cfg)
@@ -204,8 +208,10 @@ def run_up(cfg: UpConfig) -> int:
             _wait_healthy("the gateway", lambda: _gateway_healthy(summary["gateway"]), gateway, 60.0, stop)
         else:
             _wait_healthy("the router", lambda: _router_healthy(summary["router"]), router, 60.0, stop)
+        if cfg.planner:   # acts through Redis and reads the router's metrics: started once both answer
+            planner = start_planner(cfg, url, summary["router_metrics_port"], env, on_line)
         up = True
-        summary["pids"] = {c.name: c.proc.pid for c in [*workers, router, gateway, redis and redis.child] if c}
+        summary["pids"] = {c.name: c.proc.pid for c in [*workers, router, gateway, planner, redis and redis.child] if c}
         if cfg.ready_json:
             sys.stdout.write(READY_JSON_PREFIX + json.dumps(summary) + "\n")
             sys.stdout.flush()
@@ -213,8 +219,15 @@ def run_up(cfg: UpConfig) -> int:
         sup = _supervise(cfg, workers, router, router_child, _port_of(summary["router"]), gateway,
                          gateway_child if gateway is not None else None,
                          _port_of(summary.get("gateway", "")), redis)
+        if planner is not None:   # alive is all it has to be: it announces nothing
+            sup.add("planner", planner, lambda: start_planner(cfg, url, summary["router_metrics_port"], env, on_line),
+                    ready_probe=lambda child: child.alive)
+        shaper = reshaper(cfg, sup, names, plan.workers, url, lambda role, name, cores: Child(
+            name, python_cmd(*worker_argv(cfg, role, name, url, cores)), env=env, on_line=on_line))
         while not stop.wait(0.5):
             sup.poll()
+            if shaper is not None:
+                shaper.poll()
             down = {"router", "gateway"} & {*sup.gave_up, *sup.stopped}
             if down:
                 log.error("%s stays down: shutting down", " and ".join(sorted(down)))
@@ -228,9 +241,10 @@ def run_up(cfg: UpConfig) -> int:
         return 1
     finally:
         if sup is not None:   # the current instances, restarted ones included (Redis is closed below)
-            gateway, router = (sup.entries[n].child if n in sup.entries else None for n in ("gateway", "router"))
-            workers = [sup.entries[w.name].child for w in workers]
-        children = [c for c in [gateway, router, *workers] if c is not None]
+            gateway, router, planner = (sup.entries[n].child if n in sup.entries else None
+                                        for n in ("gateway", "router", "planner"))
+            workers = shaper.children() if shaper is not None else [sup.entries[w.name].child for w in workers]
+        children = [c for c in [planner, gateway, router, *workers] if c is not None]
         if signals:
             say(f"\nStopping Tandem ({signals[0]}): letting in-flight requests finish "
                 f"(up to {cfg.stop_grace_s:.0f}s) ...")
