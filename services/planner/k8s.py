@@ -10,6 +10,11 @@ preStop pause lets routers see its endpoint go, then SIGTERM starts the worker's
 a prefill worker waits for the KV transfers it owes, a decode worker finishes its streams) within the
 pod's terminationGracePeriodSeconds, which the manifests keep above the drain timeout (make k8s-check).
 
+A shape with no prefill worker scales the prefill Deployment to 0: decode pods do not change role,
+they prefill their own prompts (the router's local route), which the router serves only when started
+with `--min-prefill-workers 0`; otherwise run the planner with `--planner-min-prefill 1` (make
+k8s-check holds the two manifests to agree).
+
 Failures of the API (403: RBAC, 404: a wrong name or namespace, the API server down, no credentials)
 are logged once when they start and once when they end, and never raised: `current()` is None,
 `busy()` is False and `apply()` does nothing, so the planner's next interval simply tries again.
@@ -74,9 +79,6 @@ class KubernetesActuator:
     """Scales the prefill and decode Deployments; see the module docstring for what a caller may rely on."""
 
     name = "kubernetes"
-    # In disagg mode the router serves only while it has a prefill and a decode worker (its readiness),
-    # so a co-located shape (0 prefill) is refused here: decode pods do not change role.
-    min_prefill = 1
 
     def __init__(self, target: KubernetesTarget, api=None):
         """`api`: an `AppsV1Api` (tests); default: made on first use from `target.api_server`, else the
@@ -87,7 +89,6 @@ class KubernetesActuator:
         self._api = api
         self._reading = _Outage("reading the Deployments' scale")
         self._patching = _Outage("patching the Deployments' scale")
-        self._refused: Shape | None = None
         self._applying: tuple[Shape, float] | None = None   # the shape asked for, when; until settled
 
     @classmethod
@@ -129,12 +130,6 @@ class KubernetesActuator:
         return bool(moving)
 
     def apply(self, shape: Shape, reason: str) -> None:
-        if shape.prefill < self.min_prefill:
-            if shape != self._refused:
-                log.warning("kubernetes actuator: not applying %s (%s): the router serves disaggregated only "
-                            "with at least %d prefill worker(s)", shape, reason, self.min_prefill)
-                self._refused = shape
-            return
         scales = self._read()
         if scales is None:
             return

@@ -34,23 +34,23 @@ class KubernetesTarget:
 
 
 _DEFAULT = KubernetesTarget()
-# The planner is not a child of `tandem up` (up=Owner.NONE): these are flags of `tandem planner` only.
+# Not flags of `tandem up` (up=Owner.NONE: its planner acts on the host): `tandem planner` only.
 # Their names differ from the router's `--k8s-namespace` / `--k8s-api-server` (k8s discovery), which
 # say where EndpointSlices are read; these say which Deployments are scaled.
 K8S_FLAGS = (
-    Flag(("--deployments-namespace",), Owner.NONE, DEPLOYMENT,
+    Flag(("--deployments-namespace",), Owner.PLANNER, DEPLOYMENT,
          "--planner-target kubernetes: namespace of the prefill and decode Deployments (default: the pod's)",
          default=_DEFAULT.namespace, up=Owner.NONE),
-    Flag(("--prefill-deployment",), Owner.NONE, DEPLOYMENT,
+    Flag(("--prefill-deployment",), Owner.PLANNER, DEPLOYMENT,
          "--planner-target kubernetes: the prefill workers' Deployment, scaled through deployments/scale",
          default=_DEFAULT.prefill_deployment, up=Owner.NONE),
-    Flag(("--decode-deployment",), Owner.NONE, DEPLOYMENT,
+    Flag(("--decode-deployment",), Owner.PLANNER, DEPLOYMENT,
          "--planner-target kubernetes: the decode workers' Deployment, scaled through deployments/scale",
          default=_DEFAULT.decode_deployment, up=Owner.NONE),
-    Flag(("--kube-api-server",), Owner.NONE, DEPLOYMENT,
+    Flag(("--kube-api-server",), Owner.PLANNER, DEPLOYMENT,
          "--planner-target kubernetes: API server URL, e.g. a `kubectl proxy` (default: in-cluster service "
          "account, then ~/.kube/config)", default=_DEFAULT.api_server, up=Owner.NONE),
-    Flag(("--k8s-request-timeout",), Owner.NONE, DEPLOYMENT,
+    Flag(("--k8s-request-timeout",), Owner.PLANNER, DEPLOYMENT,
          "--planner-target kubernetes: seconds one API call may take", type=float,
          default=_DEFAULT.request_timeout_s, up=Owner.NONE),
 )

@@ -187,6 +187,13 @@ def planner_problems(objs: list[dict]) -> list[str]:
     if targets != [workers.get("prefill"), workers.get("decode")]:
         out.append(f"{_name(d)}: scales {targets}, but the worker Deployments are "
                    f"{[workers.get('prefill'), workers.get('decode')]}")
+    routers = [r for r in by_kind.get("Deployment", []) if _role(r) == "router"]
+    mins = [_flag(r["spec"]["template"]["spec"]["containers"][0], "--min-prefill-workers") for r in routers]
+    router_min = max((1 if m is None else m for m in mins), default=1)     # None: the router's default, 1
+    planner_min = _flag(c, "--planner-min-prefill") or 0           # the planner's default: 0P allowed
+    if planner_min < router_min:
+        out.append(f"{_name(d)}: --planner-min-prefill {planner_min:g} is below the router's --min-prefill-workers "
+                   f"{router_min:g}: a shape with fewer prefill pods would leave the router NOT_SERVING")
     sa = _planner_sa(by_kind)
     if not any(a["metadata"]["name"] == sa[1] for a in by_kind.get("ServiceAccount", [])):
         out.append(f"{_name(d)}: no ServiceAccount {sa[1]}")

@@ -146,3 +146,13 @@ def test_a_drain_longer_than_the_grace_period_fails_through_the_configmap():
     assert "Deployment/tandem-prefill container prefill: terminationGracePeriodSeconds 60 leaves no room for " \
            "--drain-timeout 58.0" in problems
     assert any(p.startswith("Deployment/tandem-decode container decode: terminationGracePeriodSeconds") for p in problems)
+
+
+def test_the_planner_may_not_go_below_the_routers_prefill_minimum(objs):
+    c = by_name(objs, "Deployment", "tandem-planner")["spec"]["template"]["spec"]["containers"][0]
+    c["args"] = [a for a in c["args"] if not a.startswith("--planner-min-prefill")]
+    assert any("--planner-min-prefill 0 is below the router's --min-prefill-workers 1" in p
+               for p in planner_problems(objs))
+    router = by_name(objs, "Deployment", "tandem-router")["spec"]["template"]["spec"]["containers"][0]
+    router["args"].append("--min-prefill-workers=0")                # the router serves 0PnD: so may the planner
+    assert planner_problems(objs) == []

@@ -147,12 +147,19 @@ def test_busy_while_a_deployment_is_rolling(kube):
     assert not a.busy() and a.current() == Shape(1, 1)
 
 
-def test_a_colocated_shape_is_refused_without_a_call(kube, caplog):
+def test_a_colocated_shape_scales_prefill_to_zero_after_decode_grew(kube):
     a = actuator(kube.url)
-    with caplog.at_level(logging.WARNING, "services.planner.k8s"):
-        a.apply(Shape(0, 2), "low load")
-        a.apply(Shape(0, 2), "low load")
-    assert kube.requests == [] and len(caplog.records) == 1 and "at least 1 prefill" in caplog.text
+    a.apply(Shape(0, 2), "low load")
+    assert [(p.partition("?")[0], b["spec"]["replicas"]) for p, _, b in kube.patches()] == [
+        (SCALE.format("tandem-decode"), 2), (SCALE.format("tandem-prefill"), 0)]
+    kube.status.update(kube.spec)
+    assert a.current() == Shape(0, 2) and not a.busy()
+
+
+def test_no_decode_replica_is_no_shape(kube):
+    kube.spec["tandem-decode"] = 0
+    a = actuator(kube.url)
+    assert a.current() is None and "no shape without a decode worker" in a.problem
 
 
 def test_forbidden_is_logged_once_and_the_planner_goes_on(kube, caplog):
