@@ -136,10 +136,11 @@ def plot_timeline(series: Mapping[str, Sequence[dict]], path: Path, title: str =
     if shapes:
         ax_shape = axes[1]
         for i, (label, samples) in enumerate(shapes.items()):
-            ts = [s["t_s"] for s in samples]
-            ax_shape.step(ts, [s.get("prefill", 0) for s in samples], where="post", color=f"C{i}",
-                          label=f"{label} prefill")
-            ax_shape.step(ts, [s.get("decode", 0) + s.get("colocated", 0) for s in samples], where="post",
+            ts = [s["t_s"] for s in samples if "error" not in s]
+            up = 0.04 * i  # deployments with the same shape stay apart
+            ax_shape.step(ts, [s["prefill"] + up for s in samples if "error" not in s], where="post",
+                          color=f"C{i}", label=f"{label} prefill")
+            ax_shape.step(ts, [s["decode"] + s["colocated"] + up for s in samples if "error" not in s], where="post",
                           color=f"C{i}", linestyle="--", label=f"{label} decode / co-located")
         ax_shape.set(ylabel="workers", title="shape: prefill (solid), decode or co-located (dashed) workers")
     for ax in axes:
