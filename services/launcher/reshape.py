@@ -91,6 +91,7 @@ class Reshaper:
         self.applied = 0               # seq of the last request applied
         self.seen = 0                  # seq of the last request read
         self.error: dict | None = None
+        self.last_move: dict | None = None   # the last slot moved: from, to, drain_s, start_s (to READY)
         self._published: tuple | None = None
         self._published_at = float("-inf")
 
@@ -183,6 +184,8 @@ class Reshaper:
             return
         code = old.proc.returncode if old.proc is not None else None
         log.warning("%s drained (exit code %s) in %.1fs", old.name, code, now - slot.since)
+        self.last_move = {"slot": slot.index, "from": old.name, "to": None, "drain_s": round(now - slot.since, 2),
+                          "start_s": None}
         slot.retired = None
         slot.name = self._new_name(slot.role)
         child = self.make_worker(slot.role, slot.name, slot.cores)
@@ -198,7 +201,9 @@ class Reshaper:
             slot.state = "serving"   # a slot with no live worker: the next request may move it again
             return
         if self.sup.entries[slot.name].child.ready is not None:
-            log.warning("%s is ready (%.1fs after its predecessor exited)", slot.name, self.clock() - slot.since)
+            start_s = self.clock() - slot.since
+            log.warning("%s is ready (%.1fs after its predecessor exited)", slot.name, start_s)
+            self.last_move = {**(self.last_move or {}), "to": slot.name, "start_s": round(start_s, 2)}
             slot.state = "serving"
 
     def _new_name(self, role: str) -> str:
@@ -227,6 +232,7 @@ class Reshaper:
     def snapshot(self) -> dict:
         return {"shape": str(self.shape()), "target": str(self.target) if self.target else None,
                 "busy": self.busy, "seq": self.applied, "seen": self.seen, "error": self.error,
+                "last_move": self.last_move,
                 "slots": [{"slot": s.index, "role": s.role, "name": s.name, "state": s.state,
                            "cores": format_cpu_list(s.cores) if s.cores else None,
                            "pid": self._pid(s)} for s in self.slots]}

@@ -7,7 +7,8 @@ two Redis keys of the deployment's registry, and read back what it runs.
 - `<prefix>:shape:state`, written by the launcher (services/launcher/reshape.py) when anything
   changes and every few seconds: JSON {"shape", "target", "busy", "seq" (the last request applied),
   "seen" (the last request read), "error": {"seq", "message"} | null, "slots": [{"slot", "role",
-  "name", "cores", "state", "pid"}], "t" (wall clock)}.
+  "name", "cores", "state", "pid"}], "last_move": {"slot", "from", "to", "drain_s", "start_s"} | null,
+  "t" (wall clock)}.
 
 Torch-free; the Redis client is built on first use.
 """

@@ -243,3 +243,17 @@ def test_the_latest_request_wins_once_the_moving_slot_has_landed():
     shaper.poll()
     shaper.poll()                    # ... then one decode slot moves back to prefill
     assert [s.state for s in shaper.slots].count("draining") == 1 and shaper.applied == 0
+
+
+def test_the_last_move_is_timed():
+    shaper, _, started, _, clock = deployment(["prefill", "decode"])
+    shaper.request("0P2D", seq=1)
+    shaper.poll()
+    clock.t += 2.5
+    shaper.slots[0].retired.exit(0)
+    shaper.poll()
+    clock.t += 4.0
+    started[0].become_ready()
+    shaper.poll()
+    assert shaper.snapshot()["last_move"] == {"slot": 0, "from": "prefill-0", "to": "decode-1", "drain_s": 2.5,
+                                              "start_s": 4.0}
