@@ -172,3 +172,12 @@ def test_a_pinned_worker_gets_its_cores_and_no_thread_count():
     assert argv[0] == "decode" and argv[argv.index("--cpu-cores") + 1] == "2-3" and "--num-threads" not in argv
     given = up_config(build_parser().parse_args(["up", "--num-threads", "3"]))
     assert _parsed(worker_argv(given, "decode", "decode-0", "REDIS", None))["num_threads"] == 3
+
+
+def test_the_router_queue_timeout_is_a_flag_of_up_given_to_the_router_only():
+    up = build_parser().parse_args(["up", "--max-queued-requests", "8", "--queue-timeout-secs", "2.5"])
+    assert child_argv(up, Owner.ROUTER) == ["--max-queued-requests", "8", "--queue-timeout-secs", "2.5"]
+    assert "--queue-timeout-secs" not in child_argv(up, Owner.ENGINE | Owner.WORKER)
+    assert "--queue-timeout-secs" not in child_argv(up, Owner.GATEWAY)
+    router = _parsed(["router", "--redis-url", "redis://x:1/0", *child_argv(up, Owner.ROUTER)])
+    assert router["queue_timeout_secs"] == 2.5
