@@ -54,6 +54,7 @@ def test_the_overlay_replaces_the_workers_hpas_and_keeps_the_others(objs):
     [c] = d["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "tandem:dev" and c["imagePullPolicy"] == "IfNotPresent"
     assert c["args"][1:3] == ["planner", "--planner-target=kubernetes"]
+    assert "--host=0.0.0.0" in c["args"] and "--metrics-port=9090" in c["args"]   # probed from the kubelet
     assert all(o["metadata"].get("namespace") == "tandem" for o in objs if o["kind"] != "Namespace")
     # The planner reaches the router's metrics port through the default-deny ingress.
     np = by_name(objs, "NetworkPolicy", "tandem-metrics-from-planner")
@@ -156,3 +157,16 @@ def test_the_planner_may_not_go_below_the_routers_prefill_minimum(objs):
     router = by_name(objs, "Deployment", "tandem-router")["spec"]["template"]["spec"]["containers"][0]
     router["args"].append("--min-prefill-workers=0")                # the router serves 0PnD: so may the planner
     assert planner_problems(objs) == []
+
+
+def test_the_planner_pod_command_line_parses_into_a_kubernetes_target(objs):
+    pytest.importorskip("tandem.planner_cmd")
+    from services.planner.config import PlannerConfig
+    from tandem.cli import build_parser
+
+    [c] = by_name(objs, "Deployment", "tandem-planner")["spec"]["template"]["spec"]["containers"]
+    cfg = PlannerConfig.from_args(build_parser().parse_args(c["args"]))
+    assert (cfg.target, cfg.host, cfg.metrics_port, cfg.min_prefill) == ("kubernetes", "0.0.0.0", 9090, 1)
+    assert (cfg.k8s.prefill_deployment, cfg.k8s.decode_deployment, cfg.k8s.namespace) == \
+        ("tandem-prefill", "tandem-decode", "")          # "": the pod's namespace
+    assert cfg.router_metrics_url == "http://tandem-router:9090/metrics"
