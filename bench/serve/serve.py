@@ -194,10 +194,10 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
     """The `tandem bench serve` command: run, print summaries, write JSON and plots; return the JSON."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     began_ns = time.time_ns()
-    runs: list[RateRun] | list[ProfileRun]
-    runs = asyncio.run(run_profile(cfg, tokenizer, echo) if cfg.load_profile else run_rates(cfg, tokenizer, echo))
-    if isinstance(runs, ProfileRun):
-        runs = [runs]
+    if cfg.load_profile:
+        runs: list[RateRun] | list[ProfileRun] = [asyncio.run(run_profile(cfg, tokenizer, echo))]
+    else:
+        runs = asyncio.run(run_rates(cfg, tokenizer, echo))
     result = {
         "tool": "tandem bench serve",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -216,24 +216,25 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
         out = Path(cfg.out)
         write_json(out, result)
         echo(f"results: {out}")
-        if cfg.plot and cfg.load_profile:
-            label = cfg.label or cfg.backend
-            for p in (plots.plot_cdfs({label: cdf_values(runs[0].records)}, out.with_suffix(".cdf.png"),
-                                      title=f"{label}: latency CDFs"),
-                      plots.plot_timeline({label: runs[0].series}, out.with_suffix(".profile.png"),
-                                          title=f"{label}: load profile {cfg.load_profile}")):
-                if p is not None:
-                    echo(f"plot: {p}")
-        elif cfg.plot:
-            label = cfg.label or cfg.backend
-            cdf = plots.plot_cdfs({f"{label} @ {plots.rate_label(r.request_rate)}": cdf_values(r.records) for r in runs},
-                                  out.with_suffix(".cdf.png"), title=f"{label}: latency CDFs")
-            vs = plots.plot_vs_rate({label: [(r.request_rate, r.metrics.to_dict()) for r in runs]},
-                                    out.with_suffix(".rates.png"), title=f"{label}: vs request rate")
-            for p in (cdf, vs):
+        if cfg.plot:
+            for p in _plots(cfg, runs, out):
                 if p is not None:
                     echo(f"plot: {p}")
     return result
+
+
+def _plots(cfg: ServeConfig, runs: list[RateRun] | list[ProfileRun], out: Path) -> list[Path | None]:
+    label = cfg.label or cfg.backend
+    if cfg.load_profile:   # one run: its CDFs and its timeline
+        (run,) = runs
+        return [plots.plot_cdfs({label: cdf_values(run.records)}, out.with_suffix(".cdf.png"),
+                                title=f"{label}: latency CDFs"),
+                plots.plot_timeline({label: run.series}, out.with_suffix(".profile.png"),
+                                    title=f"{label}: load profile {cfg.load_profile}")]
+    return [plots.plot_cdfs({f"{label} @ {plots.rate_label(r.request_rate)}": cdf_values(r.records) for r in runs},
+                            out.with_suffix(".cdf.png"), title=f"{label}: latency CDFs"),
+            plots.plot_vs_rate({label: [(r.request_rate, r.metrics.to_dict()) for r in runs]},
+                               out.with_suffix(".rates.png"), title=f"{label}: vs request rate")]
 
 
 def cdf_values(records: Sequence[dict]) -> dict[str, list[float]]:
