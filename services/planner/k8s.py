@@ -89,6 +89,7 @@ class KubernetesActuator:
         self._api = api
         self._reading = _Outage("reading the Deployments' scale")
         self._patching = _Outage("patching the Deployments' scale")
+        self._shape = _Outage("making a shape of the Deployments' replicas")
         self._applying: tuple[Shape, float] | None = None   # the shape asked for, when; until settled
 
     @classmethod
@@ -102,7 +103,7 @@ class KubernetesActuator:
     @property
     def problem(self) -> str | None:
         """The API problem now (None: the last reads and patches worked)."""
-        return self._reading.problem or self._patching.problem
+        return self._reading.problem or self._patching.problem or self._shape.problem
 
     # --- Actuator ---------------------------------------------------------------------------------
     def current(self) -> Shape | None:
@@ -111,11 +112,13 @@ class KubernetesActuator:
             return None
         prefill, decode = scales
         try:
-            return Shape(prefill.spec, decode.spec)
+            shape = Shape(prefill.spec, decode.spec)
         except ValueError:
-            self._reading.failed(f"Deployment {decode.name} asks for {decode.spec} replicas: no shape without a "
-                                "decode worker (scaled by hand?)")
+            self._shape.failed(f"Deployment {decode.name} asks for {decode.spec} replicas: no shape without a "
+                               "decode worker (scaled by hand?)")
             return None
+        self._shape.ok()
+        return shape
 
     def busy(self) -> bool:
         scales = self._read()

@@ -156,10 +156,14 @@ def test_a_colocated_shape_scales_prefill_to_zero_after_decode_grew(kube):
     assert a.current() == Shape(0, 2) and not a.busy()
 
 
-def test_no_decode_replica_is_no_shape(kube):
+def test_no_decode_replica_is_no_shape(kube, caplog):
     kube.spec["tandem-decode"] = 0
     a = actuator(kube.url)
-    assert a.current() is None and "no shape without a decode worker" in a.problem
+    with caplog.at_level(logging.INFO, "services.planner.k8s"):
+        for _ in range(3):
+            assert a.current() is None and a.busy()       # spec 0, one pod still observed
+    assert "no shape without a decode worker" in a.problem
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]    # said once, not every interval
 
 
 def test_forbidden_is_logged_once_and_the_planner_goes_on(kube, caplog):
