@@ -10,6 +10,7 @@ from tandem import (
     bench_cmd,
     gateway_cmd,
     generate_cmd,
+    planner_cmd,
     reshape_cmd,
     router_cmd,
     trace_cmd,
@@ -36,6 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
               bench_cmd.add_arguments, bench_cmd.run),
     "trace": (trace_cmd.SUMMARY, trace_cmd.add_arguments, trace_cmd.run),
     "reshape": (reshape_cmd.SUMMARY, reshape_cmd.add_arguments, reshape_cmd.run),
+    "planner": (planner_cmd.SUMMARY, planner_cmd.add_arguments, planner_cmd.run),
 }
 
 

@@ -20,30 +20,32 @@ def _configs() -> dict[Owner, object]:
     from engine.config import EngineConfig
     from services.gateway.config import GatewayConfig
     from services.launcher.config import UpConfig
+    from services.planner.config import PlannerConfig
     from services.router.config import RouterConfig
     from services.worker.config import WorkerConfig
 
     return {Owner.LAUNCHER: UpConfig(), Owner.ENGINE: EngineConfig(), Owner.WORKER: WorkerConfig(role=""),
-            Owner.ROUTER: RouterConfig(), Owner.GATEWAY: GatewayConfig()}
+            Owner.ROUTER: RouterConfig(), Owner.GATEWAY: GatewayConfig(), Owner.PLANNER: PlannerConfig()}
 
 
 def up_flags() -> list[Flag]:
     """Every flag `tandem up` takes, in --help order: its own, then its children's."""
     from services.gateway.config import GATEWAY_FLAGS
     from services.launcher.config import LAUNCHER_FLAGS
+    from services.planner.config import PLANNER_FLAGS
     from services.router.config import ROUTER_FLAGS
     from services.worker.config import WORKER_FLAGS
     from tandem.engine_args import ENGINE_FLAGS
 
-    flags = unique(LAUNCHER_FLAGS, ENGINE_FLAGS, WORKER_FLAGS, ROUTER_FLAGS, GATEWAY_FLAGS)
+    flags = unique(LAUNCHER_FLAGS, ENGINE_FLAGS, WORKER_FLAGS, ROUTER_FLAGS, GATEWAY_FLAGS, PLANNER_FLAGS)
     return [f for f in flags if f.up_targets]
 
 
 def _help_prefix(flag: Flag) -> str:
-    """Who gets a flag that goes to some of the services only: "workers: ", "router and gateway: "
+    """Who gets a flag that goes to some of the services only: "workers: ", "router and gateway: ", "planner: "
     (not said of the engine's flags, nor of those `tandem up` reads itself)."""
-    to = flag.up_targets & SERVICES
-    if flag.up_targets & (Owner.ENGINE | Owner.LAUNCHER) or not to or to == SERVICES:
+    to = flag.up_targets & (SERVICES | Owner.PLANNER)
+    if flag.up_targets & (Owner.ENGINE | Owner.LAUNCHER) or not to or to & SERVICES == SERVICES:
         return ""
     return owner_names(to).replace("+", " and ") + ": "
 

@@ -16,6 +16,7 @@ SPECULATIVE = "speculative decoding"
 DEPLOYMENT = "deployment"
 DISAGGREGATION = "P/D disaggregation and KV transfer"
 ROUTING = "routing"
+PLANNER = "SLO planner"
 LIMITS = "admission and request limits"
 SECURITY = "security"
 RESILIENCE = "resilience"
@@ -32,6 +33,7 @@ SECTIONS: dict[str, str] = {
     DEPLOYMENT: "which processes, where they listen, how they find each other",
     DISAGGREGATION: "prefill and decode workers and the KV transfer between them",
     ROUTING: "how the router picks the workers of a request (docs/routing.md)",
+    PLANNER: "the shape (prefill and decode workers) that keeps the TTFT and ITL targets (docs/planner.md)",
     LIMITS: "what is refused at once: requests in flight, sizes of a request (docs/security.md)",
     SECURITY: "API key, internal secret, mutual TLS (docs/security.md)",
     RESILIENCE: "timeouts, retries, circuit breakers, restarts, drains, fault injection (docs/resilience.md)",

@@ -7,16 +7,16 @@ from __future__ import annotations
 from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL, OBSERVABILITY, RESILIENCE, SCHEDULER
 from services.common.flags import SERVICES, Flag, Owner
 
-HOST = Flag(("--host",), SERVICES, DEPLOYMENT, "address to listen on (`tandem up`: every service's)",
+HOST = Flag(("--host",), SERVICES | Owner.PLANNER, DEPLOYMENT, "address to listen on (`tandem up`: every service's)",
             field="host")
 PORT = Flag(("--port",), SERVICES | Owner.LAUNCHER, DEPLOYMENT,
             "port to listen on, 0: any free one (gRPC on workers and the router, HTTP on the gateway; "
             "`tandem up`: the router's)", field="port", type=int, up=Owner.LAUNCHER)
-REDIS_URL = Flag(("--redis-url",), Owner.WORKER | Owner.ROUTER | Owner.LAUNCHER, DEPLOYMENT,
+REDIS_URL = Flag(("--redis-url",), Owner.WORKER | Owner.ROUTER | Owner.LAUNCHER | Owner.PLANNER, DEPLOYMENT,
                  "the Redis registry workers announce themselves in and the router finds them in, e.g. "
                  "redis://127.0.0.1:6379/0 or unix:///path/redis.sock (`tandem up`: default: an embedded one)",
                  field="redis_url", up=Owner.LAUNCHER)
-METRICS_PORT = Flag(("--metrics-port",), Owner.WORKER | Owner.ROUTER, OBSERVABILITY,
+METRICS_PORT = Flag(("--metrics-port",), Owner.WORKER | Owner.ROUTER | Owner.PLANNER, OBSERVABILITY,
                     "Prometheus /metrics port (0: any free port, -1: off)", field="metrics_port", type=int,
                     up=Owner.NONE)
 # `tandem up --drain-timeout` is the workers' (their owed KV transfers are what a drain waits for);

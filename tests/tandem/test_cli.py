@@ -77,7 +77,7 @@ def _flag_of(entry: str) -> list[str]:
 
 
 SHARED_GROUPS = ("model", "engine", "scheduler", "speculative decoding", "deployment",
-                 "P/D disaggregation and KV transfer", "routing", "admission and request limits", "security",
+                 "P/D disaggregation and KV transfer", "routing", "SLO planner", "admission and request limits", "security",
                  "resilience", "observability")
 
 
