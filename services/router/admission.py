@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import ResourceExhausted
@@ -38,11 +39,13 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, max_inflight: int, max_queued: int, policy: QueuePolicy, queue_timeout_s: float = 0.0):
+    def __init__(self, max_inflight: int, max_queued: int, policy: QueuePolicy, queue_timeout_s: float = 0.0,
+                 on_shed: Callable[[], None] = lambda: None):
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.policy = policy
         self.queue_timeout_s = queue_timeout_s
+        self.on_shed = on_shed        # a metric: called once per waiter shed for lateness
         self.inflight = 0
         self.shed = 0                 # waiters shed because they could no longer start in time
         self.queue: PolicyQueue[_Waiter] = PolicyQueue(policy, order=lambda w: w.deadline)
@@ -59,7 +62,7 @@ class Admission:
                                     f"{self.max_inflight}); retry later")
         me = self._waiter(priority, deadline, arrival)
         if time.monotonic() >= me.shed_at:
-            self.shed += 1
+            self._count_shed()
             raise ResourceExhausted(self._late_message(me))
         out = self.queue.offer(me, self.max_queued)
         if out is me:
@@ -87,7 +90,7 @@ class Admission:
             if waiter.future.done():
                 continue
             if now >= waiter.shed_at:  # its timer has not run yet: it could not start in time either
-                self.shed += 1
+                self._count_shed()
                 self._leave(waiter, ResourceExhausted(self._late_message(waiter)), queued=False)
                 continue
             waiter.future.set_result(None)  # the slot moves to it: `inflight` is unchanged
@@ -107,7 +110,7 @@ class Admission:
 
     def _expire(self, w: _Waiter) -> None:
         if w in self.queue and not w.future.done():
-            self.shed += 1
+            self._count_shed()
             self._leave(w, ResourceExhausted(self._late_message(w)))
 
     def _leave(self, w: _Waiter, error: Exception, queued: bool = True) -> None:
@@ -117,6 +120,10 @@ class Admission:
             w.timer.cancel()
         if not w.future.done():
             w.future.set_exception(error)
+
+    def _count_shed(self) -> None:
+        self.shed += 1
+        self.on_shed()
 
     def _late_message(self, w: _Waiter) -> str:
         waited = time.monotonic() - w.arrival

@@ -55,6 +55,12 @@ class RouterMetrics:
             "prefill worker (remote) or on the decode worker (local)", ["route"], registry=self.registry,
         )
         self.workers = Gauge("tandem_router_workers", "Registered workers by role", ["role"], registry=self.registry)
+        # The admission queue (admission.py): who waits for an in-flight slot, and who was shed.
+        self.queued = Gauge("tandem_router_queued_requests", "Requests waiting in the router queue for an in-flight "
+                            "slot (--max-queued-requests)", registry=self.registry)
+        self.shed = Counter("tandem_router_shed_requests", "Queued requests shed with RESOURCE_EXHAUSTED because they "
+                            "could no longer start in time (their deadline passed, or --queue-timeout-secs)",
+                            registry=self.registry)
         # KV events from the workers (services/router/kv_feed.py; Redis registry only).
         self.kv_events_applied = Counter(
             "tandem_router_kv_events_applied", "KV block events applied to the router's exact per-worker views",

@@ -141,7 +141,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.planner = RoutePlanner(config.policy, config.route, config.roles,
                                     on_route=lambda route: metrics.prefill_route.labels(route).inc(), exact=kv_view)
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
-            config.enable_priority_scheduling, config.low_priority_values_first), config.queue_timeout_s)
+            config.enable_priority_scheduling, config.low_priority_values_first), config.queue_timeout_s,
+            on_shed=metrics.shed.inc)
+        metrics.queued.set_function(lambda: len(self.admission.queue))
         self.breakers = Breakers(config.cb_failure_threshold, config.cb_timeout_s) if config.circuit_breaker else None
         metrics.watch_workers(registry.all_workers)  # their announced loads, for the planner
 

@@ -274,12 +274,16 @@ def test_a_waiter_that_cannot_start_in_time_is_shed_with_resource_exhausted():
             first = stub.Generate(_req())
             await wait_until(lambda: d.requests)
             t0 = time.monotonic()
+            second = asyncio.ensure_future(_collect(stub, _req()))
+            await wait_until(lambda: _metric(router, "tandem_router_queued_requests") == 1)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await _collect(stub, _req())
+                await second
             assert info.value.code() == S.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 3.0
             assert "shed from the router queue" in info.value.details()
             assert "--queue-timeout-secs 0.3" in info.value.details()
             assert _metric(router, "tandem_router_requests_total", status="resource_exhausted") == 1
+            assert _metric(router, "tandem_router_shed_requests_total") == 1
+            assert _metric(router, "tandem_router_queued_requests") == 0
             p.release.set()
             d.release.set()
             assert len([m async for m in first]) == 3 and router.servicer.inflight == 0
