@@ -219,9 +219,8 @@ def run_up(cfg: UpConfig) -> int:
         sup = _supervise(cfg, workers, router, router_child, _port_of(summary["router"]), gateway,
                          gateway_child if gateway is not None else None,
                          _port_of(summary.get("gateway", "")), redis)
-        if planner is not None:   # alive is all it has to be: it announces nothing
-            sup.add("planner", planner, lambda: start_planner(cfg, url, summary["router_metrics_port"], env, on_line),
-                    ready_probe=lambda child: child.alive)
+        if planner is not None:
+            sup.add("planner", planner, lambda: start_planner(cfg, url, summary["router_metrics_port"], env, on_line))
         shaper = reshaper(cfg, sup, names, plan.workers, url, lambda role, name, cores: Child(
             name, python_cmd(*worker_argv(cfg, role, name, url, cores)), env=env, on_line=on_line))
         while not stop.wait(0.5):
