@@ -10,7 +10,7 @@ PROMPT  ?= What is the capital of France?
 
 CHECKOV_VENV := $(VENV)/tools/checkov
 
-.PHONY: install proto k8s-check test test-slow test-avx2 test-all run generate bench bench-kvtransfer bench-gateway vllm-venv lint clean
+.PHONY: install proto k8s-check test test-slow test-avx2 test-all run generate bench bench-kvtransfer bench-gateway bench-planner vllm-venv lint clean
 
 install: $(BIN)/python
 	$(PIP) install $(PIPFLAGS) --upgrade pip
@@ -76,6 +76,10 @@ bench-gateway:
 
 bench-kvtransfer:
 	$(BIN)/python -m bench.kvtransfer --out bench/results/kvtransfer.json
+
+# The SLO planner against the fixed shapes 1P1D and --colocated 2 on one load profile (~20 min on 2 cores).
+bench-planner:
+	$(BIN)/python -m bench.planner --model $(MODEL) --out bench/results/planner.json
 
 # Everything that needs a GPU in one run of at most 8 minutes (docs/gpu-check.md): the CUDA tests,
 # kernels vs their references with % of peak bandwidth, CUDA graphs vs eager, NIXL between device
