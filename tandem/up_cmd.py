@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     if cfg.mode == "colocated" and cfg.num_colocated < 1:
         print("error: --colocated must be >= 1", flush=True)
         return 2
+    if cfg.planner and cfg.mode != "disagg":
+        print("error: --planner moves workers between the prefill and decode roles: it needs --mode disagg (a shape "
+              "with no prefill worker serves like --colocated)", flush=True)
+        return 2
     if cfg.max_restarts < 0:
         print("error: --max-restarts must be >= 0", flush=True)
         return 2

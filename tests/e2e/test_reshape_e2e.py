@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -29,7 +30,8 @@ def reshape(stack: Stack, shape: str, timeout_s: float = 240.0) -> subprocess.Co
 
 def test_reshape_to_0p2d_and_back_under_load_fails_no_request(tiny_llama):
     stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--transfer-backend", "tcp",
-                  "--prefill", "1", "--decode", "1", "--min-prefill-workers", "0", "--drain-timeout", "30")
+                  "--prefill", "1", "--decode", "1", "--min-prefill-workers", "0", "--drain-timeout", "30",
+                  gateway=True)
     try:
         expected = [list(stack.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids) for p in PROMPTS]
         stop = threading.Event()
@@ -62,6 +64,9 @@ def test_reshape_to_0p2d_and_back_under_load_fails_no_request(tiny_llama):
             assert state["shape"] == "0P2D" and not state["busy"] and state["error"] is None
             assert [(s["role"], s["name"], s["state"]) for s in state["slots"]] == [
                 ("decode", "decode-1", "serving"), ("decode", "decode-0", "serving")]
+            # Ready with decode workers only: the gateway's /health asks the router's.
+            with urllib.request.urlopen(f"{stack.gateway_url}/health", timeout=5) as resp:
+                assert resp.status == 200
             time.sleep(2.0)              # served as two co-located replicas for a while
             served_0p2d = len(done)
 

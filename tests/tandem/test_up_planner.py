@@ -35,3 +35,10 @@ def test_the_users_min_prefill_workers_wins_and_without_planner_nothing_changes(
     assert not plain.planner and not plain.planner_args and "--min-prefill-workers" not in plain.router_args
     assert not serves_without_prefill(plain.router_args)
     assert serves_without_prefill(("--min-prefill-workers=0",))
+
+
+def test_the_planner_needs_disagg_mode(capsys):
+    p = argparse.ArgumentParser()
+    up_cmd.add_arguments(p)
+    assert up_cmd.run(p.parse_args(["--planner", "--mode", "colocated"])) == 2
+    assert "--planner moves workers between the prefill and decode roles" in capsys.readouterr().out
