@@ -130,7 +130,8 @@ def plot_timeline(series: Mapping[str, Sequence[dict]], path: Path, title: str =
         if rows:
             w = rows[1]["t_s"] - rows[0]["t_s"] if len(rows) > 1 else 1.0
             ax_good.step([*(r["t_s"] for r in rows), rows[-1]["t_s"] + w],
-                         [*(r["goodput"] for r in rows), rows[-1]["goodput"]], where="post", color=f"C{i}", label=label)
+                         [*(r["goodput"] for r in rows), rows[-1]["goodput"]], where="post", color=f"C{i}",
+                         linestyle=("-", "--", ":", "-.")[i % 4], label=label)
     ax_good.set(ylabel="goodput (req/s)", title="goodput per window (requests that met the SLO, by end time)",
                 xlabel="time since start (s)")
     if shapes:
@@ -142,6 +143,10 @@ def plot_timeline(series: Mapping[str, Sequence[dict]], path: Path, title: str =
                           color=f"C{i}", label=f"{label} prefill")
             ax_shape.step(ts, [s["decode"] + s["colocated"] + up for s in samples if "error" not in s], where="post",
                           color=f"C{i}", linestyle="--", label=f"{label} decode / co-located")
+        top = max((s["prefill"] + s["decode"] + s["colocated"] for v in shapes.values() for s in v if "error" not in s),
+                  default=1)
+        ax_shape.set_ylim(-0.2, top + 0.5)
+        ax_shape.set_yticks(range(top + 1))
         ax_shape.set(ylabel="workers", title="shape: prefill (solid), decode or co-located (dashed) workers")
     for ax in axes:
         ax.grid(True, alpha=0.3)

@@ -141,15 +141,17 @@ def test_one_trace_against_every_deployment_with_shapes_sampled(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_against_tandem_up_with_a_tiny_model(tiny_llama, tmp_path):
-    """Two real fixed shapes (`tandem up`), a few requests: the shapes come from the router's metrics."""
+    """The two fixed shapes and the planner (`tandem up --planner`), a few requests: the shapes come from
+    the router's metrics, and the planner is judged against the fixed shapes."""
     out = tmp_path / "planner.json"
     cfg = pb.PlannerBenchConfig(model=str(tiny_llama), profile=parse_load_profile("3s@1:16/4,2s@1:32/2"),
-                                deployments=("1p1d", "colocated-dp2"), slo=SLO(ttft=30.0), num_warmups=1,
+                                slo=SLO(ttft=30.0, tpot=1.0), num_warmups=1,
                                 sample_s=0.5, tandem_backend="tandem-grpc", dtype="float32",
                                 up_args=("--kv-cache-gb", "0.05"), start_timeout_s=240, out=str(out), progress=False)
     res = pb.run_planner_bench(cfg, echo=lambda s: None)
     assert not res["skipped"], res["skipped"]
     shapes = {n: e["shapes_seen"] for n, e in res["deployments"].items()}
-    assert shapes == {"1p1d": ["1P1D"], "colocated-dp2": ["2C"]}
+    assert shapes["1p1d"] == ["1P1D"] and shapes["colocated-dp2"] == ["2C"] and shapes["planner"]
     assert all(e["metrics"]["completed"] > 0 and e["metrics"]["failed"] == 0 for e in res["deployments"].values())
-    assert res["verdict"]["passed"] is None                  # no planner deployment in this list
+    assert res["planners"] == ["planner"] and res["verdict"]["passed"] in (True, False)
+    assert len(res["verdict"]["checks"]) == 1 + 2 + 1        # overall, each phase, failures
