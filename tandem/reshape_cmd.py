@@ -46,8 +46,14 @@ def run(args: argparse.Namespace) -> int:
         store.close()
 
 
+# A launcher writes its state within a poll (0.5 s) of being up, and every 2 s after.
+FIRST_STATE_S = 5.0
+
+
 def _reshape(store, shape, reason: str, timeout_s: float) -> int:
-    state = store.state()
+    deadline = time.monotonic() + FIRST_STATE_S
+    while (state := store.state()) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
     if state is None:
         print(f"error: no `tandem up` reports a shape at {store.redis_url} (is it running, in disagg mode?)",
               file=sys.stderr)

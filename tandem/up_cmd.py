@@ -107,6 +107,7 @@ def up_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from services.common.limits import RequestLimits
     from services.common.tls import tls_from_args
+    from services.launcher.shaping import serves_without_prefill
     from services.launcher.up import run_up
     from services.worker.faults import FaultSpecError
     from tandem.worker_cmd import fault_config
@@ -124,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", flush=True)
         return 2
     cfg = up_config(args)
-    if cfg.mode == "disagg" and (cfg.num_prefill < 1 or cfg.num_decode < 1):
-        print("error: --prefill and --decode must be >= 1", flush=True)
+    if cfg.mode == "disagg" and (cfg.num_prefill < 0 or cfg.num_decode < 1):
+        print("error: --decode must be >= 1 and --prefill >= 0", flush=True)
+        return 2
+    if cfg.mode == "disagg" and cfg.num_prefill == 0 and not serves_without_prefill(cfg.router_args):
+        print("error: --prefill 0 needs a router that serves without prefill workers: add --min-prefill-workers 0 "
+              "(or --planner)", flush=True)
         return 2
     if cfg.mode == "colocated" and cfg.num_colocated < 1:
         print("error: --colocated must be >= 1", flush=True)

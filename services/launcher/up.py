@@ -223,6 +223,8 @@ def run_up(cfg: UpConfig) -> int:
             sup.add("planner", planner, lambda: start_planner(cfg, url, summary["router_metrics_port"], env, on_line))
         shaper = reshaper(cfg, sup, names, plan.workers, url, lambda role, name, cores: Child(
             name, python_cmd(*worker_argv(cfg, role, name, url, cores)), env=env, on_line=on_line))
+        if shaper is not None:
+            shaper.poll()   # its state is in Redis at once: `tandem reshape` may follow TANDEM_UP right away
         while not stop.wait(0.5):
             sup.poll()
             if shaper is not None:

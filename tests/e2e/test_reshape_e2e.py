@@ -92,3 +92,19 @@ def test_reshape_to_0p2d_and_back_under_load_fails_no_request(tiny_llama):
         assert list(stack.generate(PROMPTS[0], max_tokens=MAX_TOKENS, ignore_eos=True).token_ids) == expected[0]
     finally:
         stack.close()
+
+
+def test_a_deployment_may_start_without_prefill_workers_and_gain_one(tiny_llama):
+    stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--transfer-backend", "tcp",
+                  "--prefill", "0", "--decode", "2", "--min-prefill-workers", "0")
+    try:
+        assert sorted(w["role"] for w in stack.info["workers"]) == ["decode", "decode"]
+        first = list(stack.generate(PROMPTS[1], max_tokens=MAX_TOKENS, ignore_eos=True).token_ids)
+        assert len(first) == MAX_TOKENS
+        moved = reshape(stack, "1P1D")
+        assert moved.returncode == 0, moved.stderr + "\n".join(stack.log)
+        state = json.loads(moved.stdout)
+        assert state["shape"] == "1P1D" and state["last_move"]["to"] == "prefill-0"
+        assert list(stack.generate(PROMPTS[1], max_tokens=MAX_TOKENS, ignore_eos=True).token_ids) == first
+    finally:
+        stack.close()

@@ -42,3 +42,11 @@ def test_the_planner_needs_disagg_mode(capsys):
     up_cmd.add_arguments(p)
     assert up_cmd.run(p.parse_args(["--planner", "--mode", "colocated"])) == 2
     assert "--planner moves workers between the prefill and decode roles" in capsys.readouterr().out
+
+
+def test_no_prefill_worker_at_start_needs_a_router_that_serves_without_one(capsys):
+    p = argparse.ArgumentParser()
+    up_cmd.add_arguments(p)
+    assert up_cmd.run(p.parse_args(["--prefill", "0", "--decode", "2"])) == 2
+    assert "--prefill 0 needs a router that serves without prefill workers" in capsys.readouterr().out
+    assert up_cmd.run(p.parse_args(["--prefill", "-1", "--min-prefill-workers", "0"])) == 2

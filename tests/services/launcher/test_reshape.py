@@ -257,3 +257,33 @@ def test_the_last_move_is_timed():
     shaper.poll()
     assert shaper.snapshot()["last_move"] == {"slot": 0, "from": "prefill-0", "to": "decode-1", "drain_s": 2.5,
                                               "start_s": 4.0}
+
+
+def test_a_workers_load_is_read_from_its_metrics():
+    import http.server
+    import threading
+
+    from services.launcher.reshape import worker_load
+
+    body = (b'# HELP vllm:num_requests_running Requests running\nvllm:num_requests_running{model_name="m"} 2.0\n'
+            b'vllm:num_requests_waiting{model_name="m"} 3.0\ntandem_other 9.0\n')
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        child = FakeChild("w", [])
+        child.ready = {"metrics_port": server.server_port}
+        assert worker_load(child) == 5.0
+        child.ready = {"metrics_port": -1}
+        assert worker_load(child) == float("inf")     # unknown: moved last
+    finally:
+        server.shutdown()
