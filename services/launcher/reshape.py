@@ -221,6 +221,8 @@ class Reshaper:
             log.debug("reading the desired shape: %s", e)
             return
         if not desired:
+            if self.seen:   # Redis came back empty: say at once what was seen, so new seqs start above it
+                self._published_at = float("-inf")
             return
         try:
             seq = int(desired["seq"])

@@ -55,6 +55,11 @@ class ShapeStore:
     def request(self, shape: Shape, reason: str) -> int:
         """Ask for `shape`; returns the request's seq."""
         seq = int(self.client.incr(seq_key(self.prefix)))
+        state = self.state()
+        if state is not None and seq <= state.get("seen", 0):
+            # Redis restarted (an embedded one keeps nothing): the counter starts over, the launcher has not.
+            seq = int(state["seen"]) + 1
+            self.client.set(seq_key(self.prefix), seq)
         self.client.set(desired_key(self.prefix),
                         json.dumps({"shape": str(shape), "seq": seq, "reason": reason}))
         return seq

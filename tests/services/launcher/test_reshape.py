@@ -287,3 +287,17 @@ def test_a_workers_load_is_read_from_its_metrics():
         assert worker_load(child) == float("inf")     # unknown: moved last
     finally:
         server.shutdown()
+
+
+def test_requests_after_a_redis_restart_are_not_mistaken_for_old_ones():
+    shaper, _, started, redis, _ = deployment(["prefill", "decode"])
+    store = ShapeStore("unix:///fake", client=redis)
+    assert store.request(Shape(1, 1), "a") == 1
+    assert store.request(Shape(1, 1), "b") == 2
+    shaper.poll()
+    assert shaper.seen == 2
+    redis.kv.clear()            # an embedded Redis came back empty ...
+    shaper.poll()               # ... and the launcher wrote its state again
+    assert store.request(Shape(0, 2), "after the restart") == 3
+    shaper.poll()
+    assert shaper.target == Shape(0, 2) and shaper.slots[0].state == "draining"
