@@ -13,7 +13,7 @@ Moving one slot (one at a time, the least loaded worker of the role that shrinks
 3. serving again when it printed its READY line (it is registered): the next slot may move.
 
 A shape with no prefill worker is refused unless the router serves without one (--min-prefill-workers
-0). Why drain + restart rather than switching a worker's role in place: docs/planner-host.md.
+0). Why drain + restart rather than switching a worker's role in place: docs/planner.md, "On one host".
 
 Single-threaded: the launcher's main loop calls `poll()` a few times a second; nothing here blocks
 (the one load query is a /metrics scrape with a short timeout, once per moved slot).
