@@ -43,8 +43,8 @@ class PlannerConfig:
     slo_quantile: float = 0.9          # the TTFT quantile the SLO is about
     headroom: float = 0.1              # feasible = predicted <= (1 - headroom) x SLO
     margin: float = 0.05               # a challenger must beat the running shape's score by this much
-    correction_bounds: tuple[float, float] = (0.5, 2.0)   # measured/predicted ratio, clamped
-    correction_weight: float = 0.3     # EWMA weight of a new interval's ratio
+    correction_bounds: tuple[float, float] = (0.25, 4.0)  # measured/predicted ratio, clamped
+    correction_weight: float = 0.5     # EWMA weight of a new interval's ratio
     min_samples: int = 5               # TTFT / ITL samples an interval needs to update the correction
     smoothing: tuple[float, float] = (0.5, 0.3)           # Holt's level and trend weights
     # The decode workers' mixed-chunk bounds (they shape a co-located prompt's prefill): the engine's.

@@ -15,7 +15,14 @@ row by a margin (host: feasible where the running shape is not, or `margin` more
 elsewhere: the running shape is
 infeasible and the other feasible, or a smaller shape is feasible with `margin` to spare), and not
 within `cooldown_s` of the last reshape; nothing while the actuator is still busy. Every outcome is a
-`Decision` (keep / hold / reshape) with a sentence saying why. Torch-free.
+`Decision` (keep / hold / reshape) with a sentence saying why.
+
+Corrections are kept per shape: each is learned only while its shape runs, and a shape that never ran
+borrows the running shape's. So a shape the formulas flatter is tried once, measured, and from then
+on judged by what it did. Going back to the shape the last reshape left is not held by the cooldown
+once the new shape has run `stable_intervals` intervals, its own correction came out `REGRET` times
+the one it was chosen with, and the old one scores better (a measured regret, not a forecast): a move the model got wrong costs one trial, not a
+cooldown. Torch-free.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from services.planner.model import CapacityModel, Correction, Costs, NotFitted, 
 from services.planner.observe import Observation
 from services.planner.predict import Load, LoadPredictor
 from services.planner.shape import Actuator, Decision, Shape
+
+# A running shape whose own measured/predicted ratio is this many times the one it was chosen with
+# measured worse than the forecast that moved to it.
+REGRET = 1.25
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,10 @@ class Planner:
         self.actuator = actuator
         self.clock = clock
         self.predictor = LoadPredictor(*cfg.smoothing)
-        self.ttft_correction = Correction(cfg.correction_bounds, cfg.correction_weight)
-        self.itl_correction = Correction(cfg.correction_bounds, cfg.correction_weight)
+        # measured/predicted per shape, learned only while that shape runs
+        self.corrections: dict[Shape, tuple[Correction, Correction]] = {}
+        self._intervals_on = 0          # intervals the running shape has run whole since it started
+        self._left: Shape | None = None  # the shape the last reshape moved away from
         self.min_prefill = max(cfg.min_prefill, getattr(actuator, "min_prefill", 0))
         self._streak: tuple[Shape | None, int] = (None, 0)
         self._last_reshape: float | None = None
@@ -81,10 +94,8 @@ class Planner:
         self.predictor.update(obs)
         load = self.predictor.predict(obs)
         self.last_load = load
-        inputs = {"observed": obs.to_json(), "predicted": load.to_json() if load else None,
-                  "correction": {"ttft": round(self.ttft_correction.value, 4),
-                                 "itl": round(self.itl_correction.value, 4)}}
         busy = self.actuator is not None and self.actuator.busy()
+        inputs = {"observed": obs.to_json(), "predicted": load.to_json() if load else None}
         if current is None:
             return self._decision(now, None, None, "hold", "no decode worker is registered: nothing to plan from",
                                   inputs)
@@ -95,14 +106,18 @@ class Planner:
         inputs["costs"] = costs.to_json()
         if not busy and current == self._last_current:   # the interval ran on this shape throughout
             self._learn(costs, current, obs, load)
+            self._intervals_on += 1
+        elif current != self._last_current:
+            self._intervals_on = 0
         self._last_current = current
+        inputs["correction"] = {str(k): {"ttft": round(t.value, 4), "itl": round(i.value, 4), "intervals": max(t.updates, i.updates)}
+                                for k, (t, i) in self.corrections.items()}
         if load is None:
             return self._decision(now, current, current, "keep", "no request has finished yet: the load is unknown",
                                   inputs)
-        model = self._model(costs)
-        candidates = [self._candidate(model, s, load) for s in self.candidates(current)]
+        candidates = [self._candidate(self._model(costs, s, current), s, load) for s in self.candidates(current)]
         scores = {str(c.shape): c.to_json() for c in candidates}
-        incumbent = self._candidate(model, current, load)
+        incumbent = self._candidate(self._model(costs, current, current), current, load)
         scores.setdefault(str(current), incumbent.to_json())
         best = self._best(candidates, current)
         self.last_best = best
@@ -121,13 +136,29 @@ class Planner:
         if n < self.cfg.stable_intervals:
             return self._decision(now, current, best.shape, "hold", f"{why}, {n} of {self.cfg.stable_intervals} "
                                   "intervals in a row", inputs, scores)
-        if self._last_reshape is not None and now - self._last_reshape < self.cfg.cooldown_s:
+        if self._regret(best.shape):
+            why = f"{why}: {current} measured worse than predicted in its {self._intervals_on} intervals, back to " \
+                  f"the shape it replaced without waiting for the cooldown"
+        elif self._last_reshape is not None and now - self._last_reshape < self.cfg.cooldown_s:
             left = self.cfg.cooldown_s - (now - self._last_reshape)
             return self._decision(now, current, best.shape, "hold", f"{why}, but the last reshape was "
                                   f"{now - self._last_reshape:.0f} s ago ({left:.0f} s of cooldown left)", inputs, scores)
         self._last_reshape = now
         self._streak = (None, 0)
+        self._left = current
         return self._decision(now, current, best.shape, "reshape", f"{why} for {n} intervals", inputs, scores)
+
+    def _regret(self, shape: Shape) -> bool:
+        """Back to the shape the last reshape left, once the running one has run `stable_intervals` and
+        its own correction (TTFT or ITL) came out `REGRET` times the one it was chosen with, the left
+        shape's, which stays as it was while that shape does not run."""
+        if shape != self._left or self._intervals_on < self.cfg.stable_intervals:
+            return False
+        running = self.corrections.get(self._last_current)
+        if running is None:
+            return False
+        chosen_with = self.correction(self._left)
+        return any(own.updates and own.value >= REGRET * old.value for own, old in zip(running, chosen_with, strict=True))
 
     # ---- candidates and scores -----------------------------------------------------------------
     def candidates(self, current: Shape) -> list[Shape]:
@@ -140,9 +171,27 @@ class Planner:
                     out.append(Shape(p, d))
         return out or [current]
 
-    def _model(self, costs: Costs) -> CapacityModel:
+    def measured(self, shape: Shape) -> bool:
+        """`shape` has run and learned its own corrections."""
+        own = self.corrections.get(shape)
+        return own is not None and own[0].updates + own[1].updates > 0
+
+    def correction(self, shape: Shape, current: Shape | None = None) -> tuple[Correction, Correction]:
+        """`shape`'s own corrections once it has run. Before that the running shape's if both are of one
+        kind (both with prefill workers, or both co-located: what the formulas leave out, e.g. the
+        router's local route when P > 0, is alike within a kind and not across), else none (1.0)."""
+        if self.measured(shape):
+            return self.corrections[shape]
+        borrowed = self.corrections.get(current) if current is not None else None
+        if borrowed is not None and shape.colocated == current.colocated:
+            return borrowed
+        return (Correction(self.cfg.correction_bounds, self.cfg.correction_weight),
+                Correction(self.cfg.correction_bounds, self.cfg.correction_weight))
+
+    def _model(self, costs: Costs, shape: Shape, current: Shape | None) -> CapacityModel:
+        ttft, itl = self.correction(shape, current)
         return CapacityModel(costs, self.cfg.slo_quantile, self.cfg.interval_s, self.cfg.mixed_chunk_itl_factor,
-                             self.cfg.mixed_chunk_ttft_target_s, self.ttft_correction.value, self.itl_correction.value)
+                             self.cfg.mixed_chunk_ttft_target_s, ttft.value, itl.value)
 
     def _candidate(self, model: CapacityModel, shape: Shape, load: Load) -> Candidate:
         pred = model.predict(shape, load)
@@ -159,8 +208,9 @@ class Planner:
         return max(candidates, key=lambda c: (c.headroom, c.shape == current, -c.shape.workers))
 
     def _better(self, best: Candidate, incumbent: Candidate) -> bool:
-        """Whether `best` beats the running shape by the margin hysteresis asks for."""
-        margin = self.cfg.margin
+        """Whether `best` beats the running shape by the margin hysteresis asks for (twice it for a
+        shape that never ran: its forecast has no measurement behind it)."""
+        margin = self.cfg.margin * (1 if self.measured(best.shape) else 2)
         if self.cfg.fixed_total:
             return (best.feasible and not incumbent.feasible) or (
                 best.feasible == incumbent.feasible and best.slack > incumbent.slack + margin)
@@ -193,10 +243,13 @@ class Planner:
         seen = Load(obs.arrival_rate, prompt, output, obs.queued_prefill_tokens)
         raw = CapacityModel(costs, self.cfg.slo_quantile, self.cfg.interval_s, self.cfg.mixed_chunk_itl_factor,
                             self.cfg.mixed_chunk_ttft_target_s).predict_raw(current, seen)
+        ttft, itl = self.corrections.setdefault(current, (
+            Correction(self.cfg.correction_bounds, self.cfg.correction_weight),
+            Correction(self.cfg.correction_bounds, self.cfg.correction_weight)))
         if obs.ttft_samples >= self.cfg.min_samples:
-            self.ttft_correction.update(obs.quantile("ttft", self.cfg.slo_quantile), raw.ttft_s)
+            ttft.update(obs.quantile("ttft", self.cfg.slo_quantile), raw.ttft_s)
         if obs.itl_samples >= self.cfg.min_samples:
-            self.itl_correction.update(obs.itl_mean, raw.itl_s)
+            itl.update(obs.itl_mean, raw.itl_s)
 
     def _decision(self, now: float, current: Shape | None, desired: Shape | None, action: str, reason: str,
                   inputs: dict, scores: dict | None = None) -> Decision:

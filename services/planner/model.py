@@ -166,10 +166,12 @@ class Correction:
     bounds: tuple[float, float] = (0.5, 2.0)
     weight: float = 0.3
     value: float = 1.0
+    updates: int = 0          # intervals that moved it
 
     def update(self, measured: float | None, predicted: float) -> None:
         if measured is None or measured <= 0 or not math.isfinite(predicted) or predicted <= 0:
             return
+        self.updates += 1
         lo, hi = self.bounds
         ratio = min(hi, max(lo, measured / predicted))
         self.value = math.exp((1 - self.weight) * math.log(self.value) + self.weight * math.log(ratio))

@@ -58,8 +58,8 @@ class PlannerMetrics:
                           registry=r)
         self.decisions = Counter("tandem_planner_decisions", "Decisions by action (keep, hold, reshape)",
                                  ["action"], registry=r)
-        self.correction = Gauge("tandem_planner_correction", "Measured / predicted of the running shape, applied "
-                                "to every candidate", ["kind"], registry=r)
+        self.correction = Gauge("tandem_planner_correction", "Measured / predicted of the running shape (each shape learns its "
+                                "own while it runs; one never run borrows the running shape's)", ["kind"], registry=r)
 
     def export(self, d: Decision, planner: Planner) -> None:
         self.decisions.labels(d.action).inc()
@@ -74,8 +74,9 @@ class PlannerMetrics:
             self.itl.set(math.inf if score["itl"] is None else score["itl"])
         if planner.last_load is not None:
             self.rate.set(planner.last_load.rate)
-        self.correction.labels("ttft").set(planner.ttft_correction.value)
-        self.correction.labels("itl").set(planner.itl_correction.value)
+        ttft, itl = planner.correction(d.current, d.current)
+        self.correction.labels("ttft").set(ttft.value)
+        self.correction.labels("itl").set(itl.value)
 
 
 class PlannerService:
