@@ -94,6 +94,7 @@ def test_reshape_to_0p2d_and_back_under_load_fails_no_request(tiny_llama):
         stack.close()
 
 
+@pytest.mark.slow   # make test-slow: the default suite has the reshape under load above
 def test_a_deployment_may_start_without_prefill_workers_and_gain_one(tiny_llama):
     stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--transfer-backend", "tcp",
                   "--prefill", "0", "--decode", "2", "--min-prefill-workers", "0")
