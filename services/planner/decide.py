@@ -17,6 +17,13 @@ infeasible and the other feasible, or a smaller shape is feasible with `margin` 
 within `cooldown_s` of the last reshape; nothing while the actuator is still busy. Every outcome is a
 `Decision` (keep / hold / reshape) with a sentence saying why.
 
+What a shape did beats what the formulas say: every whole interval a shape runs is remembered (its
+load and measured TTFT quantile and mean ITL, the last `MEMORY` intervals); a shape asked about at a
+load close to ones it ran at (rate within 20%, prompt and output lengths within 30%) is predicted by
+the mean of those measurements, not the formulas. So the running shape is judged by what it is
+doing (the formulas may call 1P1D saturated at 3 req/s while the router's local route keeps it
+within its SLO), and a shape tried once is judged by what it did.
+
 Corrections are kept per shape: each is learned only while its shape runs, and a shape that never ran
 borrows the running shape's. So a shape the formulas flatter is tried once, measured, and from then
 on judged by what it did. Going back to the shape the last reshape left is not held by the cooldown
@@ -40,6 +47,16 @@ from services.planner.shape import Actuator, Decision, Shape
 # A running shape whose own measured/predicted ratio is this many times the one it was chosen with
 # measured worse than the forecast that moved to it.
 REGRET = 1.25
+MEMORY = 6                      # intervals remembered per shape
+CLOSE_RATE, CLOSE_LENGTHS = 0.2, 0.3
+
+
+def close(a: Load, b: Load) -> bool:
+    """Loads near enough that one's measurement stands for the other."""
+    def near(x: float, y: float, rel: float, floor: float) -> bool:
+        return abs(x - y) <= rel * max(x, y, floor)
+    return near(a.rate, b.rate, CLOSE_RATE, 0.1) and near(a.prompt_tokens, b.prompt_tokens, CLOSE_LENGTHS, 16) \
+        and near(a.output_tokens, b.output_tokens, CLOSE_LENGTHS, 16)
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,7 @@ class Planner:
         self.corrections: dict[Shape, tuple[Correction, Correction]] = {}
         self._intervals_on = 0          # intervals the running shape has run whole since it started
         self._left: Shape | None = None  # the shape the last reshape moved away from
+        self.memory: dict[Shape, list[tuple[Load, float, float]]] = {}   # (load, TTFT quantile, ITL) per interval
         self.min_prefill = max(cfg.min_prefill, getattr(actuator, "min_prefill", 0))
         self._streak: tuple[Shape | None, int] = (None, 0)
         self._last_reshape: float | None = None
@@ -193,8 +211,18 @@ class Planner:
         return CapacityModel(costs, self.cfg.slo_quantile, self.cfg.interval_s, self.cfg.mixed_chunk_itl_factor,
                              self.cfg.mixed_chunk_ttft_target_s, ttft.value, itl.value)
 
+    def measured_at(self, shape: Shape, load: Load) -> tuple[float, float] | None:
+        """Mean TTFT quantile and ITL `shape` measured at loads close to `load` (None: never there)."""
+        seen = [(t, i) for at, t, i in self.memory.get(shape, ()) if close(at, load)]
+        if not seen:
+            return None
+        return sum(t for t, _ in seen) / len(seen), sum(i for _, i in seen) / len(seen)
+
     def _candidate(self, model: CapacityModel, shape: Shape, load: Load) -> Candidate:
         pred = model.predict(shape, load)
+        measured = self.measured_at(shape, load)
+        if measured is not None:
+            pred = Prediction(measured[0], measured[1], pred.prefill_util, pred.decode_util, measured=True)
         ttft, itl = 1 - pred.ttft_s / self.cfg.ttft_slo_s, 1 - pred.itl_s / self.cfg.itl_slo_s
         headroom = min(ttft, itl)
         return Candidate(shape, pred, headroom, (ttft + itl) / 2, headroom >= self.cfg.headroom)
@@ -246,10 +274,16 @@ class Planner:
         ttft, itl = self.corrections.setdefault(current, (
             Correction(self.cfg.correction_bounds, self.cfg.correction_weight),
             Correction(self.cfg.correction_bounds, self.cfg.correction_weight)))
+        measured_ttft = obs.quantile("ttft", self.cfg.slo_quantile)
         if obs.ttft_samples >= self.cfg.min_samples:
-            ttft.update(obs.quantile("ttft", self.cfg.slo_quantile), raw.ttft_s)
+            ttft.update(measured_ttft, raw.ttft_s)
         if obs.itl_samples >= self.cfg.min_samples:
             itl.update(obs.itl_mean, raw.itl_s)
+        if obs.ttft_samples >= self.cfg.min_samples and obs.itl_samples >= self.cfg.min_samples \
+                and measured_ttft is not None and obs.itl_mean is not None:
+            kept = self.memory.setdefault(current, [])
+            kept.append((seen, measured_ttft, obs.itl_mean))
+            del kept[:-MEMORY]
 
     def _decision(self, now: float, current: Shape | None, desired: Shape | None, action: str, reason: str,
                   inputs: dict, scores: dict | None = None) -> Decision:

@@ -76,19 +76,20 @@ class Prediction:
     itl_s: float             # mean (inf: the decode side cannot keep up)
     prefill_util: float      # ρ of whoever prefills
     decode_util: float       # fraction of a decode worker's time its rows (and own prompts) take
+    measured: bool = False   # TTFT and ITL are what this shape measured at a close load (decide.py)
 
     @property
     def bounded(self) -> bool:
         return math.isfinite(self.ttft_s) and math.isfinite(self.itl_s)
 
     def scaled(self, ttft: float, itl: float) -> Prediction:
-        return Prediction(self.ttft_s * ttft, self.itl_s * itl, self.prefill_util, self.decode_util)
+        return Prediction(self.ttft_s * ttft, self.itl_s * itl, self.prefill_util, self.decode_util, self.measured)
 
     def to_json(self) -> dict:
         def r(x: float) -> float | None:
             return round(x, 4) if math.isfinite(x) else None
         return {"ttft": r(self.ttft_s), "itl": r(self.itl_s), "prefill_util": round(self.prefill_util, 3),
-                "decode_util": round(self.decode_util, 3)}
+                "decode_util": round(self.decode_util, 3), "measured": self.measured}
 
 
 def wait_quantile(mean_wait: float, rho: float, q: float) -> float:

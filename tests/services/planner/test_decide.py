@@ -176,3 +176,19 @@ def test_a_shape_that_measures_worse_than_predicted_is_left_at_once_and_not_trie
     assert clock.t - 1000.0 < cfg.cooldown_s           # it did not wait for the cooldown
     assert planner.correction(Shape(0, 2))[1].value > 1.5
     assert history[-1].action == "keep", history[-1].reason   # 0P2D stays out at the same load
+
+
+def test_the_running_shape_is_judged_by_what_it_measures_not_by_the_formulas():
+    """At 5 req/s of 256-token prompts the formulas say one prefill worker cannot keep up (ρ > 1), but
+    1P1D measures TTFT 1.0 s and ITL 50 ms (the router's local route takes the overflow): it stays."""
+    act = FakeActuator(Shape(1, 1))
+    planner = Planner(replace(HOST, stable_intervals=3), act, Clock())
+    first = planner.step(obs(5.0, shape=Shape(1, 1), ttft_p90=1.0, itl_mean=0.05, ttft_samples=50, itl_samples=500))
+    assert first.scores["1P1D"]["ttft"] is None   # the formulas alone: cannot keep up
+    decisions = [planner.step(obs(5.0, shape=Shape(1, 1), ttft_p90=1.0, itl_mean=0.05, ttft_samples=50,
+                                  itl_samples=500)) for _ in range(6)]
+    assert not act.applied, [d.reason for d in decisions]
+    last = decisions[-1].scores["1P1D"]
+    assert last["measured"] and last["feasible"] and last["ttft"] == 1.0
+    # At a load it never ran at, the formulas answer again.
+    assert planner.measured_at(Shape(1, 1), replace(planner.last_load, rate=10.0)) is None
