@@ -154,7 +154,8 @@ class Planner:
         if n < self.cfg.stable_intervals:
             return self._decision(now, current, best.shape, "hold", f"{why}, {n} of {self.cfg.stable_intervals} "
                                   "intervals in a row", inputs, scores)
-        if self._regret(best.shape):
+        regret = self._regret(best.shape)
+        if regret:
             why = f"{why}: {current} measured worse than predicted in its {self._intervals_on} intervals, back to " \
                   f"the shape it replaced without waiting for the cooldown"
         elif self._last_reshape is not None and now - self._last_reshape < self.cfg.cooldown_s:
@@ -163,7 +164,7 @@ class Planner:
                                   f"{now - self._last_reshape:.0f} s ago ({left:.0f} s of cooldown left)", inputs, scores)
         self._last_reshape = now
         self._streak = (None, 0)
-        self._left = current
+        self._left = None if regret else current   # one regret per move: going back is not itself undone early
         return self._decision(now, current, best.shape, "reshape", f"{why} for {n} intervals", inputs, scores)
 
     def _regret(self, shape: Shape) -> bool:

@@ -178,6 +178,24 @@ def test_a_shape_that_measures_worse_than_predicted_is_left_at_once_and_not_trie
     assert history[-1].action == "keep", history[-1].reason   # 0P2D stays out at the same load
 
 
+def test_a_regret_is_not_itself_regretted_before_the_cooldown():
+    """Both shapes measure worse than they were chosen with (a load neither serves): one move, one
+    measured return, then the cooldown holds — no ping-pong on regrets."""
+    cfg = replace(HOST, stable_intervals=2, cooldown_s=600.0)
+    act, clock = FakeActuator(Shape(1, 1)), Clock()
+    planner = Planner(cfg, act, clock)
+    real = {Shape(1, 1): dict(ttft_p90=2.4, itl_mean=0.05), Shape(0, 2): dict(ttft_p90=1.2, itl_mean=0.2)}
+    for _ in range(30):
+        clock.t += cfg.interval_s
+        if act.applied == [Shape(0, 2), Shape(1, 1)]:   # back on 1P1D, which now measures far worse
+            real[Shape(1, 1)] = dict(ttft_p90=8.0, itl_mean=0.3)
+        d = planner.step(obs(2.0, shape=act.shape, ttft_samples=50, itl_samples=200, **real[act.shape]))
+        if d.action == "reshape":
+            act.apply(d.desired, d.reason)
+    assert act.applied[:2] == [Shape(0, 2), Shape(1, 1)]
+    assert len(act.applied) == 2 or clock.t - 1000.0 >= cfg.cooldown_s, act.applied
+
+
 def test_the_running_shape_is_judged_by_what_it_measures_not_by_the_formulas():
     """At 5 req/s of 256-token prompts the formulas say one prefill worker cannot keep up (ρ > 1), but
     1P1D measures TTFT 1.0 s and ITL 50 ms (the router's local route takes the overflow): it stays."""
