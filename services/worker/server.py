@@ -188,11 +188,18 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     return 1 if engine_loop.failed else 0
 
 
+# How long a drained worker stays idle before it stops serving: longer than a router's registry poll
+# (0.5 s) and its health checks, so a request routed on a view from before the withdrawal is served,
+# not cancelled by the server's stop (the [19] reshape e2e test caught one CANCELLED that way).
+STALE_VIEW_S = 2.0
+
+
 async def _drain(wcfg: WorkerConfig, health_servicer, registry, heartbeat, parts: RoleParts) -> None:
     """Leave routing first (NOT_SERVING fails the readiness probe, so Kubernetes drops the endpoint;
     the Redis entry is deleted), then keep serving what is in flight: a prefill worker stays until
     every KV transfer it owes has completed or timed out (its own transfer timeout fails them), all
-    within `drain_timeout_s`. Requests that still arrive from a router with a stale view are served."""
+    within `drain_timeout_s`. Requests that still arrive from a router with a stale view are served:
+    the worker stops only once it has been idle for STALE_VIEW_S."""
     t0 = time.monotonic()
     log.info("%s %s draining: %d in flight, %d KV transfers outstanding",
              wcfg.role, wcfg.id, parts.inflight(), parts.outstanding())
@@ -206,7 +213,15 @@ async def _drain(wcfg: WorkerConfig, health_servicer, registry, heartbeat, parts
         await registry.withdraw()
         await registry.close()
     deadline = t0 + wcfg.drain_timeout_s
-    while parts.inflight() and time.monotonic() < deadline:
+    quiet_since = None   # idle must last STALE_VIEW_S: a router polling the registry may still send one
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if parts.inflight():
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= STALE_VIEW_S:
+            break
         await asyncio.sleep(0.05)
     left, owed = parts.inflight(), parts.outstanding()
     if left:

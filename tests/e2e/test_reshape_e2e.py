@@ -28,6 +28,7 @@ def reshape(stack: Stack, shape: str, timeout_s: float = 240.0) -> subprocess.Co
                           capture_output=True, text=True, cwd=ROOT, env=service_env(), timeout=timeout_s + 30)
 
 
+@pytest.mark.slow   # ~60 s: make test-slow (CI runs it); the reshape state machine's unit tests run in make test
 def test_reshape_to_0p2d_and_back_under_load_fails_no_request(tiny_llama):
     stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--transfer-backend", "tcp",
                   "--prefill", "1", "--decode", "1", "--min-prefill-workers", "0", "--drain-timeout", "30",
@@ -94,7 +95,7 @@ def test_reshape_to_0p2d_and_back_under_load_fails_no_request(tiny_llama):
         stack.close()
 
 
-@pytest.mark.slow   # make test-slow: the default suite has the reshape under load above
+@pytest.mark.slow
 def test_a_deployment_may_start_without_prefill_workers_and_gain_one(tiny_llama):
     stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--transfer-backend", "tcp",
                   "--prefill", "0", "--decode", "2", "--min-prefill-workers", "0")
