@@ -44,6 +44,7 @@ class RequestGrammar:
         self.spec = spec
         self.num_tokens = 0            # tokens consumed (== the request's output tokens)
         self.refused = False           # was handed a token it does not accept
+        self.ended = False             # ... after a complete value: complete, not dead
 
     def fill(self, row: np.ndarray) -> bool:
         """Write the next token's mask into `row` (int32 words); False at a dead end (no legal
@@ -53,15 +54,18 @@ class RequestGrammar:
 
     def consume(self, tokens: Sequence[int]) -> int:
         """Advance over `tokens`; returns how many it took (fewer: it refused the next one and is
-        dead from then on)."""
+        dead from then on, or the value was complete before them: `complete`, not dead)."""
         n = len(tokens)
         for i, t in enumerate(tokens):
-            if not self._m.consume_token(t):   # leaves the matcher in its error state: dead
+            was_complete = self.complete
+            if not self._m.consume_token(t):   # leaves the matcher in its error state
                 n = i
+                if was_complete:               # the value had ended (EOS may still follow): what
+                    self.ended = True          # follows, drafts accepted past its end, is not output
+                else:                          # and is no dead end
+                    self.refused = True        # dead
                 break
         self.num_tokens += n
-        if n < len(tokens):
-            self.refused = True
         return n
 
     def accepts(self, tokens: Sequence[int]) -> int:
@@ -76,11 +80,13 @@ class RequestGrammar:
     @property
     def complete(self) -> bool:
         """The output is a complete value and nothing may follow (the request ends here)."""
-        return self._m.is_stopped() and self._m.is_accepting() and not self._m.is_error()
+        return self.ended or (self._m.is_stopped() and self._m.is_accepting() and not self._m.is_error())
 
     @property
     def dead(self) -> bool:
         """No way to complete the value from here."""
+        if self.ended:
+            return False
         return self.refused or self._m.is_error() or (self._m.is_stopped() and not self._m.is_accepting())
 
     def error(self) -> str:

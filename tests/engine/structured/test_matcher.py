@@ -58,6 +58,15 @@ def test_drafts_are_checked_and_rolled_back(backend, tok):
     assert allowed(g) == before and g.num_tokens == 0
 
 
+def test_tokens_after_a_complete_value_are_not_output_and_not_a_dead_end(backend, tok):
+    """Speculation may accept drafts past the value's end (CI caught a complete tool call ending as
+    grammar_dead_end): the value stays complete, the extra tokens are not taken."""
+    g = backend.matcher(StructuredSpec(Kind.CHOICE, ("yes", "no")))
+    yes, extra = tok.token_to_id("yes"), tok.encode(" and more", add_special_tokens=False).ids
+    assert g.consume([yes, 2, *extra]) == 2
+    assert g.complete and not g.dead and g.num_tokens == 2
+
+
 def test_refused_token_is_a_dead_end(backend, tok):
     g = backend.matcher(StructuredSpec(Kind.REGEX, "[0-9]+"))
     assert g.consume(tok.encode("x", add_special_tokens=False).ids) == 0
