@@ -204,6 +204,10 @@ class Planner:
         borrowed = self.corrections.get(current) if current is not None else None
         if borrowed is not None and shape.colocated == current.colocated:
             return borrowed
+        return self._fresh()
+
+    def _fresh(self) -> tuple[Correction, Correction]:
+        """(TTFT, ITL) corrections that have learned nothing yet."""
         return (Correction(self.cfg.correction_bounds, self.cfg.correction_weight),
                 Correction(self.cfg.correction_bounds, self.cfg.correction_weight))
 
@@ -272,9 +276,7 @@ class Planner:
         seen = Load(obs.arrival_rate, prompt, output, obs.queued_prefill_tokens)
         raw = CapacityModel(costs, self.cfg.slo_quantile, self.cfg.interval_s, self.cfg.mixed_chunk_itl_factor,
                             self.cfg.mixed_chunk_ttft_target_s).predict_raw(current, seen)
-        ttft, itl = self.corrections.setdefault(current, (
-            Correction(self.cfg.correction_bounds, self.cfg.correction_weight),
-            Correction(self.cfg.correction_bounds, self.cfg.correction_weight)))
+        ttft, itl = self.corrections.setdefault(current, self._fresh())
         measured_ttft = obs.quantile("ttft", self.cfg.slo_quantile)
         if obs.ttft_samples >= self.cfg.min_samples:
             ttft.update(measured_ttft, raw.ttft_s)
