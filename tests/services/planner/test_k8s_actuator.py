@@ -15,6 +15,7 @@ import pytest
 from services.planner.k8s import FIELD_MANAGER, MERGE_PATCH, KubernetesActuator
 from services.planner.k8s_config import KubernetesTarget, add_k8s_arguments, k8s_target_from_args
 from services.planner.shape import Shape
+from tests.services.common.fake_kube_api import FakeKubeAPI
 
 NS = "tandem"
 SCALE = f"/apis/apps/v1/namespaces/{NS}/deployments/{{}}/scale"
@@ -81,14 +82,7 @@ class FakeScaleAPI:
         self._json(h, code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                              "message": message, "reason": reason, "code": code})
 
-    @staticmethod
-    def _json(h: BaseHTTPRequestHandler, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        h.send_response(code)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+    _json = staticmethod(FakeKubeAPI._json)   # the discovery tests' fake API server answers the same way
 
 
 @pytest.fixture
