@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import re
 import shlex
@@ -96,6 +97,35 @@ def make_deployments(cfg: PlannerBenchConfig) -> list[Deployment]:
     names = [d.name for d in out]
     if len(set(names)) != len(names):
         raise ValueError(f"deployment names must differ, got {names}")
+    for dep in out:
+        if is_planner(dep) and "--planner-decision-log" not in dep.mode_args:
+            dep.mode_args = [*dep.mode_args, "--planner-decision-log", str(decision_log_path(cfg, dep.name))]
+    return out
+
+
+def decision_log_path(cfg: PlannerBenchConfig, name: str) -> Path:
+    """Where a planner deployment's decisions go (JSON lines beside the results JSON)."""
+    out = Path(cfg.out).resolve()
+    return out.with_name(f"{out.stem}.{name}.decisions.jsonl")
+
+
+def read_decisions(path: Path, wall0: float) -> list[dict]:
+    """The planner's decisions from its log, each with `t_s` (seconds since the run's start); the
+    candidates' scores are left out of all but reshapes (the log keeps them all)."""
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            d = json.loads(line)["planner"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        keep = {k: d.get(k) for k in ("current", "desired", "action", "reason")}
+        if d.get("action") == "reshape":
+            keep["scores"] = d.get("scores")
+        out.append({"t_s": round(float(d.get("t", wall0)) - wall0, 1), **keep})
     return out
 
 
@@ -222,6 +252,9 @@ def _measure(cfg: PlannerBenchConfig, dep: Deployment, ep, tokenizer, echo) -> d
         max_concurrency=cfg.max_concurrency, num_warmups=cfg.num_warmups, slo=cfg.slo, progress=cfg.progress,
         label=dep.name, load_profile=cfg.profile, window_s=cfg.window_s)
     url = router_metrics_url(dep)
+    log_path = decision_log_path(cfg, dep.name) if is_planner(dep) else None
+    if log_path is not None:
+        log_path.unlink(missing_ok=True)
     sampler = ShapeSampler(url, cfg.sample_s).start() if url else None
     if sampler is None:
         echo(f"--- {dep.name}: no router metrics endpoint: its shape is not sampled")
@@ -231,7 +264,9 @@ def _measure(cfg: PlannerBenchConfig, dep: Deployment, ep, tokenizer, echo) -> d
         samples = sampler.stop() if sampler is not None else []
     shape = [{**{k: v for k, v in s.items() if k != "t"}, "t_s": round(s["t"] - run.t0, 3)} for s in samples]
     d = run.to_dict(cfg.save_requests)
-    return {"planner": is_planner(dep), "metrics": d["metrics"], "phases": d["phases"],
+    wall0 = time.time() - (time.perf_counter() - run.t0)
+    decisions = read_decisions(log_path, wall0) if log_path is not None else []
+    return {"planner": is_planner(dep), "metrics": d["metrics"], "phases": d["phases"], "decisions": decisions,
             "time_series": d["time_series"], "shape": shape, "shapes_seen": sorted({s["shape"] for s in shape
                                                                                     if "shape" in s}),
             **({"requests": d["requests"]} if cfg.save_requests else {})}

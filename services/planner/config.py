@@ -38,6 +38,7 @@ class PlannerConfig:
     redis_url: str | None = None       # --planner-target host: the launcher's registry (required there)
     metrics_port: int = 0              # the planner's own /metrics (0: a free port, logged; -1: off)
     host: str = "127.0.0.1"            # where its /metrics listens
+    decision_log: str = ""             # also append every decision's JSON line to this file ("": stdout only)
     k8s: KubernetesTarget = field(default_factory=KubernetesTarget)
     # How the decision is made (docs/planner.md); not flags: they describe the method, not a deployment.
     slo_quantile: float = 0.9          # the TTFT quantile the SLO is about
@@ -86,6 +87,7 @@ class PlannerConfig:
                   min_decode=args.planner_min_decode, max_decode=args.planner_max_decode,
                   target=args.planner_target, router_metrics_url=args.router_metrics_url,
                   redis_url=args.redis_url, metrics_port=args.metrics_port, host=args.host,
+                  decision_log=args.planner_decision_log,
                   k8s=k8s_target_from_args(args) if args.planner_target == "kubernetes" else KubernetesTarget())
         cfg.validate()
         return cfg
@@ -115,6 +117,8 @@ PLANNER_FLAGS = (
          type=int),
     Flag(("--planner-max-decode",), _P, PLANNER, "most decode workers a shape may have", field="max_decode",
          type=int),
+    Flag(("--planner-decision-log",), _P, PLANNER, "file to append every decision to, one JSON line each "
+         "(they also go to stdout)", field="decision_log"),
     Flag(("--planner-target",), _P, PLANNER, "what the planner acts on: host (tandem up's launcher, via "
          "Redis), kubernetes (the Deployments' scale) or metrics (only export the desired shape)",
          field="target", choices=TARGETS, up=Owner.NONE),   # `tandem up --planner`: its own host

@@ -1,7 +1,8 @@
 """The planner process: every interval observe → predict → decide → log → export → act.
 
 Each decision is printed as one JSON line (`Decision.to_json()`: the observed and predicted load, the
-step costs and corrections it used, every candidate's predicted TTFT/ITL and headroom) and exported
+step costs and corrections it used, every candidate's predicted TTFT/ITL and headroom; also appended
+to `--planner-decision-log` when given) and exported
 on the planner's /metrics: `tandem_planner_desired_workers{role}`, `tandem_planner_current_workers{role}`,
 `tandem_planner_predicted_ttft_seconds` / `_itl_seconds` (of the desired shape),
 `tandem_planner_predicted_arrival_rate`, `tandem_planner_decisions_total{action}`. A reshape goes to
@@ -106,7 +107,11 @@ class PlannerService:
                             self.observer.error)
             return None
         decision = self.planner.step(obs)
-        print(json.dumps({"planner": decision.to_json()}, default=str), file=self.out, flush=True)
+        line = json.dumps({"planner": decision.to_json()}, default=str)
+        print(line, file=self.out, flush=True)
+        if self.cfg.decision_log:
+            with open(self.cfg.decision_log, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
         self.metrics.export(decision, self.planner)
         if decision.action == "reshape" and self.actuator is not None:
             log.info("reshaping %s -> %s: %s", decision.current, decision.desired, decision.reason)

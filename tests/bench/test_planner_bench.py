@@ -38,11 +38,25 @@ def test_deployments_by_name_planner_args_from_the_slo_and_custom_ones():
     deps = pb.make_deployments(cfg)
     assert [d.name for d in deps] == ["1p1d", "colocated-dp2", "planner", "mine"]
     assert [pb.is_planner(d) for d in deps] == [False, False, True, True]
-    assert deps[2].mode_args[-4:] == ["--ttft-slo", "1.5", "--itl-slo", "0.1"]
+    assert deps[2].mode_args[-6:-2] == ["--ttft-slo", "1.5", "--itl-slo", "0.1"]
+    assert deps[2].mode_args[-2:] == ["--planner-decision-log", str(pb.decision_log_path(cfg, "planner"))]
+    assert deps[3].mode_args[-1].endswith("planner.mine.decisions.jsonl")
     assert deps[1].mode_args == ["--mode", "colocated", "--colocated", "2"]
     assert "--cpu-cores 0,1" in deps[3].describe()
     with pytest.raises(ValueError, match="must differ"):
         pb.make_deployments(pb.PlannerBenchConfig(deployments=("1p1d", "1p1d=--prefill 1 --decode 1")))
+
+
+def test_decisions_read_back_from_the_planners_log_relative_to_the_run(tmp_path):
+    log = tmp_path / "d.jsonl"
+    rows = [{"t": 110.0, "current": "1P1D", "desired": "1P1D", "action": "keep", "reason": "fine", "scores": {"x": 1}},
+            {"t": 130.5, "current": "1P1D", "desired": "0P2D", "action": "reshape", "reason": "why", "scores": {"y": 2}}]
+    log.write_text("\n".join(json.dumps({"planner": r}) for r in rows) + "\nnot json\n")
+    got = pb.read_decisions(log, wall0=100.0)
+    assert got == [{"t_s": 10.0, "current": "1P1D", "desired": "1P1D", "action": "keep", "reason": "fine"},
+                   {"t_s": 30.5, "current": "1P1D", "desired": "0P2D", "action": "reshape", "reason": "why",
+                    "scores": {"y": 2}}]
+    assert pb.read_decisions(tmp_path / "missing.jsonl", 0.0) == []
 
 
 def _entry(goodput, phases, failed=0, planner=False):

@@ -73,6 +73,24 @@ def test_each_interval_is_logged_exported_and_a_reshape_applied():
     service.close()   # twice is fine
 
 
+def test_decisions_also_go_to_the_decision_log_file(tmp_path):
+    router, clock = RouterMetrics(), [0.0]
+    _router(router, Shape(1, 1))
+    log = tmp_path / "decisions.jsonl"
+    cfg = PlannerConfig(router_metrics_url="http://router/metrics", metrics_port=-1, decision_log=str(log))
+    observer = RouterObserver(cfg.router_metrics_url, fetch=lambda: generate_latest(router.registry).decode(),
+                              clock=lambda: clock[0])
+    out = io.StringIO()
+    service = PlannerService(cfg, None, observer, out=out)
+    service.step()
+    for _ in range(2):
+        clock[0] += 10
+        _interval(router, 1.0, 10)
+        service.step()
+    assert log.read_text().splitlines() == out.getvalue().splitlines()
+    assert len(log.read_text().splitlines()) == 2
+
+
 def test_the_metrics_target_has_no_actuator():
     assert make_actuator(PlannerConfig(router_metrics_url="http://r/metrics")) is None
 
