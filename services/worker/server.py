@@ -188,10 +188,10 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     return 1 if engine_loop.failed else 0
 
 
-# How long a drained worker stays idle before it stops serving: longer than a router's registry poll
-# (0.5 s) and its health checks, so a request routed on a view from before the withdrawal is served,
+# How long a drained worker stays idle before it stops serving: twice a router's registry poll
+# (0.5 s), so a request routed on a view from before the withdrawal is served,
 # not cancelled by the server's stop (the [19] reshape e2e test caught one CANCELLED that way).
-STALE_VIEW_S = 2.0
+STALE_VIEW_S = 1.0
 
 
 async def _drain(wcfg: WorkerConfig, health_servicer, registry, heartbeat, parts: RoleParts) -> None:
