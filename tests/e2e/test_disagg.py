@@ -73,10 +73,13 @@ def test_colocated_matches_transformers(reference, colocated_outputs):
 
 
 # nixl and ucx run the 1P1D shape only: their data paths are covered by tests/kvtransfer.
-SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), ("tcp", (2, 2)), ("nixl", (1, 1)), ("ucx", (1, 1))]
+# 2P2D over tcp runs in `make test-slow` (2P2D over shm and 1P1D over tcp stay in the default run).
+SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), pytest.param("tcp", (2, 2), marks=pytest.mark.slow),
+          ("nixl", (1, 1)), ("ucx", (1, 1))]
+IDS = ["1p1d-shm", "1p1d-tcp", "2p2d-shm", "2p2d-tcp", "1p1d-nixl", "1p1d-ucx"]
 
 
-@pytest.mark.parametrize(("backend", "shape"), SHAPES, ids=[f"{p}p{d}d-{b}" for b, (p, d) in SHAPES])
+@pytest.mark.parametrize(("backend", "shape"), SHAPES, ids=IDS)
 def test_disagg_matches_colocated_and_transformers(tiny_llama, reference, colocated_outputs, backend, shape):
     items, hf_outs = reference
     stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", backend,
@@ -113,6 +116,7 @@ def test_overlap_schedule_matches_transformers(tiny_llama, reference, mode):
         stack.close()
 
 
+@pytest.mark.slow   # ~45 s of inductor compiles; tests/engine/runner covers compiled against eager
 def test_decode_graphs_match_colocated_and_transformers(tiny_llama, reference, colocated_outputs):
     # The decode worker runs decode steps from graphs (inductor on CPU) of sizes 1, 2 and 4: the
     # burst's larger batches run eagerly, its tail from graphs, 3 rows padded to 4. The prefill worker

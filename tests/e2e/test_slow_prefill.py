@@ -12,7 +12,7 @@ from services.prefill.progress import DEFAULT_S_PER_TOKEN, REPORT_INTERVAL_S
 from services.worker.faults import HANG_AT_ENV, HANG_S_ENV
 from tests.e2e.stack import Stack, service_env
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]   # ~40 s: prefills stretched on purpose
 
 TRANSFER_S = 2.0
 # 32-token chunks: the 150-token prompt takes 5 prefill steps.

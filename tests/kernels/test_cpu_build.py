@@ -97,6 +97,7 @@ def _loaded(proc: subprocess.CompletedProcess) -> list[str]:
     return next(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("LOADED"))
 
 
+@pytest.mark.slow   # ~1 min (builds the avx2 variant in a fresh cache); `make test-avx2` loads it by default
 @pytest.mark.skipif(isa.host_level() not in ("avx2", "avx512", "avx512_bf16"), reason="needs an AVX2 CPU")
 @pytest.mark.parametrize("caps", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"},
                                   {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}])
