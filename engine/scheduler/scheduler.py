@@ -276,12 +276,10 @@ class Scheduler:
         a token, or for a sequence with drafts the tokens it emits (accepted drafts plus one).
         `elapsed_s`: the pass's own time when it ran beside other work (overlap); by default the
         time since the step was scheduled."""
-        decode = [s for s in batch.seqs if s.decode]
-        decode_rows = len(decode)
+        decode_rows = sum(1 for s in batch.seqs if s.decode)
         if elapsed_s is None:
             elapsed_s = perf_counter() - batch.scheduled_at
-        self.cost.observe(batch.num_tokens - decode_rows, decode_rows, elapsed_s,
-                          sum(s.prefix_len + len(s.input_ids) for s in decode))
+        self.cost.observe(batch.num_tokens - decode_rows, decode_rows, elapsed_s)
         out = []
         it = iter(sampled)
         for seq in batch.seqs:

@@ -7,11 +7,6 @@ follows a batch that grows or shrinks, and learns from mixed steps as well as pu
 bound on that delay ("a mixed step takes at most `factor` × a decode step of the same rows") into a
 token budget for the chunk: `(factor - 1)(a + b·rows) / c`. Time is measured by the scheduler
 between handing out a batch and hearing it finished (torch-free, no device sync).
-
-For reporting (the planner's capacity model) a second, longer-memory fit adds the decode rows'
-context: `seconds ≈ a + b·rows + c·tokens + e·context_tokens` (`fit_context`), since attention makes
-a row's cost grow with the KV it reads; a fit over the last ~30 steps cannot tell rows from context
-(they move together), one over the last ~200 steps sees rows of many lengths.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from dataclasses import dataclass, field
 _DECAY = 0.97     # weight of older steps per new one: the fit follows the last ~30 steps
 _RIDGE = 1e-6     # keeps the normal equations solvable before every kind of step was seen
 _MIN_STEPS = 4
-_CONTEXT_DECAY = 0.995   # the context fit follows the last ~200 steps
 
 
 @dataclass
@@ -33,11 +27,8 @@ class StepCostModel:
     steps: int = 0
     _seen_mixed_or_prefill: bool = False
     _seen_decode: bool = False
-    _cxtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
-    _cxty: list[float] = field(default_factory=lambda: [0.0] * 4)
 
-    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float, context_tokens: int = 0) -> None:
-        """One step: its prompt tokens, decode rows, time, and the KV tokens its decode rows read."""
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
         if seconds <= 0:
             return
         x = (1.0, float(decode_rows), float(prefill_tokens))
@@ -45,11 +36,6 @@ class StepCostModel:
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
             for j in range(3):
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
-        cx = (*x, float(context_tokens))
-        for i in range(4):
-            self._cxty[i] = _CONTEXT_DECAY * self._cxty[i] + cx[i] * seconds
-            for j in range(4):
-                self._cxtx[i][j] = _CONTEXT_DECAY * self._cxtx[i][j] + cx[i] * cx[j]
         self.steps += 1
         self._seen_mixed_or_prefill |= prefill_tokens > 0
         self._seen_decode |= decode_rows > 0
@@ -74,19 +60,6 @@ class StepCostModel:
         a = [[self._xtx[i][j] + (self.ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
         return _solve3(a, list(self._xty))
 
-    def fit_context(self) -> tuple[float, float, float, float] | None:
-        """(a, b, c, e): the reporting fit with the decode rows' context (e per KV token a row reads).
-        When the steps cannot separate context from rows (e or b would come out negative), e is 0
-        and (a, b, c) is the same window's three-term fit. None before `_MIN_STEPS` steps."""
-        if self.steps < _MIN_STEPS:
-            return None
-        m = [[self._cxtx[i][j] + (self.ridge if i == j else 0.0) for j in range(4)] for i in range(4)]
-        four = _solve(m, list(self._cxty))
-        if four is not None and four[3] >= 0 and four[1] >= 0:
-            return four
-        three = _solve([row[:3] for row in m[:3]], self._cxty[:3])
-        return None if three is None else (*three, 0.0)
-
     def decode_step_s(self, rows: int) -> float | None:
         coef = self.coefficients()
         return None if coef is None else coef[0] + coef[1] * rows
@@ -107,21 +80,14 @@ class StepCostModel:
 
 def _solve3(a: list[list[float]], y: list[float]) -> tuple[float, float, float] | None:
     """Gaussian elimination with partial pivoting on a 3×3 system; None if singular."""
-    out = _solve(a, y)
-    return None if out is None else (out[0], out[1], out[2])
-
-
-def _solve(a: list[list[float]], y: list[float]) -> tuple[float, ...] | None:
-    """Gaussian elimination with partial pivoting on an n×n system; None if singular."""
-    n = len(y)
     m = [row[:] + [y[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-18:
             return None
         m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
+        for r in range(3):
             if r != col:
                 f = m[r][col] / m[col][col]
-                m[r] = [m[r][k] - f * m[col][k] for k in range(n + 1)]
-    return tuple(m[i][n] / m[i][i] for i in range(n))
+                m[r] = [m[r][k] - f * m[col][k] for k in range(4)]
+    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]

@@ -10,9 +10,7 @@ prompt tokens to clear within the coming interval `H`:
   `W_q = (E[W]/ρ)·ln(ρ/(1-q))` when ρ > 1-q, else 0. TTFT_q = S + W_q + one decode step (D streams
   the first token in its next step). Infeasible at ρ ≥ 1.
 - **Decode workers.** Rows per worker by Little's law, `R = λ·Lo·ITL / D`, and `ITL = a_d + b_d·R`,
-  so `ITL = a_d / (1 - b_d·λ·Lo/D)`; infeasible when `b_d·λ·Lo/D ≥ 1`. A row's cost `b_d` is the
-  fitted per-row term plus the per-context-token term times a running row's mean context,
-  `Li + Lo/2` (attention reads every KV token of the row each step).
+  so `ITL = a_d / (1 - b_d·λ·Lo/D)`; infeasible when `b_d·λ·Lo/D ≥ 1`.
 - **Co-located (P = 0).** Each decode worker also prefills its prompts inside its steps:
   `u_c = c_d·(λ·Li + B/H)/D` of its time goes to prompt tokens, so `ITL = a_d / (1 - b_d·λ·Lo/D - u_c)`.
   Its prompts queue (M/D/1) for the time the rows leave: service `(a_d + c_d·Li)/(1 - b_d·λ·Lo/D)`,
@@ -48,7 +46,6 @@ class Costs:
     decode_base_s: float     # a decode worker's step: a_d + b_d·rows (+ c_d·tokens of its own prefill)
     decode_row_s: float
     local_token_s: float
-    decode_context_s: float = 0.0   # per KV token a decode row reads (0: not fitted)
 
     @classmethod
     def from_roles(cls, fits: dict[str, StepCost]) -> Costs:
@@ -67,12 +64,7 @@ class Costs:
         p = dedicated or local[0]
         return cls(prefill_base_s=max(0.0, p.base_s), prefill_token_s=p.per_token_s,
                    decode_base_s=max(0.0, d.base_s), decode_row_s=d.per_row_s,
-                   local_token_s=(local[0] if local else p).per_token_s,
-                   decode_context_s=max(0.0, d.per_context_s))
-
-    def row_s(self, prompt_tokens: float, output_tokens: float) -> float:
-        """A running row's step cost at the mean context of a request of these lengths."""
-        return self.decode_row_s + self.decode_context_s * (prompt_tokens + output_tokens / 2)
+                   local_token_s=(local[0] if local else p).per_token_s)
 
     def to_json(self) -> dict:
         return {k: round(v, 7) for k, v in self.__dict__.items()}
@@ -131,7 +123,7 @@ class CapacityModel:
         lam, li, lo = load.rate, load.prompt_tokens, load.output_tokens
         backlog_rate = load.backlog_tokens / self.horizon_s
         d = shape.decode
-        u_rows = c.row_s(li, lo) * lam * lo / d
+        u_rows = c.decode_row_s * lam * lo / d
         if shape.prefill > 0:
             itl = c.decode_base_s / (1 - u_rows) if u_rows < 1 else INF
             service = c.prefill_base_s + c.prefill_token_s * li

@@ -22,13 +22,11 @@ ROLES = ("prefill", "decode", "colocated")
 
 @dataclass(frozen=True)
 class StepCost:
-    """A role's fitted step time, averaged over its workers: base + per_row·rows + per_token·tokens
-    + per_context_s·(KV tokens the decode rows read)."""
+    """A role's fitted step time, averaged over its workers: base + per_row·rows + per_token·tokens."""
 
     base_s: float
     per_row_s: float
     per_token_s: float
-    per_context_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,7 @@ class Observation:
                 "itl_p90": self.itl_p90, "itl_mean": self.itl_mean,
                 "queued_prefill_tokens": self.queued_prefill_tokens, "kv_usage": round(self.kv_usage, 4),
                 "workers": self.workers,
-                "step_costs": {r: [c.base_s, c.per_row_s, c.per_token_s, c.per_context_s]
-                               for r, c in self.step_costs.items()}}
+                "step_costs": {r: [c.base_s, c.per_row_s, c.per_token_s] for r, c in self.step_costs.items()}}
 
 
 @dataclass
@@ -134,13 +131,12 @@ def observation(prev: Scrape, cur: Scrape) -> Observation:
     for role, v in cur.by_worker("tandem_router_worker_running"):
         workers[role] += 1
         running[role] += v
-    fits: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
+    fits: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     for (n, labels), base in cur.samples.items():
         if n == "tandem_router_worker_step_base_seconds":
             per_row = cur.samples.get(("tandem_router_worker_step_decode_row_seconds", labels), 0.0)
             per_token = cur.samples.get(("tandem_router_worker_step_prefill_token_seconds", labels), 0.0)
-            per_context = cur.samples.get(("tandem_router_worker_step_context_token_seconds", labels), 0.0)
-            fits[dict(labels).get("role", "")].append((base, per_row, per_token, per_context))
+            fits[dict(labels).get("role", "")].append((base, per_row, per_token))
     return Observation(
         t=cur.t, interval_s=dt, arrival_rate=d("tandem_router_arrivals_total") / dt,
         finished=int(d("tandem_router_prompt_tokens_count")),
@@ -152,7 +148,7 @@ def observation(prev: Scrape, cur: Scrape) -> Observation:
         queued_prefill_tokens=sum(v for _, v in cur.by_worker("tandem_router_worker_prefill_tokens")),
         kv_usage=max((v for _, v in cur.by_worker("tandem_router_worker_kv_usage")), default=0.0),
         workers=dict(workers), running=dict(running),
-        step_costs={role: StepCost(*(sum(f[i] for f in fs) / len(fs) for i in range(4)))
+        step_costs={role: StepCost(*(sum(f[i] for f in fs) / len(fs) for i in range(3)))
                     for role, fs in fits.items()},
     )
 

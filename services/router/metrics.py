@@ -122,7 +122,6 @@ _STEP_GAUGES = (
     ("step_base_seconds", "base_s", "Fitted step time's constant term (seconds per step)"),
     ("step_decode_row_seconds", "per_decode_row_s", "Fitted step time per decode row"),
     ("step_prefill_token_seconds", "per_prefill_token_s", "Fitted step time per prefill token"),
-    ("step_context_token_seconds", "per_context_token_s", "Fitted step time per KV token a decode row reads"),
 )
 
 

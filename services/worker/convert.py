@@ -40,9 +40,8 @@ def output_to_pb(out: RequestOutput, convert_tokens=None) -> generation_pb2.Gene
 
 def step_cost_to_pb(cost: StepCostModel) -> worker_pb2.StepCost | None:
     """The scheduler's fitted step costs for the worker's load (None, the field unset, before a fit)."""
-    fit = cost.fit_context()
+    fit = cost.fit()
     if fit is None:
         return None
-    a, b, c, e = fit
-    return worker_pb2.StepCost(base_s=a, per_decode_row_s=b, per_prefill_token_s=c, per_context_token_s=e,
-                               steps=cost.steps)
+    a, b, c = fit
+    return worker_pb2.StepCost(base_s=a, per_decode_row_s=b, per_prefill_token_s=c, steps=cost.steps)

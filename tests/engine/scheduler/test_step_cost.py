@@ -49,26 +49,3 @@ def test_to_pb_unset_before_a_fit_then_carries_the_terms():
     pb = step_cost_to_pb(cost)
     assert pb.steps == 5
     assert (pb.base_s, pb.per_decode_row_s, pb.per_prefill_token_s) == pytest.approx((0.010, 0.002, 0.0005), rel=1e-3)
-
-
-def test_context_fit_separates_rows_from_the_kv_they_read():
-    """Rows of many lengths: the reporting fit finds the per-KV-token term; the scheduler's own
-    three-term budgets are unchanged by it."""
-    cost, plain = StepCostModel(), StepCostModel()
-    for i in range(300):
-        rows, tokens = 1 + i % 13, (64 if i % 5 == 0 else 0)
-        context = rows * (50 + (i * 37) % 900)
-        seconds = 0.010 + 0.001 * rows + 0.0005 * tokens + 2e-6 * context
-        cost.observe(tokens, rows, seconds, context)
-        plain.observe(tokens, rows, seconds)
-    a, b, c, e = cost.fit_context()
-    assert (a, b, c, e) == pytest.approx((0.010, 0.001, 0.0005, 2e-6), rel=1e-2)
-    assert cost.coefficients() == plain.coefficients()
-    assert step_cost_to_pb(cost).per_context_token_s == pytest.approx(2e-6, rel=1e-2)
-
-
-def test_context_fit_is_zero_when_it_cannot_be_told_from_rows():
-    cost = StepCostModel()
-    _feed(cost, [(64, 2), (0, 4), (256, 0), (0, 1), (128, 3)])
-    a, b, c, e = cost.fit_context()
-    assert e == 0.0 and (a, b, c) == pytest.approx((0.010, 0.002, 0.0005), rel=1e-3)

@@ -46,19 +46,6 @@ def test_the_decode_formula_is_littles_law():
     assert itl == pytest.approx(DECODE_FIT.base_s + DECODE_FIT.per_row_s * rows)
 
 
-def test_a_rows_context_makes_long_outputs_cost_more():
-    """With a per-context-token term, a row's cost is the per-row term plus that term times a running
-    row's mean context (Li + Lo/2); without one the model is the plain Little's law above."""
-    fit = StepCost(DECODE_FIT.base_s, DECODE_FIT.per_row_s, DECODE_FIT.per_token_s, per_context_s=2e-6)
-    costs = Costs.from_roles({"prefill": PREFILL_FIT, "decode": fit})
-    assert costs.row_s(64, 512) == pytest.approx(DECODE_FIT.per_row_s + 2e-6 * (64 + 256))
-    model = CapacityModel(costs)
-    load = Load(0.5, 64, 512)
-    itl = model.predict(Shape(1, 1), load).itl_s
-    assert itl == pytest.approx(fit.base_s + costs.row_s(64, 512) * load.rate * 512 * itl)
-    assert itl > MODEL.predict(Shape(1, 1), load).itl_s
-
-
 def test_a_backlog_costs_prefill_capacity():
     assert MODEL.predict(Shape(1, 1), Load(1.0, 256, 64, backlog_tokens=3000)).ttft_s > \
         MODEL.predict(Shape(1, 1), Load(1.0, 256, 64)).ttft_s

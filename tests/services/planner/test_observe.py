@@ -14,8 +14,7 @@ def _worker(wid, role, cost=None, **load):
     info = worker_pb2.WorkerInfo(worker_id=wid, role=role, load=worker_pb2.WorkerLoad(**load))
     if cost is not None:
         info.load.step_cost.CopyFrom(worker_pb2.StepCost(base_s=cost[0], per_decode_row_s=cost[1],
-                                                         per_prefill_token_s=cost[2], steps=10,
-                                                         per_context_token_s=cost[3] if len(cost) > 3 else 0.0))
+                                                         per_prefill_token_s=cost[2], steps=10))
     return info
 
 
@@ -44,7 +43,7 @@ def test_an_interval_is_the_difference_of_two_scrapes():
                        free_pages=90, total_pages=100),
                _worker("d0", worker_pb2.WORKER_ROLE_DECODE, (0.03, 0.002, 0.0), running=4, free_pages=20,
                        total_pages=100),
-               _worker("d1", worker_pb2.WORKER_ROLE_DECODE, (0.05, 0.004, 0.0, 2e-6), running=2)]
+               _worker("d1", worker_pb2.WORKER_ROLE_DECODE, (0.05, 0.004, 0.0), running=2)]
     m.watch_workers(lambda: workers)
     for _ in range(7):            # before the interval: must not count
         m.arrivals.inc()
@@ -72,7 +71,6 @@ def test_an_interval_is_the_difference_of_two_scrapes():
     assert o.step_costs["prefill"].per_token_s == pytest.approx(0.001)
     assert o.step_costs["decode"].base_s == pytest.approx(0.04) and o.step_costs["decode"].per_row_s == \
         pytest.approx(0.003)   # the mean of its workers
-    assert o.step_costs["decode"].per_context_s == pytest.approx(1e-6) and o.step_costs["prefill"].per_context_s == 0
 
     feed.t += 10                  # nothing happened: rates 0, no lengths
     o = observer.observe()
