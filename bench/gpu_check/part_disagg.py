@@ -84,6 +84,25 @@ def static_identity() -> list[str]:
     return ["--port", str(port), "--worker-id", f"127.0.0.1:{port}"]
 
 
+BIND_TRIES = 3
+
+
+def ready_static(first: Proc, argv: list[str], env: dict[str, str], timeout_s: float,
+                 procs: list[Proc]) -> dict:
+    """`first`'s READY info; a worker that lost its picked port before binding it (another process,
+    e.g. a UCX listener, took it in between) is started again on a new one, up to BIND_TRIES times."""
+    proc = first
+    for attempt in range(1, BIND_TRIES + 1):
+        try:
+            return proc.wait_ready(timeout_s)
+        except CheckFailed as e:
+            if attempt == BIND_TRIES or proc.proc.poll() is None or "bind" not in str(e).lower():
+                raise
+        proc = Proc(first.name, [*argv, *static_identity()], env)
+        procs.append(proc)
+    raise AssertionError("unreachable")
+
+
 def workload(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -136,8 +155,8 @@ def run(report, args) -> None:
             prefill = Proc("prefill", ["prefill", *worker, *static_identity()], env)
             decode = Proc("decode", ["decode", *worker, *static_identity()], env)
             procs += [prefill, decode]
-            p_info = prefill.wait_ready(report.left_s() / 2)
-            d_info = decode.wait_ready(report.left_s() / 2)
+            p_info = ready_static(prefill, ["prefill", *worker], env, report.left_s() / 2, procs)
+            d_info = ready_static(decode, ["decode", *worker], env, report.left_s() / 2, procs)
             d["workers"] = {"prefill": p_info, "decode": d_info, "ready_s": round(time.monotonic() - t0, 1)}
             report.save()
             require(d_info.get("transfer_backend") == "nixl",

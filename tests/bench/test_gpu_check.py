@@ -312,6 +312,36 @@ def test_part_runs_on_cpu(tmp_path, part):
 
 # ---- small pieces of the run ---------------------------------------------------------------------------------
 
+def test_a_static_worker_that_lost_its_port_starts_again_on_a_new_one(monkeypatch):
+    from bench.gpu_check import part_disagg
+    from bench.gpu_check.report import CheckFailed
+
+    class Exited:
+        def poll(self):
+            return 1
+
+    class FakeProc:
+        def __init__(self, name, argv, env, error=None):
+            self.name, self.argv, self.proc, self.error = name, argv, Exited(), error
+
+        def wait_ready(self, timeout_s):
+            if self.error:
+                raise CheckFailed(f"{self.name} exited with 1: {self.error}")
+            return {"grpc_addr": self.argv[-1]}
+
+    monkeypatch.setattr(part_disagg, "Proc", FakeProc)
+    procs: list = []
+    lost = FakeProc("decode", ["decode", "--port", "1"], {}, error="Failed to bind to address 127.0.0.1:1")
+    info = part_disagg.ready_static(lost, ["decode"], {}, 5.0, procs)
+    assert len(procs) == 1 and procs[0].argv[:2] == ["decode", "--port"] and info["grpc_addr"].startswith("127.0.0.1:")
+    with pytest.raises(CheckFailed, match="bad model"):     # any other failure is not retried
+        part_disagg.ready_static(FakeProc("decode", ["decode"], {}, error="bad model"), ["decode"], {}, 5.0, [])
+    always = FakeProc("decode", ["decode"], {}, error="Failed to bind")
+    monkeypatch.setattr(part_disagg, "Proc", lambda *a: FakeProc(*a, error="Failed to bind"))
+    with pytest.raises(CheckFailed, match="bind"):
+        part_disagg.ready_static(always, ["decode"], {}, 5.0, [])
+
+
 def test_place_stubs_copies_what_is_missing_or_differs(tmp_path):
     (tmp_path / "b" / "stubs").mkdir(parents=True)
     dest = tmp_path / "v1"
