@@ -231,7 +231,11 @@ def test_local_and_remote_prefill_give_the_same_greedy_tokens(tiny_llama, refere
         assert outs == colocated_outputs
         assert outs == hf_outs
         routes = _router_routes(stack)
-        assert routes.get("local", 0) >= 7 and routes.get("remote", 0) >= 3, routes
+        # The size gate is exact: the warm-up and the five prompts with more than 16 uncached tokens go
+        # remote. How many short ones stay local depends on when each arrives (D busy counts double,
+        # tests/services/router/test_policy.py pins that rule): both routes ran.
+        assert sum(routes.values()) == len(items) + 1, routes
+        assert routes.get("local", 0) >= 1 and routes.get("remote", 0) >= 6, routes
         # The shared-prefix prompt again: D holds its first 24 tokens (6 pages), so it stays local.
         again = stack.generate(items[-2][0], max_tokens=8, ignore_eos=True)
         assert list(again.token_ids) == hf_outs[-2]
