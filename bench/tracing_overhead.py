@@ -6,7 +6,8 @@
 Each round starts `tandem up` twice, once plain and once with `--otlp-traces-endpoint file://...`
 (every span of every request exported: the most work tracing can do; a collector adds only its
 network send, on the exporter's own thread), and runs `tandem bench serve` through the gateway at
-`--request-rate` against each. Modes alternate (off, on, off, on, ...) so drift hits both alike.
+`--request-rate` against each. Rounds alternate which mode goes first (off, on | on, off | ...): drift
+and whatever favours the second run of a pair (a warmer page cache, a quieter box) hit both alike.
 The JSON holds every run's TTFT/TPOT p50/p99 (ms), their medians per mode, and on/off - 1 per
 statistic, to hold against the target (<= 2%). A smoke run: `--num-prompts 8 --rounds 1`.
 """
@@ -25,6 +26,11 @@ from bench.serve.procs import start_tandem_up
 from bench.serve.sweep import first_http_model
 
 STATS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+
+
+def run_order(rounds: int) -> list[bool]:
+    """Whether each run is traced: pairs of off/on, the first of a pair alternating (ABBA)."""
+    return [(i % 2 == 1) != (i // 2 % 2 == 1) for i in range(rounds * 2)]
 
 
 def one_run(args: argparse.Namespace, traced: bool, workdir: Path, index: int) -> dict:
@@ -87,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tandem-tracing-") as tmp:
         traces = Path(args.keep_traces) if args.keep_traces else Path(tmp)
         traces.mkdir(parents=True, exist_ok=True)
-        for i in range(args.rounds * 2):
-            runs.append(one_run(args, traced=i % 2 == 1, workdir=traces, index=i))
+        for i, traced in enumerate(run_order(args.rounds)):
+            runs.append({"round": i // 2 + 1, **one_run(args, traced=traced, workdir=traces, index=i)})
             print(json.dumps(runs[-1]))
     result = {"tool": "bench.tracing_overhead", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "config": vars(args), "runs": runs, **summary(runs, args.target)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.tracing_overhead import summary
+from bench.tracing_overhead import run_order, summary
 
 
 def run(traced: bool, ttft: float, tpot: float) -> dict:
@@ -18,3 +18,8 @@ def test_overhead_is_on_over_off_medians():
     assert s["overhead"]["tpot_p50"] == pytest.approx(0.015)
     assert s["met"]
     assert not summary([run(False, 100, 50), run(True, 110, 50)], 0.02)["met"]
+
+
+def test_rounds_alternate_which_mode_runs_first():
+    assert run_order(3) == [False, True, True, False, False, True]
+    assert run_order(1) == [False, True]
