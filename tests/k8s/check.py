@@ -1,4 +1,8 @@
-"""`make k8s-check`: render every overlay of k8s/ and check each object three ways.
+"""`make k8s-check`: render every overlay of k8s/ with the real kubectl/kustomize and check each object
+three ways.
+
+0. Rendering: `kubectl kustomize` of every kubectl in .venv/tools (tests/k8s/render.py: the newest
+   minor and the one before); each must render, and all must render the same objects.
 
 1. Schema: `kubernetes-validate --strict` against the OpenAPI schemas of KUBERNETES_VERSION (unknown
    or misspelt fields fail).
@@ -9,14 +13,13 @@
 3. Security posture: checkov on the rendered manifests, zero failures; each skipped check has a
    written reason (k8s/checkov-skips.yaml, an overlay's checkov-skips.yaml, or a resource's
    `checkov.io/skipN: ID=reason` annotation).
-
-Rendering uses tests/k8s/render.py (kubectl/kustomize are not installable here).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.k8s.render import RenderError, render
+from tests.k8s.render import RenderError, kubectls, render_text
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSION = "1.33.0"
@@ -167,7 +170,7 @@ def _planner_scales(by_kind: dict[str, list[dict]]) -> list[str]:
 def planner_problems(objs: list[dict]) -> list[str]:
     """The planner is one pod whose only permission is get and patch of deployments/scale of the prefill
     and decode Deployments it is told to scale, by name (docs/planner.md, "On Kubernetes")."""
-    from services.planner.k8s_config import KubernetesTarget
+    from tandem.services.planner.k8s_config import KubernetesTarget
 
     by_kind: dict[str, list[dict]] = {}
     for o in objs:
@@ -316,16 +319,49 @@ def checkov_problems(objs: list[dict], skips: dict[str, str], checkov: Path) -> 
     return out
 
 
+def render_all(overlay: Path) -> tuple[list[dict] | None, list[str]]:
+    """The overlay's objects as every kubectl renders them (one list: they must agree), and problems."""
+    try:
+        tools = kubectls()
+    except RenderError as e:
+        return None, [f"render: {e}"]
+    texts, problems = {}, []
+    for kubectl in tools:
+        try:
+            texts[kubectl] = render_text(overlay, kubectl)
+        except RenderError as e:
+            problems.append(f"render: {e}")
+    if len(set(texts.values())) > 1:
+        problems.append("render: the kubectls disagree: " + ", ".join(str(k) for k in texts))
+    if problems or not texts:
+        return None, problems
+    try:
+        return [d for d in yaml.safe_load_all(next(iter(texts.values()))) if d], []
+    except yaml.YAMLError as e:
+        return None, [f"render: {e}"]
+
+
+def source_problems(k8s: Path) -> list[str]:
+    """Constructs the kustomize of an older kubectl cannot take, though today's does: `$patch: delete`
+    (kubectl 1.32's kustomize v5.5.0 panics on it in a component). k8s/ composes components instead."""
+    return [f"{p.relative_to(k8s.parent)}: `$patch: delete` (older kustomize panics on it; use a component)"
+            for p in sorted(k8s.rglob("*.yaml")) if re.search(r"^\s*\$patch:\s*delete\b", p.read_text(), re.M)]
+
+
 def check(k8s: Path = ROOT / "k8s", checkov: Path = DEFAULT_CHECKOV, run_checkov: bool = True) -> dict[str, list[str]]:
     """Problems per overlay (empty lists: all good)."""
     results = {}
+    everywhere = source_problems(k8s)
     for overlay in overlays(k8s):
-        try:
-            objs = render(overlay)
-        except (RenderError, yaml.YAMLError, KeyError) as e:
-            results[overlay.name] = [f"render: {e}"]
+        objs, problems = render_all(overlay)
+        problems = everywhere + problems
+        if objs is None:
+            results[overlay.name] = problems
             continue
-        problems = schema_problems(objs) + invariants(objs)
+        try:
+            problems += schema_problems(objs) + invariants(objs)
+        except KeyError as e:
+            problems.append(f"malformed object: no {e}")
         if run_checkov:
             skips, skip_problems = checkov_skips(k8s, overlay, objs)
             problems += skip_problems + checkov_problems(objs, skips, checkov)
@@ -343,11 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         for overlay in overlays(args.k8s):
-            (args.out / f"{overlay.name}.yaml").write_text(yaml.safe_dump_all(render(overlay), sort_keys=False))
+            (args.out / f"{overlay.name}.yaml").write_text(render_text(overlay))
+    try:
+        tools = ", ".join(str(k) for k in kubectls())
+    except RenderError as e:
+        tools = str(e)
     failed = 0
     for name, problems in results.items():
         print(f"k8s/overlays/{name}: {'ok' if not problems else f'{len(problems)} problems'} "
-              f"(Kubernetes {KUBERNETES_VERSION}, strict schemas, Tandem invariants, checkov)")
+              f"(rendered by {tools}; Kubernetes {KUBERNETES_VERSION} strict schemas, Tandem invariants, checkov)")
         for p in problems:
             print(f"  - {p}")
         failed += bool(problems)

@@ -131,12 +131,12 @@ def test_the_component_composes_with_the_gpu_overlay(tmp_path):
     assert check(k8s, run_checkov=False)["gpu-rdma"] == []
 
 
-def test_the_renderer_takes_only_a_component_as_a_component(tmp_path):
+def test_a_component_must_be_a_component(tmp_path):
     k8s = tmp_path / "k8s"
     shutil.copytree(K8S, k8s)
     k = k8s / "components" / "planner" / "kustomization.yaml"
     k.write_text(k.read_text().replace("kind: Component", "kind: Kustomization"))
-    with pytest.raises(RenderError, match="where a Component is expected"):
+    with pytest.raises(RenderError, match="accumulating components"):
         render(k8s / "overlays" / "planner")
 
 
@@ -160,9 +160,9 @@ def test_the_planner_may_not_go_below_the_routers_prefill_minimum(objs):
 
 
 def test_the_planner_pod_command_line_parses_into_a_kubernetes_target(objs):
-    pytest.importorskip("tandem.planner_cmd")
-    from services.planner.config import PlannerConfig
-    from tandem.cli import build_parser
+    pytest.importorskip("tandem.cli.planner_cmd")
+    from tandem.cli.main import build_parser
+    from tandem.services.planner.config import PlannerConfig
 
     [c] = by_name(objs, "Deployment", "tandem-planner")["spec"]["template"]["spec"]["containers"]
     cfg = PlannerConfig.from_args(build_parser().parse_args(c["args"]))
