@@ -1,7 +1,7 @@
 """What the internal secret costs: gRPC calls through the auth interceptors against plain ones, and
 the KV transfer connect (challenge + HMAC hello) with and without a key, in one process, one run.
 
-    python -m bench.auth_overhead --out bench/results/auth_overhead.json
+    python -m tandem.bench.auth_overhead --out bench/results/auth_overhead.json
 
 Measured, each way in alternating rounds so the shared machine's drift hits both alike:
 - unary round trip (WorkerIdentity.GetWorkerInfo) p50/p90, µs;
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.auth import InternalAuth
+from tandem.services.common.auth import InternalAuth
 from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 TOKEN = b"bench-internal-secret-0123456789abcdef"
@@ -72,8 +72,8 @@ def _connects(keys: dict[str, bytes | None], rounds: int) -> dict[str, list[floa
     """`KVSender.connect` to a fresh tcp receiver, µs, each way in turn every round."""
     import torch
 
-    from kvtransfer import create_receiver, create_sender
-    from kvtransfer.base import PoolLayout
+    from tandem.kvtransfer import create_receiver, create_sender
+    from tandem.kvtransfer.base import PoolLayout
 
     layout = PoolLayout(num_layers=2, num_pages=8, page_size=4, kv_heads=2, head_dim=8, dtype="float32")
     senders = {w: create_sender("tcp", torch.zeros(layout.shape), layout, f"P-{w}", secret=k) for w, k in keys.items()}

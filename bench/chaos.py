@@ -1,6 +1,6 @@
 """Chaos drill: steady load through the HTTP gateway while processes are SIGKILLed in turn.
 
-    python -m bench.chaos --model PATH --out bench/results/chaos.json   # starts `tandem up` itself
+    python -m tandem.bench.chaos --model PATH --out bench/results/chaos.json   # starts `tandem up` itself
 
 One `tandem up` (2 prefill + 2 decode workers by default, tcp transfers, peer liveness probes) gets
 `--rate` short completion requests per second, open loop. Each phase runs `--phase-s` seconds and
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.chaos_stack import ChaosStack
+from tandem.bench.chaos_stack import ChaosStack
 
 KILLS = ("baseline", "prefill-0", "decode-0", "router", "redis", "gateway")
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _migration(args: argparse.Namespace, log) -> int:
-    from bench.chaos_migration import run
+    from tandem.bench.chaos_migration import run
 
     load_before = _uptime()
     row = run(["--model", args.model, "--transfer-backend", "tcp", *args.up_arg], model_id, args, log)

@@ -1,6 +1,6 @@
 """Chaos drill, mid-stream migration scenario: SIGKILL a decode worker while streams are mid-output.
 
-    python -m bench.chaos --scenario migration --model PATH --streams 16 --out bench/results/chaos_migration.json
+    python -m tandem.bench.chaos --scenario migration --model PATH --streams 16 --out bench/results/chaos_migration.json
 
 One `tandem up` with 1 prefill + 2 decode workers. Each of `--streams` prompts is first completed
 once, undisturbed (greedy, non-streaming, through the gateway); then all are sent again at once as
@@ -19,7 +19,7 @@ import json
 import threading
 import time
 
-from bench.chaos_stack import ChaosStack
+from tandem.bench.chaos_stack import ChaosStack
 
 OUTCOMES = ("migrated", "exhausted", "no_worker", "unsupported", "deadline")
 

@@ -11,7 +11,7 @@ import threading
 import time
 import urllib.request
 
-from bench.serve.procs import UP_PREFIX, start_tandem_up
+from tandem.bench.serve.procs import UP_PREFIX, start_tandem_up
 
 RESTARTED_PREFIX = "TANDEM_RESTARTED "
 

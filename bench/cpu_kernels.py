@@ -1,8 +1,8 @@
 """The fused CPU kernels (kernels/cpu) against the torch code they replace, on one core.
 
-    python -m bench.cpu_kernels --out bench/results/cpu_kernels.json
-    python -m bench.cpu_kernels --parts extend --out bench/results/cpu_extend.json
-    python -m bench.cpu_kernels --parts linear --out bench/results/cpu_linear.json
+    python -m tandem.bench.cpu_kernels --out bench/results/cpu_kernels.json
+    python -m tandem.bench.cpu_kernels --parts extend --out bench/results/cpu_extend.json
+    python -m tandem.bench.cpu_kernels --parts linear --out bench/results/cpu_linear.json
 
 Four parts (`--parts`):
 - **ops**: one layer's decode attention through the torch backend as a step runs it, with and
@@ -45,15 +45,15 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from bench.engine import prompts_of
-from bench.kernels import decode_context, extend_context, make_case
-from engine.attention.base import create_backend
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.models.layers import RMSNorm
-from engine.models.rope import _rotate
-from engine.sampling_params import SamplingParams
-from kernels.cpu import load, runnable_levels
+from tandem.bench.engine import prompts_of
+from tandem.bench.kernels import decode_context, extend_context, make_case
+from tandem.engine.attention.base import create_backend
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.models.layers import RMSNorm
+from tandem.engine.models.rope import _rotate
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kernels.cpu import load, runnable_levels
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 
@@ -130,7 +130,7 @@ def emulated_avx2_rows(part: str) -> list[dict]:
     must be in the environment before torch starts)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{part}.json"
-        subprocess.run([sys.executable, "-m", "bench.cpu_kernels", "--parts", part, "--no-emulation",
+        subprocess.run([sys.executable, "-P", "-m", "tandem.bench.cpu_kernels", "--parts", part, "--no-emulation",
                         "--out", str(out)], env={**os.environ, **EMULATE_AVX2}, check=True)
         return json.loads(out.read_text())[part]
 
@@ -219,7 +219,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ops = load()
     if ops is None:
-        raise SystemExit("the CPU kernels could not be built here (python -m kernels.cpu -v)")
+        raise SystemExit("the CPU kernels could not be built here (python -m tandem.kernels.cpu -v)")
     out = {"machine": platform.processor() or platform.machine(), "threads": 1, "level": ops.LEVEL}
     if "ops" in parts:
         rows = [bench_attention(ops, r, n) for r, n in [(1, 300), (12, 300), (24, 300), (24, 600), (32, 600)]]

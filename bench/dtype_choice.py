@@ -1,8 +1,8 @@
 """Which dtype serves fastest on this CPU: the measurement behind `--dtype auto` (engine/hardware.py).
 
-    python -m bench.dtype_choice --out bench/results/dtype_choice.json
+    python -m tandem.bench.dtype_choice --out bench/results/dtype_choice.json
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        python -m bench.dtype_choice --out bench/results/dtype_choice_avx2.json   # an AVX2-only CPU, emulated
+        python -m tandem.bench.dtype_choice --out bench/results/dtype_choice_avx2.json   # an AVX2-only CPU, emulated
 
 Two parts, one thread each:
 - **Projections**: every linear layer of the model (its real shapes, its 30 layers, weights streamed
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import bench_tandem_decode, bench_tandem_prefill, prompts_of
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.hardware import choose_dtype, detect
-from engine.models.config import ModelConfig
-from engine.models.source import resolve_model
-from engine.sampling_params import SamplingParams
+from tandem.bench.engine import bench_tandem_decode, bench_tandem_prefill, prompts_of
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.hardware import choose_dtype, detect
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.source import resolve_model
+from tandem.engine.sampling_params import SamplingParams
 
 ROWS = (1, 8, 32, 256)
 

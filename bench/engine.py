@@ -1,7 +1,7 @@
 """Engine throughput: prefill and decode tokens/s at several batch sizes, beside HF transformers.
 
-    python -m bench.engine --model smollm2-135m --out bench/results/engine.json
-    python -m bench.engine --batches 32 --input-lens 512 --mixed-requests 0   # the serving shape
+    python -m tandem.bench.engine --model smollm2-135m --out bench/results/engine.json
+    python -m tandem.bench.engine --batches 32 --input-lens 512 --mixed-requests 0   # the serving shape
 
 Both run the same model, dtype and thread count in this one process, one after the other. HF runs
 static-batch `generate` (equal-length prompts, so no padding). Decode throughput for HF is derived as
@@ -13,13 +13,13 @@ Decode graphs (engine/runner/graph_runner.py): `--graph on|off` sets `--enable-g
 the engine; `--compare-graph` builds a second engine with graphs on and measures each row on both,
 back to back (the cores are shared, so only a ratio measured this way means much):
 
-    python -m bench.engine --batches 1,8,32 --input-lens 512 --mixed-requests 0 --skip-hf --compare-graph
+    python -m tandem.bench.engine --batches 1,8,32 --input-lens 512 --mixed-requests 0 --skip-hf --compare-graph
 
 Packed weights (engine/models/prepack.py): `--compare-prepack` does the same with the first engine on
 plain weights (`--disable-weight-prepack`) and a second on packed ones, prefill included (in fp32: MKL
 against Tandem's linear kernel):
 
-    python -m bench.engine --dtype float32 --threads 1 --batches 1,8,32 --input-lens 256 --mixed-requests 0 \
+    python -m tandem.bench.engine --dtype float32 --threads 1 --batches 1,8,32 --input-lens 256 --mixed-requests 0 \
         --skip-hf --compare-prepack --repeat 3
 """
 
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 
 def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """TTFT the HTTP gateway adds over the gRPC SDK, measured on one deployment in one run.
 
-    python -m bench.gateway --out bench/results/gateway.json            # starts `tandem up` itself
-    python -m bench.gateway --router 127.0.0.1:50051 --gateway http://127.0.0.1:8000
+    python -m tandem.bench.gateway --out bench/results/gateway.json            # starts `tandem up` itself
+    python -m tandem.bench.gateway --router 127.0.0.1:50051 --gateway http://127.0.0.1:8000
 
 Each round sends the same kind of request three ways, in rotating order, one at a time: the SDK
 (`tandem_client.Client.stream`, gRPC straight to the router), the official `openai` package
@@ -26,7 +26,7 @@ import httpx
 import openai
 from tandem_client import Client
 
-from bench.serve.procs import _Proc, start_tandem_up
+from tandem.bench.serve.procs import _Proc, start_tandem_up
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
 

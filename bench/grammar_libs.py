@@ -1,8 +1,8 @@
 """Grammar libraries compared on SmolLM2's 49k vocabulary: per-token mask cost and compile time for
 a nested JSON Schema (the measurement behind docs/structured-output.md's choice).
 
-    python -m bench.grammar_libs --out bench/results/grammar_libs.json
-    python -m bench.grammar_libs --libs llguidance            # only the installed ones are measured
+    python -m tandem.bench.grammar_libs --out bench/results/grammar_libs.json
+    python -m tandem.bench.grammar_libs --libs llguidance            # only the installed ones are measured
 
 For each library: the tokenizer set-up (once per worker), a cold compile (a fresh compiler, first
 use of the schema, through the first mask), a cached start (what a second request with the same
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path[:0] = args.path
     from tokenizers import Tokenizer
 
-    from engine.models.source import resolve_model
+    from tandem.engine.models.source import resolve_model
 
     folder = Path(resolve_model(args.model))
     tok_path = folder / "tokenizer.json"

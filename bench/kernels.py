@@ -1,8 +1,8 @@
 """Paged decode attention on a GPU: achieved GB/s and % of peak HBM bandwidth, Triton kernel vs the
 torch backend (page gather + SDPA), per layer.
 
-    python -m bench.kernels --out bench/results/kernels.json
-    python -m bench.kernels --cases 64x4096 1x32768 --heads 32 --kv-heads 8 --head-dim 128
+    python -m tandem.bench.kernels --out bench/results/kernels.json
+    python -m tandem.bench.kernels --cases 64x4096 1x32768 --heads 32 --kv-heads 8 --head-dim 128
 
 Bytes counted are what attention must read and write at least once: every cached K and V row of
 every sequence, the queries, the outputs and the page table. The pool's pages are handed out in a
@@ -43,7 +43,7 @@ def peak_gbps(name: str) -> float | None:
 
 def make_case(batch: int, context: int, args, device: torch.device, seed: int = 0):
     """One layer's pool holding `batch` sequences of `context` tokens on randomly ordered pages."""
-    from engine.kvcache.kv_pool import KVPool, KVPoolSpec
+    from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec
 
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -59,7 +59,7 @@ def make_case(batch: int, context: int, args, device: torch.device, seed: int = 
 
 def decode_context(pool, page_table, batch: int, context: int, backend):
     """A decode-step ForwardContext whose new token is the last of each sequence's `context`."""
-    from engine.forward_context import ForwardContext
+    from tandem.engine.forward_context import ForwardContext
 
     device = page_table.device
     ps = pool.spec.page_size
@@ -77,7 +77,7 @@ def decode_context(pool, page_table, batch: int, context: int, backend):
 
 def extend_context(pool, page_table, tokens: int, prefix: int, backend):
     """A ForwardContext for sequence 0's `tokens` new tokens after `prefix` cached ones."""
-    from engine.forward_context import ForwardContext
+    from tandem.engine.forward_context import ForwardContext
 
     device = page_table.device
     ps = pool.spec.page_size
@@ -95,8 +95,8 @@ def extend_context(pool, page_table, tokens: int, prefix: int, backend):
 def bench_case(batch: int, context: int, args, device: torch.device, peak: float | None) -> dict:
     import triton.testing
 
-    from engine.attention.base import create_backend
-    from kernels.decode_attention import default_num_splits, paged_decode_attention
+    from tandem.engine.attention.base import create_backend
+    from tandem.kernels.decode_attention import default_num_splits, paged_decode_attention
 
     pool, page_table, q = make_case(batch, context, args, device)
     kv_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -144,8 +144,8 @@ def copy_gbps(device: torch.device) -> float:
 def smoke() -> int:
     """CPU: the same comparison on a few tokens under the Triton interpreter (correctness only)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernel modules are imported
-    from engine.attention.base import create_backend
-    from kernels.decode_attention import paged_decode_attention
+    from tandem.engine.attention.base import create_backend
+    from tandem.kernels.decode_attention import paged_decode_attention
 
     args = argparse.Namespace(dtype="float32", page_size=4, heads=4, kv_heads=2, head_dim=16)
     device = torch.device("cpu")

@@ -2,7 +2,7 @@
 floors they compete with, all in one run with repeats interleaved in a shuffled order (the cores are
 shared, so ratios within one run are what count).
 
-    python -m bench.kvtransfer --out bench/results/kvtransfer.json
+    python -m tandem.bench.kvtransfer --out bench/results/kvtransfer.json
 
 SmolLM2-shaped pages (30 layers, K and V, page_size 16, 3 KV heads, head_dim 64, bf16: 6 KiB per
 page per layer-K), a pool of `--pool-pages` on each side, `--move` pages scattered at random over both
@@ -44,10 +44,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtransfer import create_receiver, create_sender, merge_runs
-from kvtransfer.backends.ucx_env import UcxSettings
-from kvtransfer.base import PoolLayout, RoomState
-from kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
+from tandem.kvtransfer import create_receiver, create_sender, merge_runs
+from tandem.kvtransfer.backends.ucx_env import UcxSettings
+from tandem.kvtransfer.base import PoolLayout, RoomState
+from tandem.kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
 
 # The backends that work in each situation (auto's choice is compared with the best of them).
 SAME_HOST = ("shm", "tcp", "nixl", "ucx")

@@ -1,7 +1,7 @@
 """Overlap scheduling: the time the model waits for the CPU between forward passes, with and without.
 
-    python -m bench.overlap --out bench/results/overlap.json
-    python -m bench.overlap --batches 8,32 --input-len 256 --output-len 64 --num-threads 1
+    python -m tandem.bench.overlap --out bench/results/overlap.json
+    python -m tandem.bench.overlap --batches 8,32 --input-len 256 --output-len 64 --num-threads 1
 
 For each batch size one engine per mode serves the same greedy requests (arriving together, prompts
 of `--input-len`, `--output-len` tokens each, so most steps are decode steps of the full batch) and
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import prompts_of
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.bench.engine import prompts_of
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 
 def run_mode(cfg: EngineConfig, batch: int, input_len: int, output_len: int) -> dict:

@@ -1,4 +1,4 @@
-"""`python -m bench.planner`: the SLO planner against the best fixed shapes on one load profile.
+"""`python -m tandem.bench.planner`: the SLO planner against the best fixed shapes on one load profile.
 
 Every deployment gets the same trace (`tandem bench serve --load-profile`, same seed: the same
 arrival times and prompts) and is started, measured and stopped alone (bench/serve/deployment.py).
@@ -32,15 +32,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.planner_report import format_summary, verdict
-from bench.serve import plots
-from bench.serve.backends import BackendConfig
-from bench.serve.datasets import DatasetConfig, load_tokenizer
-from bench.serve.deployment import Deployment, measure_deployment
-from bench.serve.load_profile import LoadProfile, parse_load_profile
-from bench.serve.metrics import SLO
-from bench.serve.serve import ServeConfig, config_dict, machine_info, run_profile, write_json
-from bench.serve.sweep import SweepConfig, TandemUp, _terminate_as_exit, make_deployment
+from tandem.bench.planner_report import format_summary, verdict
+from tandem.bench.serve import plots
+from tandem.bench.serve.backends import BackendConfig
+from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
+from tandem.bench.serve.deployment import Deployment, measure_deployment
+from tandem.bench.serve.load_profile import LoadProfile, parse_load_profile
+from tandem.bench.serve.metrics import SLO
+from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_profile, write_json
+from tandem.bench.serve.sweep import SweepConfig, TandemUp, _terminate_as_exit, make_deployment
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _measure(cfg: PlannerBenchConfig, dep: Deployment, ep, tokenizer, echo) -> d
 # ---- command line --------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None = None) -> PlannerBenchConfig:
-    p = argparse.ArgumentParser(prog="python -m bench.planner", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.planner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="the model every deployment serves (alias or HF folder)")
     p.add_argument("--load-profile", default=DEFAULT_PROFILE, help="phases DURATION@RATE:IN/OUT,... or a JSON file")

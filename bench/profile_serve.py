@@ -1,6 +1,6 @@
 """Where a live worker's engine thread spends its time under serving load (py-spy, not a micro-benchmark).
 
-    python -m bench.profile_serve --out bench/results/profile_serve.json
+    python -m tandem.bench.profile_serve --out bench/results/profile_serve.json
 
 Starts `tandem up` (co-located by default), drives it with `tandem bench serve`'s workload (random
 256-token prompts, 64 output tokens, Poisson 2 req/s), and samples the worker process with
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import psutil
 
-from bench.serve.backends import BackendConfig
-from bench.serve.datasets import DatasetConfig, load_tokenizer
-from bench.serve.metrics import SLO
-from bench.serve.serve import ServeConfig, machine_info, run_rates
-from bench.serve.sweep import SweepConfig, TandemUp
+from tandem.bench.serve.backends import BackendConfig
+from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
+from tandem.bench.serve.metrics import SLO
+from tandem.bench.serve.serve import ServeConfig, machine_info, run_rates
+from tandem.bench.serve.sweep import SweepConfig, TandemUp
 
 # (category, path fragment of a frame's file): the first match from the leaf wins.
 CATEGORIES = (

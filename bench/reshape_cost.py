@@ -1,6 +1,6 @@
 """What a live reshape costs on one host: a worker's drain and its restart in the other role.
 
-    python -m bench.reshape_cost --out bench/results/reshape_cost.json [--model PATH] [--repeats 3]
+    python -m tandem.bench.reshape_cost --out bench/results/reshape_cost.json [--model PATH] [--repeats 3]
 
 Starts one idle `tandem up --prefill 1 --decode 1 --min-prefill-workers 0` (default model: SmolLM2,
 so the kernel cache is warm after the first start) and moves it 1P1D -> 0P2D -> 1P1D `--repeats`
@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from services.planner.host import ShapeStore
-from services.planner.shape import Shape
+from tandem.services.planner.host import ShapeStore
+from tandem.services.planner.shape import Shape
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"^\[([\w-]+)\] TANDEM_READY (\{.*\})$")
@@ -32,7 +32,7 @@ READY = re.compile(r"^\[([\w-]+)\] TANDEM_READY (\{.*\})$")
 
 def _move(store: ShapeStore, shape: Shape, timeout_s: float) -> tuple[float, dict]:
     t0 = time.monotonic()
-    seq = store.request(shape, "bench.reshape_cost")
+    seq = store.request(shape, "tandem.bench.reshape_cost")
     while True:
         state = store.state() or {}
         if (state.get("error") or {}).get("seq") == seq:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/reshape_cost.json")
     args = ap.parse_args(argv)
 
-    cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "-1", "--quiet", "--ready-json",
+    cmd = [sys.executable, "-P", "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "-1", "--quiet", "--ready-json",
            "--prefill", "1", "--decode", "1", "--min-prefill-workers", "0",
            *(["--model", args.model] if args.model else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,

@@ -1,7 +1,7 @@
 """KV-aware routing and conditional disaggregation, measured on real stacks (`tandem up`).
 
-    python -m bench.routing shared-prefix --out bench/results/routing_shared_prefix.json
-    python -m bench.routing short-prompts --out bench/results/routing_short_prompts.json
+    python -m tandem.bench.routing shared-prefix --out bench/results/routing_shared_prefix.json
+    python -m tandem.bench.routing short-prompts --out bench/results/routing_short_prompts.json
 
 `shared-prefix`: `tandem bench serve --dataset-name shared-prefix` (16 groups x 1,024-token prefix +
 64 unique tokens, 64 out) against `--prefill 2 --decode 2` once per router policy.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.serve.procs import start_tandem_up
+from tandem.bench.serve.procs import start_tandem_up
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def shared_prefix(args) -> dict:
                 *args.up_args)
         try:
             res = ROOT / "bench" / "results" / f"routing_shared_prefix_{policy}.json"
-            subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve", "--backend", "tandem-grpc",
+            subprocess.run([sys.executable, "-P", "-m", "tandem.cli", "bench", "serve", "--backend", "tandem-grpc",
                             "--base-url", up.addr, "--dataset-name", "shared-prefix", "--num-prefix-groups", "16",
                             "--prefix-len", "1024", "--input-len", "64", "--output-len", "64",
                             "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate),

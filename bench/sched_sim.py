@@ -5,7 +5,7 @@ policy does to TTFT, ITL and goodput, a few seconds per point instead of minutes
     tandem bench sweep --deployments colocated-dp2 --request-rates 1,2 --num-prompts 128 \\
         --up-args="--step-trace-dir /tmp/steps" --out bench/results/real.json
     # 2. fit the step costs to it, check the simulation against the real run, then try policies:
-    python -m bench.sched_sim --trace /tmp/steps --replay bench/results/real.json \\
+    python -m tandem.bench.sched_sim --trace /tmp/steps --replay bench/results/real.json \\
         --config default= --config nomixed=--disable-mixed-chunk
 
 What is real: the scheduler (engine/scheduler/, unchanged: admission, chunking, mixed-chunk budgets,
@@ -34,18 +34,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.serve.metrics import SLO, compute_metrics
-from bench.serve.records import RequestRecord
-from bench.serve.runner import arrival_offsets
-from engine.config import EngineConfig
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken, StepBatch
-from engine.scheduler.prefill_order import tokens_to_prefill
-from engine.scheduler.request import Request
-from engine.scheduler.scheduler import Scheduler
-from engine.scheduler.step_cost import StepCostModel
-from tandem.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.bench.serve.metrics import SLO, compute_metrics
+from tandem.bench.serve.records import RequestRecord
+from tandem.bench.serve.runner import arrival_offsets
+from tandem.cli.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.engine.config import EngineConfig
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken, StepBatch
+from tandem.engine.scheduler.prefill_order import tokens_to_prefill
+from tandem.engine.scheduler.request import Request
+from tandem.engine.scheduler.scheduler import Scheduler
+from tandem.engine.scheduler.step_cost import StepCostModel
 
 _KV_PAGES = 1 << 16     # ample: memory pressure (retraction) is not simulated
 
@@ -185,7 +185,7 @@ def summary(m: dict) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sched_sim", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.sched_sim", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", nargs="+", help="step traces (--step-trace-dir folders or .jsonl files) to fit")
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          **summary(compute_metrics(recs, window, slo).to_dict())})
     _print(rows)
     if args.out:
-        Path(args.out).write_text(json.dumps({"tool": "bench.sched_sim", "args": vars(args),
+        Path(args.out).write_text(json.dumps({"tool": "tandem.bench.sched_sim", "args": vars(args),
                                               "step_costs": dataclasses.asdict(costs) | {"describe": costs.describe()},
                                               "points": rows}, indent=1))
     return 0

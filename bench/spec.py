@@ -1,8 +1,8 @@
 """Speculative decoding: decode tokens/s with and without it, on a repetitive and a non-repetitive
 workload, at batch 1 and 8 (engine level, one process, same model and threads for every run).
 
-    flock /tmp/tandem-bench.lock python -m bench.spec --out bench/results/spec.json
-    python -m bench.spec --algorithm draft --draft-model PATH     # a draft model instead of n-grams
+    flock /tmp/tandem-bench.lock python -m tandem.bench.spec --out bench/results/spec.json
+    python -m tandem.bench.spec --algorithm draft --draft-model PATH     # a draft model instead of n-grams
 
 Repetitive: chat requests that ask the model to repeat a code snippet with one change (the output
 copies most of the prompt); quote: "repeat this quote exactly". Random: open-ended questions whose answers copy nothing. Decode tokens/s
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 CODE = [
     '''def mean(values):

@@ -1,7 +1,7 @@
 """How much the same decode step varies on this machine with nothing else running: the floor under
 any ITL p99/p50 a scheduler can reach here.
 
-    python -m bench.step_noise --processes 1,2 --seconds 20 --out bench/results/step_noise.json
+    python -m tandem.bench.step_noise --processes 1,2 --seconds 20 --out bench/results/step_noise.json
 
 For each count N, N engine processes, each pinned to its own core with one thread, decode the same
 number of rows for the same wall-clock window (no HTTP path, no scheduler decisions: the batch never
@@ -41,10 +41,10 @@ def _child(core: int, rows: int, start_at: float, seconds: float, prompt_len: in
     os.sched_setaffinity(0, {core})
     import torch
     torch.set_num_threads(1)
-    from bench.engine import prompts_of
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from tandem.bench.engine import prompts_of
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(num_threads=1))
     budget = eng.context_len - prompt_len - 1
@@ -65,7 +65,7 @@ def _child(core: int, rows: int, start_at: float, seconds: float, prompt_len: in
 def run(processes: int, rows: int, seconds: float, prompt_len: int, start_in: float = 30.0) -> list[dict]:
     """`processes` children on cores 0..N-1, all timing the same window (they load the model first)."""
     start_at = time.time() + start_in
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.step_noise", "--child", str(core), "--rows", str(rows),
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "tandem.bench.step_noise", "--child", str(core), "--rows", str(rows),
                                "--start-at", str(start_at), "--seconds", str(seconds), "--input-len", str(prompt_len)],
                               stdout=subprocess.PIPE, text=True) for core in range(processes)]
     out = []
@@ -78,7 +78,7 @@ def run(processes: int, rows: int, seconds: float, prompt_len: int, start_in: fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.step_noise", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.step_noise", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--processes", default="1,2", help="engine processes at once, one per core (a list: one run each)")
     p.add_argument("--rows", type=int, default=2, help="decode rows per step")
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{n} process(es), core {r['core']}: {r['steps']} steps of {args.rows} rows, median "
                   f"{r['p50_ms']} ms, step / local median p90 {r['p90']}, p99 {r['p99']}, max {r['max']}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"tool": "bench.step_noise", "args": vars(args), "runs": results},
+        Path(args.out).write_text(json.dumps({"tool": "tandem.bench.step_noise", "args": vars(args), "runs": results},
                                              indent=1))
     return 0
 

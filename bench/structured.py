@@ -2,8 +2,8 @@
 batch 1, 8 and 32 (target: <= 10% TPOT overhead at batch 8), how long sampling waited for the
 grammar masks after the forward pass, and grammar compile time cold / cached.
 
-    flock /tmp/tandem-bench.lock python -m bench.structured --out bench/results/structured.json
-    python -m bench.structured --batches 1 --max-tokens 8            # a smoke run
+    flock /tmp/tandem-bench.lock python -m tandem.bench.structured --out bench/results/structured.json
+    python -m tandem.bench.structured --batches 1 --max-tokens 8            # a smoke run
 
 One engine (SmolLM2 by default), greedy. Free-text rows ignore EOS and run max_tokens; schema rows
 end when their object is complete, so TPOT (per request: time between its first and last token over
@@ -21,12 +21,12 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.grammar_libs import SCHEMA
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured import compile as grammar_compile
-from engine.structured_output import StructuredSpec
+from tandem.bench.grammar_libs import SCHEMA
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured import compile as grammar_compile
+from tandem.engine.structured_output import StructuredSpec
 
 QUESTIONS = ["Describe a customer called Ada who lives in London and ordered two books.",
              "Make up a customer from Paris with three orders.",

@@ -1,7 +1,7 @@
 """Issue [17]'s P/D hand-off cost: TTFT with vs without a JSON Schema in 1P1D, through the gateway.
 
-    flock /tmp/tandem-bench.lock .venv/bin/python -m bench.structured_pd --modes disagg,colocated
-    python -m bench.structured_pd --prompts 4 --max-tokens 16 --num-warmups 1        # a smoke run
+    flock /tmp/tandem-bench.lock .venv/bin/python -m tandem.bench.structured_pd --modes disagg,colocated
+    python -m tandem.bench.structured_pd --prompts 4 --max-tokens 16 --num-warmups 1        # a smoke run
 
 Each mode starts its own `tandem up` (bench/serve/sweep.py's deployments, one at a time):
 
@@ -41,9 +41,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bench.serve.metrics import percentile
-from bench.serve.serve import machine_info, write_json
-from bench.serve.sweep import (
+from tandem.bench.serve.metrics import percentile
+from tandem.bench.serve.serve import machine_info, write_json
+from tandem.bench.serve.sweep import (
     Endpoint,
     SweepConfig,
     TandemUp,
@@ -334,7 +334,7 @@ def run(cfg: StructuredPDConfig, argv: list[str], echo=print) -> dict:
         echo(f"--- dtype auto: {dtype} (what Tandem picks for this model here)")
     sweep_cfg = SweepConfig(model=cfg.model, dtype=dtype, up_args=cfg.up_args, start_timeout_s=cfg.start_timeout_s)
     out = Path(cfg.out)
-    results: dict = {"tool": "python -m bench.structured_pd", "command": shlex.join(["python", "-m", "bench.structured_pd",
+    results: dict = {"tool": "python -m tandem.bench.structured_pd", "command": shlex.join(["python", "-m", "tandem.bench.structured_pd",
                                                                                      *argv]),
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
                      "config": dataclasses.asdict(cfg), "dtype": dtype, "schema": Person.model_json_schema(),
@@ -362,7 +362,7 @@ def run(cfg: StructuredPDConfig, argv: list[str], echo=print) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     d = StructuredPDConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.structured_pd", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.structured_pd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=d.model)
     p.add_argument("--modes", default=",".join(d.modes), help=f"comma-separated, from {', '.join(MODES)}")

@@ -1,7 +1,7 @@
 """Where TTFT goes, from the spans of the file exporter (`--otlp-traces-endpoint file:///path`):
 per request, the time of each phase on the way to the first token, then p50/p99 per phase.
 
-    python -m bench.trace_breakdown traces.jsonl [--since-ns N] [--out breakdown.json]
+    python -m tandem.bench.trace_breakdown traces.jsonl [--since-ns N] [--out breakdown.json]
 
 `tandem bench serve --trace-file` prints and stores the same table for its run. The phases (see
 docs/observability.md#tracing) follow one request through a disaggregated stack; those of a
@@ -16,7 +16,7 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 
-from tandem.trace_cmd import load
+from tandem.cli.trace_cmd import load
 
 # phase -> the span whose duration it is ("a->b": from the start of a to the start of b)
 PHASES: dict[str, str] = {
@@ -91,7 +91,7 @@ def format_table(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.trace_breakdown", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.trace_breakdown", description=__doc__.split("\n\n")[0])
     p.add_argument("file", help="spans file of --otlp-traces-endpoint file:///path")
     p.add_argument("--since-ns", type=int, default=0, help="only traces that started at or after (epoch ns)")
     p.add_argument("--out", default=None, help="also write the table as JSON")

@@ -1,6 +1,6 @@
 """What tracing costs: TTFT and TPOT of the same 1P1D stack with tracing off and on, at 2 req/s.
 
-    python -m bench.tracing_overhead --model smollm2-135m [--rounds 2] [--num-prompts 200] \
+    python -m tandem.bench.tracing_overhead --model smollm2-135m [--rounds 2] [--num-prompts 200] \
         [--out bench/results/tracing_overhead.json]
 
 Each round starts `tandem up` twice, once plain and once with `--otlp-traces-endpoint file://...`
@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve.procs import start_tandem_up
-from bench.serve.sweep import first_http_model
+from tandem.bench.serve.procs import start_tandem_up
+from tandem.bench.serve.sweep import first_http_model
 
 STATS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "cpu_ms_per_request")
 WARMUPS = 2
@@ -49,8 +49,8 @@ def run_order(rounds: int) -> list[bool]:
 
 def role(argv: list[str], name: str) -> str:
     """What a process of the stack is, from its command line: `tandem.cli worker --role prefill` is
-    "worker:prefill", `tandem.cli router` "router", `-m services.gateway` "gateway", else its name."""
-    if "services.gateway" in argv:
+    "worker:prefill", `tandem.cli router` "router", `-m tandem.services.gateway` "gateway", else its name."""
+    if "tandem.services.gateway" in argv:
         return "gateway"
     if "tandem.cli" in argv and argv.index("tandem.cli") + 1 < len(argv):
         sub = argv[argv.index("tandem.cli") + 1]
@@ -142,7 +142,7 @@ def one_run(args: argparse.Namespace, traced: bool, workdir: Path, index: int) -
     proc, info = start_tandem_up(up, timeout_s=args.start_timeout)
     profilers = profile = None
     try:
-        from tandem.cli import main as tandem
+        from tandem.cli.main import main as tandem
 
         out = workdir / f"run-{index}.json"
         name = first_http_model(info["gateway"]) or args.model
@@ -193,7 +193,7 @@ def summary(runs: list[dict], target: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.tracing_overhead", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.tracing_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--up-args", default="", help="more `tandem up` flags, e.g. \"--dtype float32\"")
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/tracing_overhead.json")
     p.add_argument("--keep-traces", metavar="DIR",
                    help="write the traced runs' span files (traces-N.jsonl) here and keep them, e.g. for "
-                        "`python -m bench.trace_breakdown` (default: a temporary directory, removed)")
+                        "`python -m tandem.bench.trace_breakdown` (default: a temporary directory, removed)")
     p.add_argument("--py-spy", action="store_true",
                    help="profile the stack's Python processes with py-spy and report tracing code's share of "
                         "their CPU (profiled runs' latencies include py-spy's own cost)")
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, traced in enumerate(run_order(args.rounds)):
             runs.append({"round": i // 2 + 1, **one_run(args, traced=traced, workdir=traces, index=i)})
             print(json.dumps(runs[-1]))
-    result = {"tool": "bench.tracing_overhead", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    result = {"tool": "tandem.bench.tracing_overhead", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "config": vars(args), "runs": runs, **summary(runs, args.target)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
+from tandem.engine.errors import InvalidRequest
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")

@@ -24,25 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import GrammarViolation, InvalidRequest, ResourceExhausted
-from engine.hardware import choose_overlap
-from engine.kvcache.kv_pool import KVPoolSpec
-from engine.kvcache.tiers.block_hash import Namespace
-from engine.kvcache.tiers.event_link import EventLink
-from engine.kvcache.tiers.link import TierLink, model_fingerprint, open_store
-from engine.models.config import ModelConfig, load_sampling_defaults
-from engine.models.source import resolve_model
-from engine.outputs import FinishReason, GenerationResult, RequestOutput, TokenLogprob, Usage
-from engine.runner.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken, StepBatch
-from engine.scheduler.request import Request
-from engine.scheduler.scheduler import Scheduler
-from engine.spec.factory import create_speculator
-from engine.structured.matcher import GrammarBackend
-from engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
-from engine.tokenizer.tokenizer import Tokenizer
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import GrammarViolation, InvalidRequest, ResourceExhausted
+from tandem.engine.hardware import choose_overlap
+from tandem.engine.kvcache.kv_pool import KVPoolSpec
+from tandem.engine.kvcache.tiers.event_link import EventLink
+from tandem.engine.kvcache.tiers.link import TierLink, model_fingerprint, open_store
+from tandem.engine.models.config import ModelConfig, load_sampling_defaults
+from tandem.engine.models.source import resolve_model
+from tandem.engine.outputs import FinishReason, GenerationResult, RequestOutput, TokenLogprob, Usage
+from tandem.engine.runner.model_runner import ModelRunner
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken, StepBatch
+from tandem.engine.scheduler.request import Request
+from tandem.engine.scheduler.scheduler import Scheduler
+from tandem.engine.spec.factory import create_speculator
+from tandem.engine.structured.matcher import GrammarBackend
+from tandem.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from tandem.engine.tokenizer.tokenizer import Tokenizer
+from tandem.kvblocks.keys import Namespace
 
 log = logging.getLogger(__name__)
 

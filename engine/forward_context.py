@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.base import AttentionBackend
+    from tandem.engine.attention.base import AttentionBackend
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import isa
+from tandem.kernels.cpu import isa
 
 
 @dataclass(frozen=True)

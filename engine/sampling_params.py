@@ -4,10 +4,11 @@ One frozen dataclass that every layer shares: the gateway and the gRPC servicer 
 wire request, `validate()` rejects bad values at the edge, and the sampler and stop checker read it.
 
 A request may leave the sampling fields a model can recommend (`MODEL_DEFAULT_FIELDS`) unset (None);
-`SamplingDefaults.fill` gives them the model's values from its generation_config.json (as vLLM does),
-else Tandem's. The engine fills every request it makes (`LLMEngine.make_request`), so the gRPC API,
-`tandem generate` and the Python API agree; the gateway fills with the same values from the same file,
-because HTTP's fallback temperature is OpenAI's 1 rather than the gRPC API's 0.
+`SamplingDefaults.fill` gives them the model's values from its generation_config.json (as vLLM and
+SGLang do), else OpenAI's (temperature 1, top_p 1). One rule for every API: the HTTP gateway, the gRPC
+API and the SDK, `tandem generate` and the Python API. The engine fills every request it makes
+(`LLMEngine.make_request`); the gateway fills with the same values from the same file (it reads the
+effective temperature, e.g. to know a request is greedy). Greedy is asked for: temperature 0.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
-from engine.structured_output import StructuredSpec
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured_output import StructuredSpec
 
 # The range torch.Generator.manual_seed accepts.
 _SEED_MIN = -(2**63)
@@ -131,12 +132,11 @@ def _check_model_defaults(p: SamplingParams | SamplingDefaults) -> None:
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """What a request's unset (None) sampling fields become. The class defaults are Tandem's own, those
-    of the gRPC API and `tandem generate` (greedy: an unset proto3 temperature always meant 0);
-    `OPENAI_DEFAULTS` is the HTTP gateway's (temperature 1). `with_model` lays a model's
-    recommendations over either; a request's own values always win."""
+    """What a request's unset (None) sampling fields become, on every API: the class defaults are
+    OpenAI's (temperature 1: sampling, not greedy), `with_model` lays a model's recommendations over
+    them; a request's own values always win."""
 
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
@@ -166,5 +166,3 @@ class SamplingDefaults:
             return f"{values} (the model's generation_config.json recommends none)"
         return f"{values} ({', '.join(self.from_model)} from the model's generation_config.json)"
 
-
-OPENAI_DEFAULTS = SamplingDefaults(temperature=1.0)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (
+from tandem.kernels.common import (
     attention_tile,
     check,
     check_tensor,

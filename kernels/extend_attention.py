@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import attention_tile, check, check_tensor, next_pow2, num_warps_for, upcast
+from tandem.kernels.common import attention_tile, check, check_tensor, next_pow2, num_warps_for, upcast
 
 _LOG2E = 1.4426950408889634
 

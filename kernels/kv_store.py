@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check, check_tensor, next_pow2
+from tandem.kernels.common import check, check_tensor, next_pow2
 
 
 @triton.jit

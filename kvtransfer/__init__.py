@@ -6,10 +6,18 @@
     sender.write(d_id, room, src_pages, dst_pages); sender.finish(d_id, room, aux)
 """
 
-from kvtransfer.base import KVReceiver, KVSender, PoolLayout, Progress, RoomState, RoomStatus, TransferError
-from kvtransfer.protocol.runs import merge_runs
-from kvtransfer.protocol.shm import cleanup_stale_segments
-from kvtransfer.registry import create_receiver, create_sender
+from tandem.kvtransfer.base import (
+    KVReceiver,
+    KVSender,
+    PoolLayout,
+    Progress,
+    RoomState,
+    RoomStatus,
+    TransferError,
+)
+from tandem.kvtransfer.protocol.runs import merge_runs
+from tandem.kvtransfer.protocol.shm import cleanup_stale_segments
+from tandem.kvtransfer.registry import create_receiver, create_sender
 
 __all__ = [
     "KVReceiver", "KVSender", "PoolLayout", "Progress", "RoomState", "RoomStatus", "TransferError",

@@ -38,7 +38,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvtransfer.protocol.wire import Channel, ProtocolError, ReceiverMetadata
+from tandem.kvtransfer.protocol.wire import Channel, ProtocolError, ReceiverMetadata
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import KVReceiver, KVSender, PoolLayout
-from kvtransfer.datapath import ReceiverPath, SenderPath
-from kvtransfer.protocol.receiver import Receiver
-from kvtransfer.protocol.sender import Sender
+from tandem.kvtransfer.base import KVReceiver, KVSender, PoolLayout
+from tandem.kvtransfer.datapath import ReceiverPath, SenderPath
+from tandem.kvtransfer.protocol.receiver import Receiver
+from tandem.kvtransfer.protocol.sender import Sender
 
 # Data path -> its ReceiverPath and SenderPath as "module:class", imported when a backend uses it.
 DATA_PATHS: dict[str, tuple[str, str]] = {
-    "shm": ("kvtransfer.protocol.shm:ShmReceiverPath", "kvtransfer.protocol.shm:ShmSenderPath"),
-    "tcp": ("kvtransfer.protocol.tcp:TcpReceiverPath", "kvtransfer.protocol.tcp:TcpSenderPath"),
-    "nixl": ("kvtransfer.backends.nixl:NixlReceiverPath", "kvtransfer.backends.nixl:NixlSenderPath"),
-    "ucx": ("kvtransfer.backends.ucx:UcxReceiverPath", "kvtransfer.backends.ucx:UcxSenderPath"),
+    "shm": ("tandem.kvtransfer.protocol.shm:ShmReceiverPath", "tandem.kvtransfer.protocol.shm:ShmSenderPath"),
+    "tcp": ("tandem.kvtransfer.protocol.tcp:TcpReceiverPath", "tandem.kvtransfer.protocol.tcp:TcpSenderPath"),
+    "nixl": ("tandem.kvtransfer.backends.nixl:NixlReceiverPath", "tandem.kvtransfer.backends.nixl:NixlSenderPath"),
+    "ucx": ("tandem.kvtransfer.backends.ucx:UcxReceiverPath", "tandem.kvtransfer.backends.ucx:UcxSenderPath"),
 }
 
 

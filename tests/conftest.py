@@ -35,6 +35,6 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct as an HF folder in the default cache dir (imported on first use)."""
-    from engine.models.source import resolve_model
+    from tandem.engine.models.source import resolve_model
 
     return resolve_model("smollm2-135m")

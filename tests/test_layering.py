@@ -9,6 +9,7 @@ under `if TYPE_CHECKING:`, which never runs: an annotation is not a dependency a
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from functools import cache
 from itertools import pairwise
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "services", "kvtransfer", "kernels", "tandem", "bench")
+# The source folders installed as tandem.<folder> (setup.py), and tandem/ itself (cli, v1, kvblocks).
+FOLDERS = ("engine", "services", "kvtransfer", "kernels", "bench")
 LAYERS = ("engine", "services", "kvtransfer", "kernels")
 
 # What each layer must never import.
@@ -34,19 +36,27 @@ TORCH_FREE = (
     "engine/structured/*.py", "engine/structured_output.py",
     "engine/config.py", "engine/errors.py", "engine/outputs.py",
     "engine/models/config.py", "engine/models/source.py",   # the gateway reads the model's folder too
-    "services/router/*.py", "services/gateway/*.py",
+    "services/router/*.py", "services/gateway/*.py", "tandem/kvblocks/*.py",
 )
 TORCH_FREE_EXCEPT = {"engine/kvcache/kv_pool.py"}   # the KV tensors themselves
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] != "tandem":
+        parts = ("tandem", *parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top(mod: str) -> str:
+    """The folder a module's file is in at the top of the tree: tandem.engine.x -> engine, tandem.cli -> cli."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 @cache
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {module_name(p): p for folder in (*FOLDERS, "tandem") for p in (ROOT / folder).rglob("*.py")}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -108,9 +118,9 @@ def room(mod: str) -> str:
     engine/engine.py: LLMEngine is the composition root that wires tokenizer, scheduler, runner and
     speculator together, so it imports every room while the rooms import the shared top-level
     modules; counted with them it would make a cycle of every room. No other cycle is allowed."""
-    parts = mod.split(".")
-    if parts[0] != "engine" or len(parts) == 1:
-        return parts[0]
+    parts = mod.split(".")[1:]   # below tandem.
+    if not parts or parts[0] != "engine" or len(parts) == 1:
+        return parts[0] if parts else "tandem"
     if (ROOT / "engine" / parts[1]).is_dir():
         return f"engine/{parts[1]}"
     return "engine/engine.py" if parts[1] == "engine" else "engine"
@@ -120,10 +130,10 @@ def layer_edges() -> set[tuple[str, str, str]]:
     """(importing module, imported module, imported module's top package) across the layers."""
     edges = set()
     for mod in modules():
-        if mod.split(".")[0] in LAYERS:
+        if top(mod) in LAYERS:
             deps = imports_of(mod)[0]
             # a.b.c stands for the a and a.b it runs too
-            edges |= {(mod, d, d.split(".")[0]) for d in deps if not any(o.startswith(d + ".") for o in deps)}
+            edges |= {(mod, d, top(d)) for d in deps if not any(o.startswith(d + ".") for o in deps)}
     return edges
 
 
@@ -154,12 +164,12 @@ def room_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
     graph: dict[str, set[str]] = {}
     witness: dict[tuple[str, str], str] = {}
     for mod in sorted(modules()):
-        if mod.split(".")[0] != "engine":
+        if top(mod) != "engine":
             continue
         src = room(mod)
         for dep in sorted(imports_of(mod)[0], reverse=True):   # the deepest module names the edge
             dst = room(dep)
-            if dst.startswith("engine") and dst != src and dep != "engine":   # `engine/__init__` is empty
+            if dst.startswith("engine") and dst != src and dep not in ("tandem", "tandem.engine"):   # both __init__s are empty
                 graph.setdefault(src, set()).add(dst)
                 witness.setdefault((src, dst), f"{mod} imports {dep}")
     return graph, witness
@@ -187,16 +197,16 @@ def torch_free_modules() -> list[str]:
 
 def test_the_tree_is_read():
     # The checks below mean something only if the walk finds the modules and their imports.
-    assert {"engine.scheduler.scheduler", "engine.kvcache.kv_manager", "services.router.server"} <= set(modules())
-    assert "engine.kvcache.page_allocator" in imports_of("engine.kvcache.kv_manager")[0]
-    assert "torch" in imports_of("engine.kvcache.kv_pool")[1]
+    assert {"tandem.engine.scheduler.scheduler", "tandem.engine.kvcache.kv_manager", "tandem.services.router.server"} <= set(modules())
+    assert "tandem.engine.kvcache.page_allocator" in imports_of("tandem.engine.kvcache.kv_manager")[0]
+    assert "torch" in imports_of("tandem.engine.kvcache.kv_pool")[1]
     assert len(torch_free_modules()) > 20
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_imports_go_one_way(layer):
-    bad = sorted(f"{mod} imports {dep}" for mod, dep, top in layer_edges()
-                 if mod.split(".")[0] == layer and top in FORBIDDEN[layer])
+    bad = sorted(f"{mod} imports {dep}" for mod, dep, dep_top in layer_edges()
+                 if top(mod) == layer and dep_top in FORBIDDEN[layer])
     assert not bad, f"{layer} must not import {sorted(FORBIDDEN[layer])}:\n" + "\n".join(bad)
 
 
@@ -216,6 +226,31 @@ def test_torch_free(mod):
 def test_the_checks_catch_violations():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
-    assert room("engine.kvcache.kv_manager") == "engine/kvcache"
-    assert room("engine.sampling_params") == "engine"
-    assert room("engine.engine") == "engine/engine.py"
+    assert room("tandem.engine.kvcache.kv_manager") == "engine/kvcache"
+    assert room("tandem.engine.sampling_params") == "engine"
+    assert room("tandem.engine.engine") == "engine/engine.py"
+
+
+def test_one_import_namespace():
+    """Nothing of Tandem's is imported by a top-level name of its folders (`engine`, `kernels`, ...): those
+    names belong to other distributions (Hugging Face's `kernels`), and installed they do not exist."""
+    sources = [*modules().values(), *(ROOT / "tests").rglob("*.py")]
+    bad = []
+    for path in sources:
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if not getattr(node, "level", 0):
+                bad += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.split(".")[0] in FOLDERS]
+    assert not bad, "import these as tandem.<folder>...:\n" + "\n".join(bad)
+
+
+def test_contract_rooms_import_only_the_standard_library():
+    """tandem/kvblocks is what workers and the router both speak: it depends on neither (nor on anything
+    installed), so either side can import it without the other's world."""
+    bad = []
+    for mod in modules():
+        if mod.startswith("tandem.kvblocks"):
+            internal, external = imports_of(mod)
+            bad += [f"{mod} imports {d}" for d in internal if not d.startswith("tandem.kvblocks") and d != "tandem"]
+            bad += [f"{mod} imports {e}" for e in external - set(sys.stdlib_module_names)]
+    assert any(m.startswith("tandem.kvblocks.") for m in modules()) and not bad, bad

@@ -1,4 +1,4 @@
-"""`make gpu-check`: python -m bench.gpu_check [--parts tests,kernels,...] [--out FILE]
+"""`make gpu-check`: python -m tandem.bench.gpu_check [--parts tests,kernels,...] [--out FILE]
 
 See bench/gpu_check/__init__.py for the parts and docs/gpu-check.md for running it on the GPU machine.
 Exit status: 0 when every part passed, or when this machine has no GPU (it says so); 1 otherwise.
@@ -13,21 +13,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.gpu_check import bundle, gpu
-from bench.gpu_check.runner import ROOT, Part, Run, module_part, run_all, summary
+from tandem.bench.gpu_check import bundle, gpu
+from tandem.bench.gpu_check.runner import ROOT, Part, Run, link_checkout, module_part, run_all, summary
 
 BUDGET_S = 465.0     # the whole run, bundle install included, inside the 8 minutes asked for
 
 PARTS = {
-    "tests": module_part("tests", "bench.gpu_check.part_tests", 180,
+    "tests": module_part("tests", "tandem.bench.gpu_check.part_tests", 180,
                          "the CUDA test subset with pytest on the GPU (no Triton interpreter)"),
-    "kernels": module_part("kernels", "bench.gpu_check.part_kernels", 60,
+    "kernels": module_part("kernels", "tandem.bench.gpu_check.part_kernels", 60,
                            "Triton kernels vs torch references: agreement, GB/s, % of peak"),
-    "engine": module_part("engine", "bench.gpu_check.part_engine", 80,
+    "engine": module_part("engine", "tandem.bench.gpu_check.part_engine", 80,
                           "engine on CUDA: CUDA graphs vs eager, decode tokens/s by batch"),
-    "nixl": module_part("nixl", "bench.gpu_check.part_nixl", 60,
+    "nixl": module_part("nixl", "tandem.bench.gpu_check.part_nixl", 60,
                         "two processes: NIXL WRITEs of KV pages between device memories"),
-    "disagg": module_part("disagg", "bench.gpu_check.part_disagg", 60,
+    "disagg": module_part("disagg", "tandem.bench.gpu_check.part_disagg", 60,
                           "1P1D over NIXL on the GPU: router, prefill and decode processes"),
 }
 
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         run.write()
         print(f"gpu-check: bundle: {run.header['bundle']}", flush=True)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (site, str(ROOT), os.environ.get("PYTHONPATH")) if x)
+        link_checkout(Path(site))   # tandem and tests from this tree; the tree itself stays off the path
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH")) if x)
         env["PYTHONUNBUFFERED"] = "1"
         env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
         run_all(parts, env, args.budget_s, run)

@@ -1,7 +1,7 @@
 """What the GPU machine lacks, made here to travel with the tree: cp312 wheels and the gRPC stubs.
 
-    python -m bench.gpu_check.bundle build [--dir .gpu]     # `make gpu-bundle`: download, trim, check
-    python -m bench.gpu_check.bundle check [--dir .gpu]     # only the size check
+    python -m tandem.bench.gpu_check.bundle build [--dir .gpu]     # `make gpu-bundle`: download, trim, check
+    python -m tandem.bench.gpu_check.bundle check [--dir .gpu]     # only the size check
 
 The GPU machine (docs/gpu-check.md) has Python 3.12, torch 2.11+cu130, triton 3.6 and the packages in
 PREINSTALLED, and reaches no registry. The device tool carries at most 64 MiB per call: the working

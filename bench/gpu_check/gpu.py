@@ -49,7 +49,7 @@ def probe() -> Probe:
 
 
 def datasheet_gbps(name: str) -> float | None:
-    from bench.kernels import peak_gbps
+    from tandem.bench.kernels import peak_gbps
 
     return peak_gbps(name)
 

@@ -44,8 +44,8 @@ def untouched_nonzero(pool: torch.Tensor, written: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvtransfer.backends.nixl import _Agent, _agent_name
-    from kvtransfer.backends.ucx_env import UcxSettings
+    from tandem.kvtransfer.backends.nixl import _Agent, _agent_name
+    from tandem.kvtransfer.backends.ucx_env import UcxSettings
 
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")

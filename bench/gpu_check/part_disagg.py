@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_check.report import CheckFailed, main_of, require
+from tandem.bench.gpu_check.report import CheckFailed, main_of, require
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ARGS = ("--dtype", "float32", "--page-size", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "32")
@@ -40,7 +40,7 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *argv], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         self.log: collections.deque[str] = collections.deque(maxlen=60)
         self.info: dict | None = None
@@ -109,9 +109,9 @@ def workload(vocab: int) -> list[list[int]]:
 
 
 def expected_tokens(model: Path, device: str, prompts: list[list[int]]) -> list[list[int]]:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device=device, page_size=4,
                                     max_total_tokens=4096, chunked_prefill_size=32))

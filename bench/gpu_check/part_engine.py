@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_check.report import main_of, require
+from tandem.bench.gpu_check.report import main_of, require
 
 BATCHES = (1, 8, 32, 64)
 INPUT_LEN, OUTPUT_LEN = 64, 64
@@ -31,9 +31,9 @@ def prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 
 def agreement(tiny: Path, device: str) -> dict:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
 
     base = EngineConfig(model=str(tiny), dtype="float32", device=device, page_size=4, max_total_tokens=2048,
                         max_running_requests=8)
@@ -64,9 +64,9 @@ def agreement(tiny: Path, device: str) -> dict:
 
 def timing(model: Path, device: str, batches=BATCHES, input_len=INPUT_LEN, output_len=OUTPUT_LEN,
            on_row=None) -> list[dict]:
-    from bench.engine import bench_tandem_decode
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from tandem.bench.engine import bench_tandem_decode
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
 
     cfg = EngineConfig(model=str(model), dtype="bfloat16", device=device, max_running_requests=max(batches),
                        max_total_tokens=max(batches) * (input_len + output_len + 32))
@@ -106,7 +106,7 @@ def speedups(rows: list[dict]) -> dict:
 
 
 def run(report, args) -> None:
-    from bench.gpu_check.models import SMOLLM2_SHAPE, make_random_llama
+    from tandem.bench.gpu_check.models import SMOLLM2_SHAPE, make_random_llama
     from tests.fixtures.tiny_models import make_tiny_model
 
     device = args.device

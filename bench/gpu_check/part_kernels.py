@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from bench.gpu_check.report import main_of, require
+from tandem.bench.gpu_check.report import main_of, require
 
 DECODE_CASES = ("64x4096", "16x4096", "64x1024", "1x32768", "8x16384")
 DECODE_SHAPE = dict(heads=32, kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
@@ -39,7 +39,7 @@ def rate(name: str, nbytes: int, triton_ms: float, torch_ms: float, peaks: dict,
 
 
 def decode_attention(peaks: dict, peak: float | None) -> list[dict]:
-    from bench.kernels import bench_case
+    from tandem.bench.kernels import bench_case
 
     dev = torch.device("cuda")
     args = argparse.Namespace(**DECODE_SHAPE, num_splits=None, block_n=None, warmup_ms=25, rep_ms=100)
@@ -57,8 +57,8 @@ def decode_attention(peaks: dict, peak: float | None) -> list[dict]:
 
 
 def rms_norm(peaks: dict, tokens: int = 16384, hidden: int = 4096) -> dict:
-    from kernels import reference
-    from kernels.rmsnorm import rms_norm as kernel
+    from tandem.kernels import reference
+    from tandem.kernels.rmsnorm import rms_norm as kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
@@ -75,8 +75,8 @@ def rms_norm(peaks: dict, tokens: int = 16384, hidden: int = 4096) -> dict:
 
 
 def rope(peaks: dict, tokens: int = 16384, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
-    from kernels import reference
-    from kernels.rope import apply_rope
+    from tandem.kernels import reference
+    from tandem.kernels.rope import apply_rope
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(tokens, heads, dim, device="cuda", generator=g).bfloat16()
@@ -95,8 +95,8 @@ def rope(peaks: dict, tokens: int = 16384, heads: int = 32, kv_heads: int = 8, d
 
 def kv_store(peaks: dict, tokens: int = 16384, pages: int = 4096, page_size: int = 16,
              kv_heads: int = 8, dim: int = 128) -> dict:
-    from kernels import reference
-    from kernels.kv_store import store_kv
+    from tandem.kernels import reference
+    from tandem.kernels.kv_store import store_kv
 
     g = torch.Generator(device="cuda").manual_seed(2)
     k = torch.randn(tokens, kv_heads, dim, device="cuda", generator=g).bfloat16()
@@ -115,8 +115,8 @@ def kv_store(peaks: dict, tokens: int = 16384, pages: int = 4096, page_size: int
 
 def kv_pack(peaks: dict, layers: int = 8, pages: int = 2048, picked: int = 1024, page_size: int = 16,
             kv_heads: int = 8, dim: int = 128) -> list[dict]:
-    from kernels import reference
-    from kernels.kv_pack import pack_kv_pages, unpack_kv_pages
+    from tandem.kernels import reference
+    from tandem.kernels.kv_pack import pack_kv_pages, unpack_kv_pages
 
     g = torch.Generator(device="cuda").manual_seed(3)
     buf = torch.randn(layers, 2, pages, page_size, kv_heads, dim, device="cuda", generator=g).bfloat16()
@@ -137,8 +137,8 @@ def kv_pack(peaks: dict, layers: int = 8, pages: int = 2048, picked: int = 1024,
 
 
 def run(report, args) -> None:
-    from bench.gpu_check.gpu import datasheet_gbps, device_peak_gbps
-    from bench.kernels import copy_gbps
+    from tandem.bench.gpu_check.gpu import datasheet_gbps, device_peak_gbps
+    from tandem.bench.kernels import copy_gbps
 
     require(torch.cuda.is_available(), "torch sees no CUDA device")
     name = torch.cuda.get_device_name()

@@ -27,8 +27,8 @@ import time
 import numpy as np
 import torch
 
-from bench.gpu_check.nixl_peer import DTYPES, PREFIX, digest
-from bench.gpu_check.report import CheckFailed, main_of, require
+from tandem.bench.gpu_check.nixl_peer import DTYPES, PREFIX, digest
+from tandem.bench.gpu_check.report import CheckFailed, main_of, require
 
 GPU_SHAPE = (4, 2, 2048, 16, 8, 128)       # 32 KiB pages, 512 MiB per pool (bf16)
 CPU_SHAPE = (2, 2, 256, 16, 2, 64)         # the CPU exercise (DRAM): 8 KiB pages in fp32, 8 MiB
@@ -73,7 +73,7 @@ class Peer:
 
     def __init__(self, device: str, shape: tuple[int, ...], dtype: str, error_handling: str, timeout_s: float):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.gpu_check.nixl_peer", "--device", device, "--shape",
+            [sys.executable, "-P", "-m", "tandem.bench.gpu_check.nixl_peer", "--device", device, "--shape",
              ",".join(map(str, shape)), "--dtype", dtype, "--error-handling", error_handling],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.timeout_s = timeout_s
@@ -106,9 +106,9 @@ class Peer:
 
 
 def transfer(device: str, shape: tuple[int, ...], dtype: str, error_handling: str, timeout_s: float) -> dict:
-    from kvtransfer.backends.nixl import MAX_DESCS, _Agent, _agent_name, _descs
-    from kvtransfer.backends.ucx_env import UcxSettings
-    from kvtransfer.protocol.iovec import page_iov
+    from tandem.kvtransfer.backends.nixl import MAX_DESCS, _Agent, _agent_name, _descs
+    from tandem.kvtransfer.backends.ucx_env import UcxSettings
+    from tandem.kvtransfer.protocol.iovec import page_iov
 
     layers, _, pages = shape[:3]
     g = torch.Generator(device=device).manual_seed(7)

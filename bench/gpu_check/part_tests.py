@@ -18,7 +18,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from bench.gpu_check.report import CheckFailed, main_of, require
+from tandem.bench.gpu_check.report import CheckFailed, main_of, require
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -92,7 +92,7 @@ def run(report, args) -> None:
     require(torch.cuda.is_available(), "torch sees no CUDA device")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     junit = Path(args.result).with_name("junit.xml") if args.result else ROOT / "bench" / "results" / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", *pytest_args(junit)]
+    cmd = [sys.executable, "-P", "-m", "pytest", *pytest_args(junit)]
     report.details.update(modules=CUDA_TESTS, deselected=DESELECT, command=" ".join(cmd[1:]))
     report.save()
     # pytest gets what is left of the part's time but a margin, so the part can still read its XML.

@@ -37,8 +37,19 @@ class Part:
     what: str = ""
 
 
+def link_checkout(site: Path) -> Path:
+    """`site` with links to this checkout's `tandem` and `tests`, to go on the parts' PYTHONPATH: they
+    import those two from the tree, and no other top-level folder of it (kernels/ would shadow an
+    installed `kernels`). Returns `site`."""
+    for name in ("tandem", "tests"):
+        link = site / name
+        if not link.exists():
+            link.symlink_to(ROOT / name, target_is_directory=True)
+    return site
+
+
 def module_part(name: str, module: str, timeout_s: float, what: str, *args: str) -> Part:
-    return Part(name, (sys.executable, "-m", module, *args), timeout_s, what)
+    return Part(name, (sys.executable, "-P", "-m", module, *args), timeout_s, what)
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""`python -m bench.serve serve|sweep ...`: the same command as `tandem bench serve|sweep`."""
+"""`python -m tandem.bench.serve serve|sweep ...`: the same command as `tandem bench serve|sweep`."""
 
 import argparse
 import logging
 import sys
 
-from tandem import bench_cmd
+from tandem.cli import bench_cmd
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=bench_cmd.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.serve", description=bench_cmd.__doc__)
     parser.add_argument("--log-level", default="WARNING")
     bench_cmd.add_arguments(parser)
     args = parser.parse_args()

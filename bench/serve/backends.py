@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.records import BenchRequest, RequestRecord
 
 # How a backend makes the server produce exactly `output_len` tokens (EOS would end some early):
 #   ignore-eos            {"ignore_eos": true}          (vLLM / SGLang / Tandem convention)

@@ -1,6 +1,6 @@
 """Goodput per deployment and request rate across CPU classes, from several `tandem bench sweep` runs.
 
-    python -m bench.serve.classes --out docs/img/sweep_cpu_classes.png \\
+    python -m tandem.bench.serve.classes --out docs/img/sweep_cpu_classes.png \\
         --runs "AVX-512 BF16 (native)=bench/results/w3/sweep_native_s0.json,bench/results/w3/sweep_native_s1.json" \\
         --runs "AVX2-only (emulated)=bench/results/w3/sweep_avx2_s0.json,bench/results/w3/sweep_avx2_s1.json"
 

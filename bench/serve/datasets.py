@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from bench.serve.records import BenchRequest
+from tandem.bench.serve.records import BenchRequest
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     if path.is_file():
         return Tokenizer.from_file(str(path))
     if not (path / "tokenizer.json").is_file():
-        from engine.models.source import resolve_model  # torch-free; imports an alias on first use
+        from tandem.engine.models.source import resolve_model  # torch-free; imports an alias on first use
 
         path = resolve_model(name_or_path)
     return Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -1,7 +1,7 @@
 """Issue [16]'s benchmark: the KV tiers on a multi-turn workload, with and without, against vLLM.
 
-    python -m bench.serve.kvtiers [--configs colo,colo-tiers,1p1d,1p1d-tiers,vllm] [--out FILE.json]
-    python -m bench.serve.kvtiers --warm-restart [--out FILE.json]      (bench/serve/kvtiers_restart.py)
+    python -m tandem.bench.serve.kvtiers [--configs colo,colo-tiers,1p1d,1p1d-tiers,vllm] [--out FILE.json]
+    python -m tandem.bench.serve.kvtiers --warm-restart [--out FILE.json]      (bench/serve/kvtiers_restart.py)
 
 One run starts each configuration in turn (bench/serve/sweep.py's deployments, never two at once) and
 sends it the same seeded multi-turn workload (bench/serve/multiturn.py):
@@ -38,13 +38,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.serve import kvtiers_report as report
-from bench.serve import multiturn
-from bench.serve.backends import BackendConfig
-from bench.serve.datasets import DatasetConfig, load_tokenizer
-from bench.serve.metrics import SLO
-from bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
-from bench.serve.sweep import (
+from tandem.bench.serve import kvtiers_report as report
+from tandem.bench.serve import multiturn
+from tandem.bench.serve.backends import BackendConfig
+from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
+from tandem.bench.serve.metrics import SLO
+from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
+from tandem.bench.serve.sweep import (
     Deployment,
     Endpoint,
     SweepConfig,
@@ -233,8 +233,8 @@ class VllmWithCapacity(VllmServe):
 
 
 def kv_bytes_per_token(model: str, dtype: str) -> int:
-    from engine.models.config import ModelConfig  # torch-free
-    from engine.models.source import resolve_model
+    from tandem.engine.models.config import ModelConfig  # torch-free
+    from tandem.engine.models.source import resolve_model
 
     return ModelConfig.from_pretrained(resolve_model(model)).kv_bytes_per_token(_DTYPE_BYTES[dtype])
 
@@ -286,7 +286,7 @@ def run_kvtiers(cfg: KVTiersConfig, echo=print) -> dict:
     p = plan(cfg, tokenizer, resolve_dtype(cfg, echo))
     echo(f"workload: {multiturn.describe(p.convs)}; KV budget {p.budget}")
     out = Path(cfg.out)
-    results: dict = {"tool": "python -m bench.serve.kvtiers", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    results: dict = {"tool": "python -m tandem.bench.serve.kvtiers", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "machine": machine_info(), "config": config_dict(cfg), "dtype": p.dtype,
                      "slo": str(cfg.slo), "slo_text": cfg.slo.describe(), "kv_budget": p.budget,
                      "configs": {}, "summaries": {}, "skipped": {}}
@@ -381,7 +381,7 @@ def config_from_args(a: argparse.Namespace) -> KVTiersConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve.kvtiers", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.serve.kvtiers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
     add_arguments(parser)
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         if args.warm_restart:
-            from bench.serve import kvtiers_restart
+            from tandem.bench.serve import kvtiers_restart
 
             kvtiers_restart.run_warm_restart(cfg)
         else:

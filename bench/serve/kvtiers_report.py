@@ -1,4 +1,4 @@
-"""What `python -m bench.serve.kvtiers` computes from its runs: the KV budget against the working set,
+"""What `python -m tandem.bench.serve.kvtiers` computes from its runs: the KV budget against the working set,
 one summary per configuration, the issue's ratios (tiers / no tiers, best Tandem / vLLM), the warm
 restart's first turns after the worker came back, and the figure. Pure Python (matplotlib only for the
 figure), so it is unit-tested without servers.
@@ -10,9 +10,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from bench.serve import plots
-from bench.serve.metrics import percentile
-from bench.serve.multiturn import Conversation
+from tandem.bench.serve import plots
+from tandem.bench.serve.metrics import percentile
+from tandem.bench.serve.multiturn import Conversation
 
 # The issue's targets: turn >= 2 TTFT p50 with tiers <= 0.3x without; best Tandem goodput >= 1.5x vLLM's.
 TTFT_RATIO_TARGET = 0.3

@@ -1,4 +1,4 @@
-"""`python -m bench.serve.kvtiers --warm-restart`: a co-located worker killed mid-run comes back warm from L3.
+"""`python -m tandem.bench.serve.kvtiers --warm-restart`: a co-located worker killed mid-run comes back warm from L3.
 
 Two runs of the same seeded multi-turn workload (kvtiers.py's flags), co-located Tandem with the same
 L1 budget: `restart-l3` with the tiers (L2 + L3 in a fresh directory) and `restart-no-l3` without. In
@@ -25,15 +25,15 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.serve import kvtiers, multiturn
-from bench.serve import kvtiers_report as report
-from bench.serve.backends import Backend, BackendConfig, make_backend
-from bench.serve.datasets import load_tokenizer
-from bench.serve.metrics import compute_metrics, multi_turn_metrics
-from bench.serve.records import BenchRequest, RequestRecord
-from bench.serve.runner import LoadConfig
-from bench.serve.serve import WARMUP_SEED_OFFSET, config_dict, machine_info, write_json
-from bench.serve.sweep import Endpoint, _terminate_as_exit, measure_deployment
+from tandem.bench.serve import kvtiers, multiturn
+from tandem.bench.serve import kvtiers_report as report
+from tandem.bench.serve.backends import Backend, BackendConfig, make_backend
+from tandem.bench.serve.datasets import load_tokenizer
+from tandem.bench.serve.metrics import compute_metrics, multi_turn_metrics
+from tandem.bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.runner import LoadConfig
+from tandem.bench.serve.serve import WARMUP_SEED_OFFSET, config_dict, machine_info, write_json
+from tandem.bench.serve.sweep import Endpoint, _terminate_as_exit, measure_deployment
 
 RESTARTED_PREFIX = "TANDEM_RESTARTED "   # `tandem up --ready-json`'s line for a restarted process
 RUNS = (("restart-l3", "colo-tiers"), ("restart-no-l3", "colo"))   # (run name, kvtiers configuration)
@@ -213,7 +213,7 @@ def run_warm_restart(cfg: kvtiers.KVTiersConfig, echo=print) -> dict:
     p = kvtiers.plan(cfg, tokenizer, kvtiers.resolve_dtype(cfg, echo))
     echo(f"workload: {multiturn.describe(p.convs)}; KV budget {p.budget}")
     out = Path(cfg.out)
-    results: dict = {"tool": "python -m bench.serve.kvtiers --warm-restart",
+    results: dict = {"tool": "python -m tandem.bench.serve.kvtiers --warm-restart",
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
                      "config": config_dict(cfg), "dtype": p.dtype, "kv_budget": p.budget, "runs": {}}
     with _terminate_as_exit():

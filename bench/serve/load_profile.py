@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.serve.metrics import SLO, BenchMetrics, compute_metrics
-from bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.metrics import SLO, BenchMetrics, compute_metrics
+from tandem.bench.serve.records import BenchRequest, RequestRecord
 
 
 @dataclass(frozen=True)

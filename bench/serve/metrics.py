@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from bench.serve.records import RequestRecord
+from tandem.bench.serve.records import RequestRecord
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 

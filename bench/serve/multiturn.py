@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from bench.serve.backends import Backend
-from bench.serve.datasets import DatasetConfig, TokenSampler, _lengths, encode, with_priorities
-from bench.serve.records import BenchRequest, RequestRecord
-from bench.serve.runner import LoadConfig, RunResult, _progress_bar, arrival_offsets, run_warmups
+from tandem.bench.serve.backends import Backend
+from tandem.bench.serve.datasets import DatasetConfig, TokenSampler, _lengths, encode, with_priorities
+from tandem.bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.runner import LoadConfig, RunResult, _progress_bar, arrival_offsets, run_warmups
 
 NAME = "multi-turn"
 _THINK_SEED_OFFSET = 30_000   # the think times do not replay the texts' random stream

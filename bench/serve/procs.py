@@ -118,7 +118,7 @@ def start_tandem_up(args: list[str], timeout_s: float, env: dict[str, str] | Non
         if on_line is not None:
             on_line(line)
 
-    argv = [sys.executable, "-m", "tandem.cli", "up", "--ready-json", *args]
+    argv = [sys.executable, "-P", "-m", "tandem.cli", "up", "--ready-json", *args]
     proc = _Proc(argv, env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"), on_line=pump)
     deadline = time.monotonic() + timeout_s
     while not ready.wait(0.5):

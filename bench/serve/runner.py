@@ -9,8 +9,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.serve.backends import Backend
-from bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.backends import Backend
+from tandem.bench.serve.records import BenchRequest, RequestRecord
 
 
 class WarmupFailed(RuntimeError):

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.serve import load_profile as lp
-from bench.serve import multiturn, plots
-from bench.serve.backends import BackendConfig, make_backend
-from bench.serve.datasets import DatasetConfig, build_dataset, describe, load_tokenizer
-from bench.serve.metrics import (
+from tandem.bench.serve import load_profile as lp
+from tandem.bench.serve import multiturn, plots
+from tandem.bench.serve.backends import BackendConfig, make_backend
+from tandem.bench.serve.datasets import DatasetConfig, build_dataset, describe, load_tokenizer
+from tandem.bench.serve.metrics import (
     DEFAULT_PERCENTILES,
     SLO,
     BenchMetrics,
@@ -35,7 +35,7 @@ from bench.serve.metrics import (
     metrics_by_priority,
     multi_turn_metrics,
 )
-from bench.serve.runner import LoadConfig, run_load
+from tandem.bench.serve.runner import LoadConfig, run_load
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +206,8 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
         "runs": [r.to_dict(cfg.save_requests) for r in runs],
     }
     if cfg.trace_file:
-        from bench.trace_breakdown import breakdown, format_table
-        from tandem.trace_cmd import load
+        from tandem.bench.trace_breakdown import breakdown, format_table
+        from tandem.cli.trace_cmd import load
 
         time.sleep(1.5)   # the processes export in batches every 0.5 s: let the last requests' spans land
         result["ttft_breakdown"] = breakdown(load(cfg.trace_file), since_ns=began_ns)

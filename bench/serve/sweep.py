@@ -30,18 +30,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.serve.backends import BackendConfig, http_url
-from bench.serve.datasets import DatasetConfig, load_tokenizer
-from bench.serve.deployment import (  # noqa: F401 (sweep.* API)
+from tandem.bench.serve.backends import BackendConfig, http_url
+from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
+from tandem.bench.serve.deployment import (  # noqa: F401 (sweep.* API)
     Deployment,
     DeploymentUnavailable,
     Endpoint,
     measure_deployment,
 )
-from bench.serve.metrics import DEFAULT_PERCENTILES, SLO
-from bench.serve.procs import ROOT, UpFailed, _Proc, start_tandem_up
-from bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
-from bench.serve.sweep_report import (  # noqa: F401 (sweep.* API)
+from tandem.bench.serve.metrics import DEFAULT_PERCENTILES, SLO
+from tandem.bench.serve.procs import ROOT, UpFailed, _Proc, start_tandem_up
+from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
+from tandem.bench.serve.sweep_report import (  # noqa: F401 (sweep.* API)
     _COLOCATED,
     _DISAGG,
     _plots,
@@ -49,7 +49,7 @@ from bench.serve.sweep_report import (  # noqa: F401 (sweep.* API)
     summary_table,
     target_checks,
 )
-from kernels.cpu import isa
+from tandem.kernels.cpu import isa
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class TandemUp:
         self._proc: _Proc | None = None
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", "tandem.cli", "up", *self.up_args()]
+        return [sys.executable, "-P", "-m", "tandem.cli", "up", *self.up_args()]
 
     def up_args(self) -> list[str]:
         # The gateway only when it is what we measure (its default port 8000 may be taken).
@@ -193,7 +193,7 @@ class TransformersServe:
         if self.cfg.dataset.range_ratio > 0:
             log.warning("transformers serve takes min_new_tokens from its first request: with --range-ratio > 0 "
                         "its outputs are not forced to each request's length")
-        from engine.models.source import resolve_model
+        from tandem.engine.models.source import resolve_model
 
         folder = str(resolve_model(self.cfg.model))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -293,7 +293,7 @@ class VllmServe:
 
     def start(self) -> Endpoint:
         py = self.check_venv()
-        from engine.models.source import resolve_model
+        from tandem.engine.models.source import resolve_model
 
         self.folder = folder = str(resolve_model(self.cfg.model))
         self.port = free_port()
@@ -360,9 +360,9 @@ def auto_dtype(model: str) -> str:
     different arithmetic."""
     import torch
 
-    from engine.models.config import ModelConfig
-    from engine.models.source import resolve_model
-    from engine.runner.model_runner import resolve_dtype
+    from tandem.engine.models.config import ModelConfig
+    from tandem.engine.models.source import resolve_model
+    from tandem.engine.runner.model_runner import resolve_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     chosen = resolve_dtype("auto", ModelConfig.from_pretrained(resolve_model(model)), device)

@@ -8,12 +8,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.serve import plots
-from bench.serve.serve import cdf_values
+from tandem.bench.serve import plots
+from tandem.bench.serve.serve import cdf_values
 
 if TYPE_CHECKING:
-    from bench.serve.metrics import SLO
-    from bench.serve.sweep import SweepConfig
+    from tandem.bench.serve.metrics import SLO
+    from tandem.bench.serve.sweep import SweepConfig
 
 _DISAGG = re.compile(r"^(\d+)p(\d+)d$")   # deployment names NpMd
 _COLOCATED = re.compile(r"^colocated(?:-dp(\d+))?$")   # colocated, colocated-dpN

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.forward_context import ForwardContext
-from engine.kvcache.kv_pool import KVPool
+from tandem.engine.forward_context import ForwardContext
+from tandem.engine.kvcache.kv_pool import KVPool
 
 
 class AttentionBackend(ABC):
@@ -53,11 +53,11 @@ def register_backend(name: str):
 def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
     # Importing a module registers its backend. The triton one is imported only when it is asked
     # for (or picked by `auto` on CUDA), so CPU runs never import triton.
-    import engine.attention.torch_backend  # noqa: F401
+    import tandem.engine.attention.torch_backend  # noqa: F401
     if name == "auto":
         name = "triton" if pool.buffer.is_cuda and importlib.util.find_spec("triton") is not None else "torch"
     if name == "triton":
-        import engine.attention.triton_backend  # noqa: F401
+        import tandem.engine.attention.triton_backend  # noqa: F401
     if name not in BACKENDS:
         known = sorted({*BACKENDS, "auto", "triton"})
         raise ValueError(f"unknown attention backend {name!r}; available: {known}")

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, register_backend
-from engine.forward_context import ForwardContext
+from tandem.engine.attention.base import AttentionBackend, register_backend
+from tandem.engine.forward_context import ForwardContext
 
 # A decode bucket is closed when the next (shorter) sequence would be padded by more than this
 # fraction of the bucket's length; each extra bucket costs ~6 small ops per layer.

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, register_backend
-from engine.forward_context import ForwardContext
-from kernels.decode_attention import default_num_splits, paged_decode_attention, runs_in_interpreter
-from kernels.extend_attention import extend_attention
-from kernels.kv_store import store_kv
+from tandem.engine.attention.base import AttentionBackend, register_backend
+from tandem.engine.forward_context import ForwardContext
+from tandem.kernels.decode_attention import default_num_splits, paged_decode_attention, runs_in_interpreter
+from tandem.kernels.extend_attention import extend_attention
+from tandem.kernels.kv_store import store_kv
 
 
 @dataclass
@@ -45,9 +45,9 @@ class TritonAttention(AttentionBackend):
                              "TRITON_INTERPRET=1 (correctness checks, ~1000x slower than "
                              "--attention-backend torch)")
         if device.type == "cuda":
-            from engine.models import layers, rope
-            from kernels.rmsnorm import rms_norm
-            from kernels.rope import apply_rope
+            from tandem.engine.models import layers, rope
+            from tandem.kernels.rmsnorm import rms_norm
+            from tandem.kernels.rope import apply_rope
 
             layers.use_fused_rms_norm(rms_norm)
             rope.use_fused_rope(apply_rope)

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.kvcache.page_allocator import PageAllocator
-from engine.kvcache.radix_cache import PrefixMatch, RadixCache
-from engine.kvcache.req_table import ReqToPageTable
+from tandem.engine.kvcache.page_allocator import PageAllocator
+from tandem.engine.kvcache.radix_cache import PrefixMatch, RadixCache
+from tandem.engine.kvcache.req_table import ReqToPageTable
 
 if TYPE_CHECKING:   # annotations only: the cache serves the scheduler and never imports it
-    from engine.kvcache.tiers.link import LoadJob, TierLink
-    from engine.scheduler.request import Request
+    from tandem.engine.kvcache.tiers.link import LoadJob, TierLink
+    from tandem.engine.scheduler.request import Request
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.kvcache.page_allocator import PageAllocator
+from tandem.engine.kvcache.page_allocator import PageAllocator
 
 # key_fn(parent key or None at the root, one page's token ids) -> that page's key (opaque here).
 KeyFn = Callable[[object | None, Sequence[int]], object]

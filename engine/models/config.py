@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequest, ModelNotFound
-from engine.models.registry import ARCHITECTURES
-from engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingDefaults
+from tandem.engine.errors import InvalidRequest, ModelNotFound
+from tandem.engine.models.registry import ARCHITECTURES
+from tandem.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingDefaults
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.forward_context import ForwardContext
-from engine.models.config import ModelConfig
-from engine.models.layers import RMSNorm, SiluAndMul
-from engine.models.logits import compute_logits
-from engine.models.prepack import PanelEmbedding, linear_packer, prepack_linears
-from engine.models.rope import RotaryEmbedding
+from tandem.engine.forward_context import ForwardContext
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.layers import RMSNorm, SiluAndMul
+from tandem.engine.models.logits import compute_logits
+from tandem.engine.models.prepack import PanelEmbedding, linear_packer, prepack_linears
+from tandem.engine.models.rope import RotaryEmbedding
 
 
 class Attention(torch.nn.Module):

@@ -45,7 +45,7 @@ import torch
 def prepack_supported(device: torch.device, dtype: torch.dtype, cpu_kernels: bool = False) -> bool:
     """Whether `dtype` linears on `device` can be prepacked (engine/hardware.py decides); fp32 needs the
     CPU kernels (`cpu_kernels`: they are loaded)."""
-    from engine.hardware import choose_weight_prepack, detect
+    from tandem.engine.hardware import choose_weight_prepack, detect
 
     return bool(choose_weight_prepack(detect(device), dtype, graphs=False, cpu_kernels=cpu_kernels).value)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from engine.models.config import ModelConfig
+    from tandem.engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -35,4 +35,4 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
     arch = ARCHITECTURES[cfg.architecture]
-    return getattr(importlib.import_module(f"engine.models.{arch.module}"), arch.cls)
+    return getattr(importlib.import_module(f"tandem.engine.models.{arch.module}"), arch.cls)

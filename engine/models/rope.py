@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.models.config import RopeConfig
+from tandem.engine.models.config import RopeConfig
 
 # `kernels.rope.apply_rope` once the triton attention backend is created on CUDA; CUDA tensors then
 # take the fused kernel (same numerics). CPU tensors always take the torch code below.

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ModelNotFound
-from engine.models.gguf_import import IMPORTER_VERSION, MARKER_FILE, import_gguf
+from tandem.engine.errors import ModelNotFound
+from tandem.engine.models.gguf_import import IMPORTER_VERSION, MARKER_FILE, import_gguf
 
 log = logging.getLogger(__name__)
 

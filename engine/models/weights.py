@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.errors import ModelNotFound
+from tandem.engine.errors import ModelNotFound
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:

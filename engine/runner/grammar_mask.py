@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.scheduler.batch import SeqStep
-from engine.structured.matcher import bitmask_words, fill_rows
+from tandem.engine.scheduler.batch import SeqStep
+from tandem.engine.structured.matcher import bitmask_words, fill_rows
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
-from engine.forward_context import ForwardContext
-from engine.hardware import choose_graphs, detect
+from tandem.engine.config import EngineConfig
+from tandem.engine.forward_context import ForwardContext
+from tandem.engine.hardware import choose_graphs, detect
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def inductor_cache_dir() -> str:
     logits under the emulation)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
-    from engine.models.source import default_cache_dir
+    from tandem.engine.models.source import default_cache_dir
 
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env and os.path.abspath(env) != os.path.abspath(inductor_default()):

@@ -14,23 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import create_backend
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest
-from engine.forward_context import ForwardContext
-from engine.hardware import Choice, choose_cpu_kernels, choose_weight_prepack, detect
-from engine.hardware import resolve_dtype as choose_dtype
-from engine.kvcache.kv_pool import KVPool, KVPoolSpec
-from engine.models.config import ModelConfig
-from engine.models.layers import use_cpu_kernels
-from engine.models.registry import model_class
-from engine.models.weights import iter_weights
-from engine.runner.grammar_mask import MaskJob
-from engine.runner.graph_runner import create_graph_runner, graph_enabled
-from engine.runner.sampler import Sampler, SamplingBatch
-from engine.runner.verify import VerifyRow, verify
-from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
-from engine.scheduler.future import FutureSlots
+from tandem.engine.attention.base import create_backend
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.forward_context import ForwardContext
+from tandem.engine.hardware import Choice, choose_cpu_kernels, choose_weight_prepack, detect
+from tandem.engine.hardware import resolve_dtype as choose_dtype
+from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.layers import use_cpu_kernels
+from tandem.engine.models.registry import model_class
+from tandem.engine.models.weights import iter_weights
+from tandem.engine.runner.grammar_mask import MaskJob
+from tandem.engine.runner.graph_runner import create_graph_runner, graph_enabled
+from tandem.engine.runner.sampler import Sampler, SamplingBatch
+from tandem.engine.runner.verify import VerifyRow, verify
+from tandem.engine.scheduler.batch import SampledToken, SeqStep, StepBatch
+from tandem.engine.scheduler.future import FutureSlots
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +174,12 @@ class ModelRunner:
                 raise InvalidRequest("--enable-cpu-kernels needs a CPU device with decode graphs off "
                                      "(compiled graphs trace the torch code)", "enable_cpu_kernels")
             return None
-        from kernels.cpu import load
+        from tandem.kernels.cpu import load
 
         ops = load()
         if ops is None and want:
             raise InvalidRequest("--enable-cpu-kernels: the CPU kernels could not be built here (see the log; "
-                                 "`python -m kernels.cpu -v` shows the compiler's output)", "enable_cpu_kernels")
+                                 "`python -m tandem.kernels.cpu -v` shows the compiler's output)", "enable_cpu_kernels")
         if ops is None:
             self.choices["CPU kernels"] = Choice(False, "they could not be built here (see the warning above)")
         elif want is None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 # Temperatures below this are clamped to it: dividing logits by ~0 overflows fp32 and softmax
 # then yields NaN, while 1e-5 already makes the draw effectively greedy.

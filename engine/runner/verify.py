@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runner.sampler import SamplingBatch, filtered_probs, inverse_cdf
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
+from tandem.engine.runner.sampler import SamplingBatch, filtered_probs, inverse_cdf
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
 
 
 @dataclass

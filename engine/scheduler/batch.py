@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler.request import Request
+from tandem.engine.scheduler.request import Request
 
 
 @dataclass

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.config import PREFILL_SCHEDULE_POLICIES
-from engine.scheduler.queue_policy import QueuePolicy
-from engine.scheduler.request import Request, RequestStatus
+from tandem.engine.config import PREFILL_SCHEDULE_POLICIES
+from tandem.engine.scheduler.queue_policy import QueuePolicy
+from tandem.engine.scheduler.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.future import future_ref
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.future import future_ref
 
 
 class RequestStatus(enum.Enum):

@@ -29,20 +29,20 @@ from collections.abc import Callable, Iterable
 from time import monotonic, perf_counter
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest, ResourceExhausted
-from engine.kvcache.kv_manager import KVManager, pages_for
-from engine.outputs import FinishReason
-from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
-from engine.scheduler.future import FutureSlots
-from engine.scheduler.prefill_order import PrefillOrder, tokens_to_prefill
-from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
-from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.stats import SchedulerStats
-from engine.scheduler.step_cost import StepCostModel
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import InvalidRequest, ResourceExhausted
+from tandem.engine.kvcache.kv_manager import KVManager, pages_for
+from tandem.engine.outputs import FinishReason
+from tandem.engine.scheduler.batch import SampledToken, SeqStep, StepBatch
+from tandem.engine.scheduler.future import FutureSlots
+from tandem.engine.scheduler.prefill_order import PrefillOrder, tokens_to_prefill
+from tandem.engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
+from tandem.engine.scheduler.request import Request, RequestStatus
+from tandem.engine.scheduler.stats import SchedulerStats
+from tandem.engine.scheduler.step_cost import StepCostModel
 
 if TYPE_CHECKING:
-    from engine.kvcache.tiers.link import TierLink
+    from tandem.engine.kvcache.tiers.link import TierLink
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.scheduler.step_cost import StepCostModel
+from tandem.engine.scheduler.step_cost import StepCostModel
 
 _RATE_DECAY = 0.9      # acceptance rate follows the last ~10 verify steps
 PROBE_EVERY = 16

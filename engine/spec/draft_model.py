@@ -20,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest
-from engine.kvcache.kv_manager import KVManager
-from engine.models.config import ModelConfig
-from engine.models.source import resolve_model
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SeqStep, StepBatch
-from engine.scheduler.request import Request
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.kvcache.kv_manager import KVManager
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.source import resolve_model
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SeqStep, StepBatch
+from tandem.engine.scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class DraftModelProposer:
     def __init__(self, cfg: EngineConfig, target_cfg: ModelConfig, target_runner, context_len: int):
         # torch lives in the runner; imported only for this proposer
-        from engine.runner.model_runner import ModelRunner
+        from tandem.engine.runner.model_runner import ModelRunner
 
         path = resolve_model(cfg.speculative_draft_model)
         draft_cfg = ModelConfig.from_pretrained(path)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.scheduler.request import Request
+    from tandem.engine.scheduler.request import Request
 
 # Only the most recent tokens are searched: a match further back is rarely the continuation, and
 # the scan is Python work on the engine thread every step.

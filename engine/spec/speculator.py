@@ -24,11 +24,11 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from engine.kvcache.kv_manager import KVManager
-from engine.scheduler.batch import SampledToken, SeqStep, StepBatch
-from engine.scheduler.request import Request
-from engine.spec.adaptive import SpecGate
-from engine.spec.stats import SpecStats
+from tandem.engine.kvcache.kv_manager import KVManager
+from tandem.engine.scheduler.batch import SampledToken, SeqStep, StepBatch
+from tandem.engine.scheduler.request import Request
+from tandem.engine.spec.adaptive import SpecGate
+from tandem.engine.spec.stats import SpecStats
 
 
 class Proposer(Protocol):

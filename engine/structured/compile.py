@@ -19,8 +19,8 @@ from collections import OrderedDict
 
 import llguidance
 
-from engine.errors import InvalidRequest
-from engine.structured_output import Kind, StructuredSpec, ToolCallSpec
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured_output import Kind, StructuredSpec, ToolCallSpec
 
 MAX_SPEC_CHARS = 256 * 1024        # a schema / grammar / regex / choice list, as text
 MAX_CHOICES = 1024

@@ -22,9 +22,9 @@ from pathlib import Path
 import llguidance
 import numpy as np
 
-from engine.errors import InvalidRequest
-from engine.structured.compile import compile_grammar
-from engine.structured_output import StructuredSpec
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured.compile import compile_grammar
+from tandem.engine.structured_output import StructuredSpec
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.tokenizer.protocol import TokenizerLike
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer.protocol import TokenizerLike
 
 # Tokens of already-decoded text decoded again with every new token, so that decoders which depend
 # on the left neighbour (SentencePiece's leading-space handling, merges across tokens) see it.

@@ -11,7 +11,7 @@ from typing import Any
 import jinja2
 from transformers import AutoTokenizer
 
-from engine.errors import InvalidRequest
+from tandem.engine.errors import InvalidRequest
 
 
 class Tokenizer:

@@ -38,7 +38,7 @@ linked with each variant's kernel objects into that variant's Python module. Bot
 flags, compiler, torch and Python versions and level, not by the checkout's path; a file lock so
 that one process builds and the others wait; published atomically, so a killed build leaves nothing
 behind that a later one trusts). A worker that must compile says so in its log, with the time.
-`make install` builds every level this CPU can run (`python -m kernels.cpu`). `load()` returns None,
+`make install` builds every level this CPU can run (`python -m tandem.kernels.cpu`). `load()` returns None,
 logging why, where the kernels cannot be built: the engine then runs the torch code
 (engine/attention/torch_backend.py, engine/models/).
 """
@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from kernels.cpu import isa
-from kernels.cpu.build import Artifact, BuildError, cached, compiler_id, digest, entry_dir, run
+from tandem.kernels.cpu import isa
+from tandem.kernels.cpu.build import Artifact, BuildError, cached, compiler_id, digest, entry_dir, run
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _import(level: str, path: Path) -> ModuleType:
 
     # Each variant under a name of its own (pybind11 caches modules by name; the init function looked
     # up is the last part's, PyInit_tandem_cpu_ops), not entered in sys.modules: tests load several.
-    name = f"kernels.cpu.{level}.{MODULE}"
+    name = f"tandem.kernels.cpu.{level}.{MODULE}"
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)

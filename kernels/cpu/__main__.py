@@ -1,12 +1,12 @@
-"""`python -m kernels.cpu [-v]`: build (or find in the cache) the CPU kernels of every ISA level this
+"""`python -m tandem.kernels.cpu [-v]`: build (or find in the cache) the CPU kernels of every ISA level this
 CPU can run, and import each; exit 1 if one cannot be built (the engine would then run the torch code)."""
 
 import logging
 import sys
 import time
 
-from kernels.cpu import build, cache_dir, load, runnable_levels
-from kernels.cpu.isa import effective_level
+from tandem.kernels.cpu import build, cache_dir, load, runnable_levels
+from tandem.kernels.cpu.isa import effective_level
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 t0 = time.perf_counter()

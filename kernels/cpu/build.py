@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("kernels.cpu")
+log = logging.getLogger("tandem.kernels.cpu")
 
 # A waiter gives up (and the worker runs the torch code) after this long: a build that takes longer
 # is stuck, not slow (a cold build of every variant is ~1 min on two cores).

@@ -50,12 +50,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.backends.ucx_env import UcxSettings
-from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.datapath import Link, ReceiverPath, SenderPath
-from kvtransfer.protocol.iovec import page_iov
-from kvtransfer.protocol.liveness import connection_up
-from kvtransfer.protocol.wire import Kind, ReceiverMetadata, Timeouts, wrote_body
+from tandem.kvtransfer.backends.ucx_env import UcxSettings
+from tandem.kvtransfer.base import PoolLayout, TransferError
+from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.protocol.iovec import page_iov
+from tandem.kvtransfer.protocol.liveness import connection_up
+from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, Timeouts, wrote_body
 
 log = logging.getLogger(__name__)
 

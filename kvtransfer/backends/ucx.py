@@ -47,14 +47,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.backends.ucx_env import UcxSettings
-from kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
-from kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
-from kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
-from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
-from kvtransfer.protocol.liveness import connection_up
-from kvtransfer.protocol.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
+from tandem.kvtransfer.backends.ucx_env import UcxSettings
+from tandem.kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
+from tandem.kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
+from tandem.kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
+from tandem.kvtransfer.base import PoolLayout, TransferError
+from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.protocol.liveness import connection_up
+from tandem.kvtransfer.protocol.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtransfer.backends.ucx_env import UcxSettings
-from kvtransfer.base import TransferError
+from tandem.kvtransfer.backends.ucx_env import UcxSettings
+from tandem.kvtransfer.base import TransferError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from kvtransfer.base import TransferError
+from tandem.kvtransfer.base import TransferError
 
 # UCX transport names of RDMA (InfiniBand / RoCE verbs, mlx5 accelerated, AWS EFA's SRD).
 RDMA_PREFIXES = ("rc", "dc", "ud", "srd")

@@ -23,8 +23,17 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.protocol.wire import HEADER, VERSION, Channel, Kind, ProtocolError, Timeouts, dumps, loads
+from tandem.kvtransfer.base import PoolLayout, TransferError
+from tandem.kvtransfer.protocol.wire import (
+    HEADER,
+    VERSION,
+    Channel,
+    Kind,
+    ProtocolError,
+    Timeouts,
+    dumps,
+    loads,
+)
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.base import (
+from tandem.kvtransfer.base import (
     KVReceiver,
     PoolLayout,
     Progress,
@@ -51,9 +51,9 @@ from kvtransfer.base import (
     RoomTable,
     TransferError,
 )
-from kvtransfer.datapath import ReceiverPath
-from kvtransfer.protocol import handshake
-from kvtransfer.protocol.wire import (
+from tandem.kvtransfer.datapath import ReceiverPath
+from tandem.kvtransfer.protocol import handshake
+from tandem.kvtransfer.protocol.wire import (
     HEADER,
     WROTE_BODY,
     Channel,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.base import (
+from tandem.kvtransfer.base import (
     KVSender,
     PoolLayout,
     Progress,
@@ -47,10 +47,10 @@ from kvtransfer.base import (
     RoomTable,
     TransferError,
 )
-from kvtransfer.datapath import Link, SenderPath
-from kvtransfer.protocol import handshake
-from kvtransfer.protocol.runs import merge_runs
-from kvtransfer.protocol.wire import (
+from tandem.kvtransfer.datapath import Link, SenderPath
+from tandem.kvtransfer.protocol import handshake
+from tandem.kvtransfer.protocol.runs import merge_runs
+from tandem.kvtransfer.protocol.wire import (
     MAX_BODY,
     Channel,
     Kind,

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.base import PoolLayout, TransferError
-from kvtransfer.datapath import Link, ReceiverPath, SenderPath
-from kvtransfer.protocol.wire import Kind, ReceiverMetadata, wrote_body
+from tandem.kvtransfer.base import PoolLayout, TransferError
+from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, wrote_body
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvtransfer.base import PoolLayout
-from kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
-from kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
-from kvtransfer.protocol.wire import HEADER, Channel, Kind, ProtocolError, ReceiverMetadata
+from tandem.kvtransfer.base import PoolLayout
+from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
+from tandem.kvtransfer.protocol.wire import HEADER, Channel, Kind, ProtocolError, ReceiverMetadata
 
 
 def _regions(layout: PoolLayout) -> np.ndarray:

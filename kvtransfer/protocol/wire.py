@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvtransfer.base import PoolLayout, Progress, TransferError
+from tandem.kvtransfer.base import PoolLayout, Progress, TransferError
 
 log = logging.getLogger(__name__)
 

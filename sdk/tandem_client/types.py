@@ -22,7 +22,8 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k < 0 disables top-k; `seed` makes sampling reproducible. The five
     fields left at None take the server's defaults: the model's `generation_config.json` where it sets
-    them, else greedy decoding with no top-p, top-k, min-p or repetition penalty. `structured`: what
+    them, else OpenAI's -- temperature 1 (sampling; pass temperature=0 for greedy), no top-p, top-k,
+    min-p or repetition penalty -- the same rule as the HTTP API's. `structured`: what
     the output must match (tandem_client.structured), None for free text.
     """
 

@@ -8,18 +8,18 @@ from collections.abc import Callable
 
 import grpc
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import TandemError
-from engine.outputs import RequestOutput
-from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
-from services.common.grpc_errors import abort_with
-from services.worker import metrics
-from services.worker import trace as worker_trace
-from services.worker.config import WorkerConfig
-from services.worker.convert import output_to_pb, step_cost_to_pb
-from services.worker.loop import EngineLoop
-from services.worker.server import RoleParts, register_role
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import TandemError
+from tandem.engine.outputs import RequestOutput
+from tandem.services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
+from tandem.services.common.grpc_errors import abort_with
+from tandem.services.worker import metrics
+from tandem.services.worker import trace as worker_trace
+from tandem.services.worker.config import WorkerConfig
+from tandem.services.worker.convert import output_to_pb, step_cost_to_pb
+from tandem.services.worker.loop import EngineLoop
+from tandem.services.worker.server import RoleParts, register_role
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
-from services.common.arg_groups import SECURITY
-from services.common.flags import SERVICES, Flag, Owner
-from services.common.tls import TlsFiles
+from tandem.services.common.arg_groups import SECURITY
+from tandem.services.common.flags import SERVICES, Flag, Owner
+from tandem.services.common.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
-from engine.scheduler.queue_policy import check_priority
-from engine.structured_output import Kind, StructuredSpec, ToolCallSpec
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.queue_policy import check_priority
+from tandem.engine.structured_output import Kind, StructuredSpec, ToolCallSpec
 from tandem.v1 import generation_pb2
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import reduce
 from weakref import WeakKeyDictionary
 
-from services.common.arg_groups import arg_group
+from tandem.services.common.arg_groups import arg_group
 
 
 class Owner(enum.Flag):

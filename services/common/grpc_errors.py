@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import grpc
 
-from engine.errors import InvalidRequest, ModelNotFound, RequestAborted, ResourceExhausted, TandemError
+from tandem.engine.errors import InvalidRequest, ModelNotFound, RequestAborted, ResourceExhausted, TandemError
 
 PARAM_METADATA_KEY = "tandem-error-param"
 # The worker a failure is due to when it is not the one that answered (a decode worker whose prefill

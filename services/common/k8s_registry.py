@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.registry import WorkerRegistry, _cancel, _OutageLog, register_registry
+from tandem.services.common.registry import WorkerRegistry, _cancel, _OutageLog, register_registry
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
-from services.common.arg_groups import LIMITS
-from services.common.flags import Flag, Owner
+from tandem.engine.errors import InvalidRequest
+from tandem.services.common.arg_groups import LIMITS
+from tandem.services.common.flags import Flag, Owner
 
 _OWNERS = Owner.ROUTER | Owner.GATEWAY
 

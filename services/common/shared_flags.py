@@ -4,8 +4,8 @@ comes from its own config: `tandem router --drain-timeout` defaults to RouterCon
 
 from __future__ import annotations
 
-from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL, OBSERVABILITY, RESILIENCE, SCHEDULER
-from services.common.flags import SERVICES, Flag, Owner
+from tandem.services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL, OBSERVABILITY, RESILIENCE, SCHEDULER
+from tandem.services.common.flags import SERVICES, Flag, Owner
 
 HOST = Flag(("--host",), SERVICES | Owner.PLANNER, DEPLOYMENT, "address to listen on (`tandem up`: every service's)",
             field="host")

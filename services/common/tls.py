@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.arg_groups import SECURITY
-from services.common.flags import Flag, Owner
+from tandem.services.common.arg_groups import SECURITY
+from tandem.services.common.flags import Flag, Owner
 
 
 class TlsConfigError(ValueError):

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.kvcache.kv_pool import KVPoolSpec
-from kvtransfer import create_receiver
-from kvtransfer.base import KVReceiver
-from services.decode.servicer import BootstrapClient, DecodeServicer
-from services.decode.worker import DecodeTimeouts, DecodeWorker
-from services.worker.config import WorkerConfig
-from services.worker.layout import layout_of
-from services.worker.rdma import transfer_options
-from services.worker.server import RoleParts, register_role
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.kvcache.kv_pool import KVPoolSpec
+from tandem.kvtransfer import create_receiver
+from tandem.kvtransfer.base import KVReceiver
+from tandem.services.decode.servicer import BootstrapClient, DecodeServicer
+from tandem.services.decode.worker import DecodeTimeouts, DecodeWorker
+from tandem.services.worker.config import WorkerConfig
+from tandem.services.worker.layout import layout_of
+from tandem.services.worker.rdma import transfer_options
+from tandem.services.worker.server import RoleParts, register_role
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -7,17 +7,17 @@ import logging
 
 import grpc
 
-from engine.errors import TandemError
-from engine.outputs import RequestOutput
-from kvtransfer.base import KVReceiver
-from services.common import tracing
-from services.common.auth import InternalAuth
-from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
-from services.common.grpc_errors import abort_with
-from services.decode.worker import DecodeRoom, DecodeWorker
-from services.worker import trace as worker_trace
-from services.worker.convert import output_to_pb
-from services.worker.loop import EngineLoop
+from tandem.engine.errors import TandemError
+from tandem.engine.outputs import RequestOutput
+from tandem.kvtransfer.base import KVReceiver
+from tandem.services.common import tracing
+from tandem.services.common.auth import InternalAuth
+from tandem.services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
+from tandem.services.common.grpc_errors import abort_with
+from tandem.services.decode.worker import DecodeRoom, DecodeWorker
+from tandem.services.worker import trace as worker_trace
+from tandem.services.worker.convert import output_to_pb
+from tandem.services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

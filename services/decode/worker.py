@@ -24,16 +24,16 @@ from typing import Protocol
 
 import grpc
 
-from engine.engine import LLMEngine
-from engine.errors import GrammarViolation, ResourceExhausted
-from engine.outputs import RequestOutput
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.queue_policy import PolicyQueue
-from engine.scheduler.request import Request
-from kvtransfer.base import KVReceiver, Progress, RoomState
-from services.common.grpc_errors import RpcFailed
-from services.worker import metrics
-from services.worker.convert import step_cost_to_pb
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import GrammarViolation, ResourceExhausted
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.queue_policy import PolicyQueue
+from tandem.engine.scheduler.request import Request
+from tandem.kvtransfer.base import KVReceiver, Progress, RoomState
+from tandem.services.common.grpc_errors import RpcFailed
+from tandem.services.worker import metrics
+from tandem.services.worker.convert import step_cost_to_pb
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

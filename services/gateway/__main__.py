@@ -1,16 +1,16 @@
-"""`python -m services.gateway ...`: `tandem gateway ...`, the same parser (its flags are declared once)."""
+"""`python -m tandem.services.gateway ...`: `tandem gateway ...`, the same parser (its flags are declared once)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tandem import gateway_cmd
-from tandem.command import standalone_parser, start
+from tandem.cli import gateway_cmd
+from tandem.cli.command import standalone_parser, start
 
 
 def parser() -> argparse.ArgumentParser:
-    return standalone_parser("python -m services.gateway", gateway_cmd.SUMMARY, gateway_cmd.add_arguments)
+    return standalone_parser("python -m tandem.services.gateway", gateway_cmd.SUMMARY, gateway_cmd.add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,15 +23,15 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common import tracing
-from services.gateway.catalog import ModelCatalog, ServedModel
-from services.gateway.chat_template import ChatTemplateError
-from services.gateway.config import GatewayConfig
-from services.gateway.disconnect import ClientDisconnected, EventStream, until_disconnect
-from services.gateway.errors import APIError, bad_request
-from services.gateway.limits import checked, read_body
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import (
+from tandem.services.common import tracing
+from tandem.services.gateway.catalog import ModelCatalog, ServedModel
+from tandem.services.gateway.chat_template import ChatTemplateError
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.disconnect import ClientDisconnected, EventStream, until_disconnect
+from tandem.services.gateway.errors import APIError, bad_request
+from tandem.services.gateway.limits import checked, read_body
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
@@ -43,11 +43,11 @@ from services.gateway.protocol import (
     parse,
     tool_use,
 )
-from services.gateway.responses import SSE_DONE, ChatFormat, Choice, CompletionFormat, sse, usage
-from services.gateway.router_client import RouterClient
-from services.gateway.structured import Constraint
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.tools import ToolUse, inline_tools, template_renders_tools
+from tandem.services.gateway.responses import SSE_DONE, ChatFormat, Choice, CompletionFormat, sse, usage
+from tandem.services.gateway.router_client import RouterClient
+from tandem.services.gateway.structured import Constraint
+from tandem.services.gateway.tokenizer import GatewayTokenizer
+from tandem.services.gateway.tools import ToolUse, inline_tools, template_renders_tools
 from tandem.v1 import generation_pb2
 
 log = logging.getLogger(__name__)

@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ModelNotFound
-from engine.models.config import load_sampling_defaults
-from engine.models.source import resolve_model
-from engine.sampling_params import OPENAI_DEFAULTS, SamplingDefaults
-from services.gateway.errors import APIError
-from services.gateway.router_client import RouterClient
-from services.gateway.tokenizer import GatewayTokenizer
+from tandem.engine.errors import ModelNotFound
+from tandem.engine.models.config import load_sampling_defaults
+from tandem.engine.models.source import resolve_model
+from tandem.engine.sampling_params import SamplingDefaults
+from tandem.services.gateway.errors import APIError
+from tandem.services.gateway.router_client import RouterClient
+from tandem.services.gateway.tokenizer import GatewayTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class ServedModel:
     max_context_len: int
     vocab_size: int
     tokenizer: GatewayTokenizer
-    sampling: SamplingDefaults = OPENAI_DEFAULTS   # what a request's unset sampling fields become
+    sampling: SamplingDefaults = SamplingDefaults()   # what a request's unset sampling fields become
 
 
 class ModelCatalog:
@@ -94,4 +94,4 @@ class ModelCatalog:
             raise APIError(500, f"the gateway cannot load the tokenizer of `{model_id}` ({e}); "
                                 "start it with --tokenizer PATH") from e
         log.info("tokenizer for %s loaded from %s", model_id, folder)
-        return tok, load_sampling_defaults(folder, OPENAI_DEFAULTS)
+        return tok, load_sampling_defaults(folder)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL
-from services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
-from services.common.flags import Flag, Owner, add_flags
-from services.common.limits import LIMIT_FLAGS, RequestLimits
-from services.common.shared_flags import (
+from tandem.services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL
+from tandem.services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
+from tandem.services.common.flags import Flag, Owner, add_flags
+from tandem.services.common.limits import LIMIT_FLAGS, RequestLimits
+from tandem.services.common.shared_flags import (
     DRAIN_TIMEOUT,
     HOST,
     MAX_INFLIGHT,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 from fastapi.responses import JSONResponse
 
-from services.common.grpc_errors import param_from_metadata
+from tandem.services.common.grpc_errors import param_from_metadata
 
 # HTTP status -> OpenAI error type
 _TYPES = {

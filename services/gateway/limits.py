@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from fastapi import Request
 
-from engine.errors import InvalidRequest
-from services.gateway.errors import APIError, bad_request
+from tandem.engine.errors import InvalidRequest
+from tandem.services.gateway.errors import APIError, bad_request
 
 
 def too_large(limit: int) -> APIError:

@@ -14,12 +14,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import OPENAI_DEFAULTS, SamplingDefaults, SamplingParams
-from engine.scheduler.queue_policy import check_priority
-from services.gateway.errors import bad_request
-from services.gateway.structured import Constraint, constraints, only_one
-from services.gateway.tools import ToolUse, history_calls, parse_tool_use
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
+from tandem.engine.scheduler.queue_policy import check_priority
+from tandem.services.gateway.errors import bad_request
+from tandem.services.gateway.structured import Constraint, constraints, only_one
+from tandem.services.gateway.tools import ToolUse, history_calls, parse_tool_use
 from tandem.v1 import generation_pb2
 
 SEED_MASK = (1 << 64) - 1
@@ -156,7 +156,7 @@ def check_common(req: _Common, max_n: int) -> None:
 
 
 def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs: int,
-                  defaults: SamplingDefaults = OPENAI_DEFAULTS, max_tokens_param: str = "max_tokens",
+                  defaults: SamplingDefaults = SamplingDefaults(), max_tokens_param: str = "max_tokens",
                   constraint: Constraint | None = None) -> Sampling:
     """Build and validate the engine's SamplingParams, the fields the request leaves out taken from
     `defaults` (the model's); raises APIError 400 with the parameter's name."""

@@ -6,8 +6,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from services.gateway.tokenizer import GatewayTokenizer
-from services.gateway.tool_parser import ToolCallParser, parse_tool_calls
+from tandem.services.gateway.tokenizer import GatewayTokenizer
+from tandem.services.gateway.tool_parser import ToolCallParser, parse_tool_calls
 from tandem.v1 import generation_pb2
 
 FINISH_REASONS = {

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import tracing
-from services.common.auth import InternalAuth
-from services.gateway.errors import APIError
+from tandem.services.common import tracing
+from tandem.services.common.auth import InternalAuth
+from tandem.services.gateway.errors import APIError
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20

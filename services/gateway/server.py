@@ -17,9 +17,9 @@ import sys
 
 import uvicorn
 
-from services.gateway.app import Gateway, create_app
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import APIError
+from tandem.services.gateway.app import Gateway, create_app
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 

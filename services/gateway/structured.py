@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import APIError, bad_request
+from tandem.services.gateway.errors import APIError, bad_request
 from tandem.v1 import generation_pb2 as pb
 
 SCHEMA_TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))

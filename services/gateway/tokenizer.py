@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from services.gateway.chat_template import render
+from tandem.services.gateway.chat_template import render
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.tools import CALL_BEGIN, CALL_END
+from tandem.services.gateway.tools import CALL_BEGIN, CALL_END
 
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 

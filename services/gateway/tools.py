@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import bad_request
-from services.gateway.structured import Constraint, check_schema
+from tandem.services.gateway.errors import bad_request
+from tandem.services.gateway.structured import Constraint, check_schema
 from tandem.v1 import generation_pb2 as pb
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.arg_groups import DEPLOYMENT, OBSERVABILITY, RESILIENCE
-from services.common.auth import API_KEY
-from services.common.flags import Flag, Owner
-from services.common.shared_flags import HOST, PORT, REDIS_URL
-from services.router.config import MODE
+from tandem.services.common.arg_groups import DEPLOYMENT, OBSERVABILITY, RESILIENCE
+from tandem.services.common.auth import API_KEY
+from tandem.services.common.flags import Flag, Owner
+from tandem.services.common.shared_flags import HOST, PORT, REDIS_URL
+from tandem.services.router.config import MODE
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "TANDEM_READY "
+TAIL_LINES = 20   # of a child's output, kept to say why it died before it was ready
 _PR_SET_PDEATHSIG = 1
 
 
@@ -39,8 +41,11 @@ class Child:
     ready: dict | None = None
     ready_event: threading.Event = field(default_factory=threading.Event)
     on_line: Callable[[str, str], None] | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    started_at: float = 0.0
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env=self.env, preexec_fn=_die_with_parent,
@@ -54,6 +59,8 @@ class Child:
             if line.startswith(READY_PREFIX) and self.ready is None:
                 self.ready = json.loads(line[len(READY_PREFIX):])
                 self.ready_event.set()
+            else:
+                self.tail.append(line)
             if self.on_line is not None:
                 self.on_line(self.name, line)
         self.ready_event.set()  # EOF: the process died; waiters must look at `alive`
@@ -63,10 +70,23 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_ready(self, timeout: float) -> dict:
-        if not self.ready_event.wait(timeout) or self.ready is None:
-            code = self.proc.poll() if self.proc else None
-            raise RuntimeError(f"{self.name} did not become ready within {timeout:.0f}s (exit code {code})")
-        return self.ready
+        """The READY line's JSON. Raises RuntimeError saying whether the child exited (with its exit code)
+        or is still starting, with its last lines of output."""
+        if self.ready_event.wait(timeout) and self.ready is not None:
+            return self.ready
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        try:
+            code = self.proc.wait(5.0) if self.ready_event.is_set() else self.proc.poll()   # EOF: it is exiting
+        except subprocess.TimeoutExpired:
+            code = None
+        waited = time.monotonic() - self.started_at
+        if code is None:
+            what = f"{self.name} did not become ready within {waited:.0f}s (still running)"
+        else:
+            what = f"{self.name} exited with code {code} before it was ready ({waited:.0f}s after it started)"
+        tail = "\n".join(f"  {line}" for line in self.tail)
+        raise RuntimeError(what + (f"; its last lines:\n{tail}" if tail else "; it printed nothing"))
 
     def terminate(self) -> None:
         if self.alive:
@@ -99,4 +119,4 @@ def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
 
 
 def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", *args]
+    return [sys.executable, "-P", "-m", "tandem.cli", *args]

@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from services.launcher.procs import Child
+from tandem.services.launcher.procs import Child
 
 
 class EmbeddedRedis:

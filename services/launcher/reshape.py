@@ -28,11 +28,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.cpu_cores import format_cpu_list
-from services.launcher.procs import Child
-from services.launcher.supervisor import Supervisor
-from services.planner.host import ShapeStore
-from services.planner.shape import Shape
+from tandem.services.common.cpu_cores import format_cpu_list
+from tandem.services.launcher.procs import Child
+from tandem.services.launcher.supervisor import Supervisor
+from tandem.services.planner.host import ShapeStore
+from tandem.services.planner.shape import Shape
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.launcher.config import UpConfig
-from services.launcher.procs import Child, python_cmd
-from services.launcher.reshape import Reshaper, Slot
-from services.launcher.supervisor import Supervisor
-from services.planner.host import ShapeStore
+from tandem.services.launcher.config import UpConfig
+from tandem.services.launcher.procs import Child, python_cmd
+from tandem.services.launcher.reshape import Reshaper, Slot
+from tandem.services.launcher.supervisor import Supervisor
+from tandem.services.planner.host import ShapeStore
 
 
 def serves_without_prefill(router_args: Sequence[str]) -> bool:

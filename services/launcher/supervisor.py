@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.launcher.procs import Child
+from tandem.services.launcher.procs import Child
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from services.common.auth import API_KEY_ENV, deployment_env  # the key the router and the gateway read
-from services.common.auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
-from services.common.cpu_cores import (
+from tandem.services.common.auth import API_KEY_ENV, deployment_env  # the key the router and the gateway read
+from tandem.services.common.auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
+from tandem.services.common.cpu_cores import (
     CpuListError,
     available_cores,
     describe,
@@ -22,12 +22,12 @@ from services.common.cpu_cores import (
     pin,
     plan_cores,
 )
-from services.launcher.config import UpConfig
-from services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
-from services.launcher.redis_server import EmbeddedRedis
-from services.launcher.reshape import Reshaper
-from services.launcher.shaping import reshaper, start_planner
-from services.launcher.supervisor import Supervisor
+from tandem.services.launcher.config import UpConfig
+from tandem.services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
+from tandem.services.launcher.redis_server import EmbeddedRedis
+from tandem.services.launcher.reshape import Reshaper
+from tandem.services.launcher.shaping import reshaper, start_planner
+from tandem.services.launcher.supervisor import Supervisor
 
 # With `ready_json`, the one stdout line scripts and tests wait for: this prefix, then the summary JSON.
 READY_JSON_PREFIX = "TANDEM_UP "
@@ -82,7 +82,7 @@ def router_argv(cfg: UpConfig, port: int, url: str) -> list[str]:
 
 
 def gateway_argv(cfg: UpConfig, port: int, router_addr: str) -> list[str]:
-    """The gateway's (after `python -m services.gateway`): forwarded flags, its port, its router."""
+    """The gateway's (after `python -m tandem.services.gateway`): forwarded flags, its port, its router."""
     return [*cfg.gateway_args, "--port", str(port), "--router", router_addr]
 
 
@@ -196,7 +196,7 @@ def run_up(cfg: UpConfig) -> int:
         if cfg.gateway_port >= 0:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
             def gateway_child(port: int) -> Child:
-                return Child("gateway", [sys.executable, "-m", "services.gateway",
+                return Child("gateway", [sys.executable, "-P", "-m", "tandem.services.gateway",
                                          *gateway_argv(cfg, port, router_ready["grpc_addr"])],
                              env=_router_env(cfg, env), on_line=on_line)
 

@@ -1,16 +1,16 @@
-"""`python -m services.planner ...`: `tandem planner ...`, the same parser (its flags are declared once)."""
+"""`python -m tandem.services.planner ...`: `tandem planner ...`, the same parser (its flags are declared once)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tandem import planner_cmd
-from tandem.command import standalone_parser, start
+from tandem.cli import planner_cmd
+from tandem.cli.command import standalone_parser, start
 
 
 def parser() -> argparse.ArgumentParser:
-    return standalone_parser("python -m services.planner", planner_cmd.SUMMARY, planner_cmd.add_arguments)
+    return standalone_parser("python -m tandem.services.planner", planner_cmd.SUMMARY, planner_cmd.add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from services.common.arg_groups import DEPLOYMENT, PLANNER
-from services.common.flags import Flag, Owner, add_flags
-from services.common.shared_flags import HOST, METRICS_PORT, REDIS_URL
-from services.planner.k8s_config import KubernetesTarget, add_k8s_arguments, k8s_target_from_args
+from tandem.engine.config import EngineConfig
+from tandem.services.common.arg_groups import DEPLOYMENT, PLANNER
+from tandem.services.common.flags import Flag, Owner, add_flags
+from tandem.services.common.shared_flags import HOST, METRICS_PORT, REDIS_URL
+from tandem.services.planner.k8s_config import KubernetesTarget, add_k8s_arguments, k8s_target_from_args
 
 TARGETS = ("host", "kubernetes", "metrics")
 _ENGINE = EngineConfig()

@@ -38,11 +38,11 @@ import math
 import time
 from dataclasses import dataclass
 
-from services.planner.config import PlannerConfig
-from services.planner.model import CapacityModel, Correction, Costs, NotFitted, Prediction
-from services.planner.observe import Observation
-from services.planner.predict import Load, LoadPredictor
-from services.planner.shape import Actuator, Decision, Shape
+from tandem.services.planner.config import PlannerConfig
+from tandem.services.planner.model import CapacityModel, Correction, Costs, NotFitted, Prediction
+from tandem.services.planner.observe import Observation
+from tandem.services.planner.predict import Load, LoadPredictor
+from tandem.services.planner.shape import Actuator, Decision, Shape
 
 # A running shape whose own measured/predicted ratio is this many times the one it was chosen with
 # measured worse than the forecast that moved to it.

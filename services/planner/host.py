@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 
-from services.planner.shape import Shape
+from tandem.services.planner.shape import Shape
 
 PREFIX = "tandem"   # the registry's default prefix: `tandem up` runs everything on it
 STALE_S = 15.0      # a state older than this: the launcher is gone

@@ -30,9 +30,9 @@ import dataclasses
 import logging
 import time
 
-from services.common.k8s_registry import pod_namespace
-from services.planner.k8s_config import KubernetesTarget
-from services.planner.shape import Shape
+from tandem.services.common.k8s_registry import pod_namespace
+from tandem.services.planner.k8s_config import KubernetesTarget
+from tandem.services.planner.shape import Shape
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.arg_groups import DEPLOYMENT
-from services.common.flags import Flag, Owner
+from tandem.services.common.arg_groups import DEPLOYMENT
+from tandem.services.common.flags import Flag, Owner
 
 
 @dataclass(frozen=True)

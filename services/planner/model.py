@@ -28,9 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.planner.observe import StepCost
-from services.planner.predict import Load
-from services.planner.shape import Shape
+from tandem.services.planner.observe import StepCost
+from tandem.services.planner.predict import Load
+from tandem.services.planner.shape import Shape
 
 INF = math.inf
 

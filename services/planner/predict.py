@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.planner.observe import Observation
+from tandem.services.planner.observe import Observation
 
 
 @dataclass(frozen=True)

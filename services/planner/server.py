@@ -23,10 +23,10 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from services.planner.config import PlannerConfig
-from services.planner.decide import Planner
-from services.planner.observe import RouterObserver
-from services.planner.shape import Actuator, Decision
+from tandem.services.planner.config import PlannerConfig
+from tandem.services.planner.decide import Planner
+from tandem.services.planner.observe import RouterObserver
+from tandem.services.planner.shape import Actuator, Decision
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 def make_actuator(cfg: PlannerConfig) -> Actuator | None:
     """The `--planner-target`'s actuator, imported only when asked for (kubernetes needs its client)."""
     if cfg.target == "host":
-        from services.planner.host import HostActuator
+        from tandem.services.planner.host import HostActuator
 
         return HostActuator(cfg.redis_url)
     if cfg.target == "kubernetes":
-        from services.planner.k8s import KubernetesActuator
+        from tandem.services.planner.k8s import KubernetesActuator
 
         return KubernetesActuator.from_config(cfg)
     return None

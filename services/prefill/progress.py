@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from kvtransfer.base import KVSender, Progress
-from services.prefill.rooms import PrefillRoom
+from tandem.kvtransfer.base import KVSender, Progress
+from tandem.services.prefill.rooms import PrefillRoom
 
 # Before the first step is measured, assume a slow CPU: an AVX2-only CPU in bf16 measured ~42 ms per
 # prompt token. Too high only delays noticing a hung first step; too low would fail healthy rooms.

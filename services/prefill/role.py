@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from kvtransfer import create_sender
-from services.prefill.servicer import BootstrapServicer, PrefillServicer
-from services.prefill.worker import PrefillTimeouts, PrefillWorker
-from services.worker.config import WorkerConfig
-from services.worker.fault_sender import wrap_sender
-from services.worker.layout import layout_of
-from services.worker.rdma import transfer_options
-from services.worker.server import RoleParts, register_role
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.kvtransfer import create_sender
+from tandem.services.prefill.servicer import BootstrapServicer, PrefillServicer
+from tandem.services.prefill.worker import PrefillTimeouts, PrefillWorker
+from tandem.services.worker.config import WorkerConfig
+from tandem.services.worker.fault_sender import wrap_sender
+from tandem.services.worker.layout import layout_of
+from tandem.services.worker.rdma import transfer_options
+from tandem.services.worker.server import RoleParts, register_role
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.scheduler.request import Request
-from kvtransfer.base import RoomState
+from tandem.engine.scheduler.request import Request
+from tandem.kvtransfer.base import RoomState
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,16 @@ import logging
 
 import grpc
 
-from engine.errors import TandemError
-from kvtransfer.base import KVSender, TransferError
-from services.common import tracing
-from services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
-from services.common.grpc_errors import abort_with
-from services.prefill.rooms import BootstrapInfo
-from services.prefill.worker import PrefillWorker
-from services.worker import metrics
-from services.worker import trace as worker_trace
-from services.worker.loop import EngineLoop
+from tandem.engine.errors import TandemError
+from tandem.kvtransfer.base import KVSender, TransferError
+from tandem.services.common import tracing
+from tandem.services.common.convert import priority_from_pb, prompt_from_pb, sampling_from_pb
+from tandem.services.common.grpc_errors import abort_with
+from tandem.services.prefill.rooms import BootstrapInfo
+from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.worker import metrics
+from tandem.services.worker import trace as worker_trace
+from tandem.services.worker.loop import EngineLoop
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

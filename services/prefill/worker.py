@@ -15,16 +15,16 @@ import dataclasses
 import logging
 import time
 
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest, ResourceExhausted
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
-from kvtransfer.base import KVSender, RoomState
-from services.prefill.progress import ProgressReporter
-from services.prefill.rooms import BootstrapInfo, PrefillRoom
-from services.worker import metrics
-from services.worker.convert import step_cost_to_pb
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest, ResourceExhausted
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.kvtransfer.base import KVSender, RoomState
+from tandem.services.prefill.progress import ProgressReporter
+from tandem.services.prefill.rooms import BootstrapInfo, PrefillRoom
+from tandem.services.worker import metrics
+from tandem.services.worker.convert import step_cost_to_pb
 from tandem.v1 import generation_pb2, worker_pb2
 
 log = logging.getLogger(__name__)

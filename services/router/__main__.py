@@ -1,16 +1,16 @@
-"""`python -m services.router ...`: `tandem router ...`, the same parser (its flags are declared once)."""
+"""`python -m tandem.services.router ...`: `tandem router ...`, the same parser (its flags are declared once)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tandem import router_cmd
-from tandem.command import standalone_parser, start
+from tandem.cli import router_cmd
+from tandem.cli.command import standalone_parser, start
 
 
 def parser() -> argparse.ArgumentParser:
-    return standalone_parser("python -m services.router", router_cmd.SUMMARY, router_cmd.add_arguments)
+    return standalone_parser("python -m tandem.services.router", router_cmd.SUMMARY, router_cmd.add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:

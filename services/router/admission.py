@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import ResourceExhausted
-from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
+from tandem.engine.errors import ResourceExhausted
+from tandem.engine.scheduler.queue_policy import PolicyQueue, QueuePolicy
 
 
 @dataclass(eq=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.common.arg_groups import DEPLOYMENT, RESILIENCE, ROUTING, SCHEDULER
-from services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
-from services.common.flags import Flag, Owner, add_flags
-from services.common.limits import LIMIT_FLAGS, RequestLimits
-from services.common.shared_flags import (
+from tandem.services.common.arg_groups import DEPLOYMENT, RESILIENCE, ROUTING, SCHEDULER
+from tandem.services.common.auth import API_KEY, INTERNAL_TOKEN_FILE, InternalAuth, load_api_key
+from tandem.services.common.flags import Flag, Owner, add_flags
+from tandem.services.common.limits import LIMIT_FLAGS, RequestLimits
+from tandem.services.common.shared_flags import (
     DRAIN_TIMEOUT,
     HOST,
     MAX_INFLIGHT,
@@ -21,9 +21,9 @@ from services.common.shared_flags import (
     REDIS_URL,
     REQUEST_TIMEOUT,
 )
-from services.common.tls import TLS_FLAGS, tls_from_args
-from services.router.policy import policy_names
-from services.router.route_config import ROUTE_FLAGS, RouteConfig, route_config_from_args
+from tandem.services.common.tls import TLS_FLAGS, tls_from_args
+from tandem.services.router.policy import policy_names
+from tandem.services.router.route_config import ROUTE_FLAGS, RouteConfig, route_config_from_args
 from tandem.v1 import worker_pb2
 
 MODES = ("disagg", "colocated")

@@ -1,6 +1,6 @@
 """KV events, the router's side: exact per-tier views of what each worker's KV cache holds.
 
-A worker's `KVEventPublisher` (engine/kvcache/tiers/events.py) sends sequence-numbered batches of
+A worker's `KVEventPublisher` (engine/kvcache/tiers/publisher.py) sends sequence-numbered batches of
 `stored` / `removed` block events and, at boot or after it lost a batch, a full snapshot. Here one
 `WorkerKVView` per worker applies them in order and `KVEventIndex` holds the views of all workers.
 
@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.events import KVEventBatch, KVMessage, KVSnapshot
+from tandem.kvblocks.blocks import Tier
+from tandem.kvblocks.events import KVEventBatch, KVMessage, KVSnapshot
+from tandem.kvblocks.keys import Namespace, block_hashes
 
 # How much of a block's recompute a hit in each tier saves (1.0: all of it). An L1 hit costs nothing;
 # an L2 hit costs a host-to-device copy of the page (a memcpy on CPU, PCIe on GPU: well under a tenth

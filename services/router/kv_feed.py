@@ -24,10 +24,10 @@ import json
 import logging
 from collections.abc import Iterable, Sequence
 
-from engine.kvcache.tiers.block_hash import Namespace
-from engine.kvcache.tiers.events import KVEventBatch, message_from_dict
-from services.router.kv_events import KVEventIndex, block_keys
-from services.router.metrics import RouterMetrics
+from tandem.kvblocks.events import KVEventBatch, message_from_dict
+from tandem.kvblocks.keys import Namespace
+from tandem.services.router.kv_events import KVEventIndex, block_keys
+from tandem.services.router.metrics import RouterMetrics
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

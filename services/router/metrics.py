@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.common.registry import ROLE_NAMES
+from tandem.services.common.registry import ROLE_NAMES
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

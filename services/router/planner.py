@@ -23,11 +23,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.router.cache_view import PrefixCacheView, PromptKey
-from services.router.cost import Candidate
-from services.router.kv_feed import EventPrefixView
-from services.router.policy import make_policy
-from services.router.route_config import RouteConfig
+from tandem.services.router.cache_view import PrefixCacheView, PromptKey
+from tandem.services.router.cost import Candidate
+from tandem.services.router.kv_feed import EventPrefixView
+from tandem.services.router.policy import make_policy
+from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
 # A decode worker with requests running gives a prefill chunk (F-1)/F of each mixed step, F being its

@@ -9,8 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from services.router.cost import Candidate
-from services.router.route_config import RouteConfig
+from tandem.services.router.cost import Candidate
+from tandem.services.router.route_config import RouteConfig
 
 
 class Policy(ABC):
@@ -52,7 +52,7 @@ def make_policy(name: str, cfg: RouteConfig | None = None) -> Policy:
 
 def _load_builtin() -> None:
     # One module per policy beyond the two simplest; importing registers it.
-    import services.router.policy_cache_aware  # noqa: F401
+    import tandem.services.router.policy_cache_aware  # noqa: F401
 
 
 def least_load_key(c: Candidate) -> tuple[int, int, float]:

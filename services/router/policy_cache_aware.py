@@ -10,7 +10,7 @@ SGLang's router, so that a popular prefix does not pile every request onto one w
 
 from __future__ import annotations
 
-from services.router.policy import Policy, least_load_key, register_policy
+from tandem.services.router.policy import Policy, least_load_key, register_policy
 
 
 @register_policy("cache_aware")

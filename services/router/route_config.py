@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.arg_groups import ROUTING
-from services.common.flags import Flag, Owner
+from tandem.services.common.arg_groups import ROUTING
+from tandem.services.common.flags import Flag, Owner
 
 # Measured (docs/benchmarks.md, "KV-aware routing"): under long-prompt load a prompt of up to 1,024
 # tokens got its first token sooner from the decode worker's own mixed-chunk prefill than through a

@@ -13,12 +13,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.registry import ROLE_NAMES, WorkerRegistry, create_registry
-from services.router.channels import MAX_MESSAGE_BYTES, ChannelPool
-from services.router.config import RouterConfig
-from services.router.kv_feed import EventPrefixView, KVEventFeed
-from services.router.metrics import RouterMetrics
-from services.router.servicer import GenerationServicer
+from tandem.services.common.registry import ROLE_NAMES, WorkerRegistry, create_registry
+from tandem.services.router.channels import MAX_MESSAGE_BYTES, ChannelPool
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.kv_feed import EventPrefixView, KVEventFeed
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.servicer import GenerationServicer
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ LIVENESS = "liveness"
 
 def registry_from_config(config: RouterConfig) -> WorkerRegistry:
     if config.discovery_kind == "k8s":
-        from services.common.k8s_registry import KubernetesRegistry, pod_namespace
+        from tandem.services.common.k8s_registry import KubernetesRegistry, pod_namespace
 
         return KubernetesRegistry(namespace=config.k8s_namespace or pod_namespace(), selector=config.k8s_selector,
                                   api_server=config.k8s_api_server, channel=config.auth.channel)

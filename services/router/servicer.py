@@ -18,27 +18,27 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from engine.errors import ModelNotFound, TandemError
-from engine.scheduler.queue_policy import QueuePolicy
-from services.common import tracing
-from services.common.grpc_errors import (
+from tandem.engine.errors import ModelNotFound, TandemError
+from tandem.engine.scheduler.queue_policy import QueuePolicy
+from tandem.services.common import tracing
+from tandem.services.common.grpc_errors import (
     PARAM_METADATA_KEY,
     abort,
     abort_with,
     failed_worker_from_metadata,
     status_for,
 )
-from services.common.registry import ROLE_NAMES, WorkerRegistry
-from services.router.admission import Admission
-from services.router.breaker import Breakers
-from services.router.cache_view import PromptKey
-from services.router.channels import ChannelPool
-from services.router.config import RouterConfig
-from services.router.kv_feed import EventPrefixView
-from services.router.metrics import RouterMetrics
-from services.router.migration import StreamLedger
-from services.router.planner import RoutePlan, RoutePlanner, prompt_key
-from services.router.validation import validate_request
+from tandem.services.common.registry import ROLE_NAMES, WorkerRegistry
+from tandem.services.router.admission import Admission
+from tandem.services.router.breaker import Breakers
+from tandem.services.router.cache_view import PromptKey
+from tandem.services.router.channels import ChannelPool
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.kv_feed import EventPrefixView
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.migration import StreamLedger
+from tandem.services.router.planner import RoutePlan, RoutePlanner, prompt_key
+from tandem.services.router.validation import validate_request
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -3,10 +3,10 @@ tokenizer). Wire defaults are mapped to engine values here, so the checks are th
 
 from __future__ import annotations
 
-from engine.errors import InvalidRequest
-from engine.structured.compile import validate_structured
-from services.common.convert import priority_from_pb, sampling_from_pb
-from services.common.limits import RequestLimits
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured.compile import validate_structured
+from tandem.services.common.convert import priority_from_pb, sampling_from_pb
+from tandem.services.common.limits import RequestLimits
 from tandem.v1 import generation_pb2
 
 

@@ -8,11 +8,11 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
-from services.common.arg_groups import DEPLOYMENT, DISAGGREGATION, OBSERVABILITY, RESILIENCE
-from services.common.auth import INTERNAL_TOKEN_FILE, InternalAuth
-from services.common.cpu_cores import CpuListError, parse_worker_cores
-from services.common.flags import Flag, Owner
-from services.common.shared_flags import (
+from tandem.services.common.arg_groups import DEPLOYMENT, DISAGGREGATION, OBSERVABILITY, RESILIENCE
+from tandem.services.common.auth import INTERNAL_TOKEN_FILE, InternalAuth
+from tandem.services.common.cpu_cores import CpuListError, parse_worker_cores
+from tandem.services.common.flags import Flag, Owner
+from tandem.services.common.shared_flags import (
     DRAIN_TIMEOUT,
     HOST,
     METRICS_PORT,
@@ -20,8 +20,8 @@ from services.common.shared_flags import (
     PORT,
     REDIS_URL,
 )
-from services.common.tls import TLS_FLAGS
-from services.worker.faults import FaultConfig
+from tandem.services.common.tls import TLS_FLAGS
+from tandem.services.worker.faults import FaultConfig
 
 
 def new_boot_epoch() -> int:
@@ -127,7 +127,7 @@ WORKER_FLAGS = (
          "$TANDEM_CACHE_DIR/profiles, else ~/.cache/tandem/profiles)", field="profile_dir"),
     Flag(("--step-trace-dir",), _W, OBSERVABILITY,
          "append one JSON line per forward pass (end time, kind, decode tokens, prefill tokens, seconds) to "
-         "DIR/<worker id>.jsonl; `python -m bench.sched_sim` fits its step costs to these (default: off)",
+         "DIR/<worker id>.jsonl; `python -m tandem.bench.sched_sim` fits its step costs to these (default: off)",
          field="step_trace_dir", metavar="DIR"),
     Flag(("--peer-probe-interval",), _W, RESILIENCE,
          "probe the liveness of every peer worker this one has requests with this often; a peer that misses 3 "

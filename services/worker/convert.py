@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.outputs import FinishReason, RequestOutput
-from engine.scheduler.step_cost import StepCostModel
+from tandem.engine.outputs import FinishReason, RequestOutput
+from tandem.engine.scheduler.step_cost import StepCostModel
 from tandem.v1 import generation_pb2, worker_pb2
 
 _FINISH = {

@@ -10,8 +10,8 @@ import logging
 import random
 import threading
 
-from kvtransfer.base import KVSender, Progress, RoomState, RoomStatus
-from services.worker.faults import FaultConfig
+from tandem.kvtransfer.base import KVSender, Progress, RoomState, RoomStatus
+from tandem.services.worker.faults import FaultConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import logging
 import threading
 import time
 
-from engine.kvcache.tiers.block_hash import Namespace
-from engine.kvcache.tiers.event_link import EventLink
-from engine.kvcache.tiers.events import KVEventBatch, KVMessage
-from services.worker import metrics
+from tandem.engine.kvcache.tiers.event_link import EventLink
+from tandem.kvblocks.events import KVEventBatch, KVMessage
+from tandem.kvblocks.keys import Namespace
+from tandem.services.worker import metrics
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

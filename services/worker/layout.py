@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.kvcache.kv_pool import KVPoolSpec
-from kvtransfer.base import PoolLayout
+from tandem.engine.kvcache.kv_pool import KVPoolSpec
+from tandem.kvtransfer.base import PoolLayout
 
 
 def layout_of(spec: KVPoolSpec) -> PoolLayout:

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 from prometheus_client.exposition import MetricsHandler
 
-from services.worker.profiler import ProfileBusy, StepProfiler
+from tandem.services.worker.profiler import ProfileBusy, StepProfiler
 
 DEFAULT_WAIT_S = 30.0
 MAX_WAIT_S = 3600.0

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import os
 
-from kvtransfer.backends.ucx_transports import RDMA_TLS, rdma_devices
-from services.worker.config import WorkerConfig
+from tandem.kvtransfer.backends.ucx_transports import RDMA_TLS, rdma_devices
+from tandem.services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def transfer_options(wcfg: WorkerConfig, side: str) -> dict:
         return options
     if wcfg.transfer_backend == "ucx":
         return {**options, "require_rdma": True} if side == "sender" else options
-    from kvtransfer.backends.ucx_env import UcxSettings
+    from tandem.kvtransfer.backends.ucx_env import UcxSettings
 
     # The user's UCX_TLS wins when it is set (they know their fabric); otherwise RDMA or nothing.
     tls = "" if os.environ.get("UCX_TLS") else RDMA_TLS

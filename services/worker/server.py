@@ -23,23 +23,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.config import EngineConfig
-from engine.models.source import default_cache_dir
-from services.common.cpu_cores import CpuListError, format_cpu_list, pin
-from services.common.registry import create_registry
-from services.worker import metrics, step_stats
-from services.worker.config import WorkerConfig
-from services.worker.faults import FaultInjector
-from services.worker.identity import WorkerIdentityServicer
-from services.worker.kv_events import REGISTRY_PREFIX, KVEventSender, event_source
-from services.worker.loop import EngineLoop
-from services.worker.metrics_server import start_metrics_server
-from services.worker.peers import PeerMonitor
-from services.worker.profiler import StepProfiler
-from services.worker.rdma import preflight
-from services.worker.spec_metrics import SpecMetrics
-from services.worker.step_stats import StepStats, StepTrace
-from services.worker.watchdog import Watchdog
+from tandem.engine.config import EngineConfig
+from tandem.engine.models.source import default_cache_dir
+from tandem.services.common.cpu_cores import CpuListError, format_cpu_list, pin
+from tandem.services.common.registry import create_registry
+from tandem.services.worker import metrics, step_stats
+from tandem.services.worker.config import WorkerConfig
+from tandem.services.worker.faults import FaultInjector
+from tandem.services.worker.identity import WorkerIdentityServicer
+from tandem.services.worker.kv_events import REGISTRY_PREFIX, KVEventSender, event_source
+from tandem.services.worker.loop import EngineLoop
+from tandem.services.worker.metrics_server import start_metrics_server
+from tandem.services.worker.peers import PeerMonitor
+from tandem.services.worker.profiler import StepProfiler
+from tandem.services.worker.rdma import preflight
+from tandem.services.worker.spec_metrics import SpecMetrics
+from tandem.services.worker.step_stats import StepStats, StepTrace
+from tandem.services.worker.watchdog import Watchdog
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,9 @@ def register_role(name: str):
 # Where each role's builder lives; importing the module registers it (only the role being run is
 # imported, so a co-located worker never loads transfer backends).
 ROLE_MODULES = {
-    "prefill": "services.prefill.role",
-    "decode": "services.decode.role",
-    "colocated": "services.colocated.role",
+    "prefill": "tandem.services.prefill.role",
+    "decode": "tandem.services.decode.role",
+    "colocated": "tandem.services.colocated.role",
 }
 
 
@@ -286,7 +286,7 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
     # Start-up lines a person waits on: the hardware-dependent settings and the model load
     # (engine.runner.model_runner), the progress line while decode graphs are captured.
-    for name in ("engine.runner.model_runner", "engine.runner.graph_runner"):
+    for name in ("tandem.engine.runner.model_runner", "tandem.engine.runner.graph_runner"):
         start_log = logging.getLogger(name)
         if not start_log.isEnabledFor(logging.INFO):
             start_log.setLevel(logging.INFO)

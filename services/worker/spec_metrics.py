@@ -3,7 +3,7 @@ what `engine.spec.stats` gained since the previous step (torch-free)."""
 
 from __future__ import annotations
 
-from services.worker import metrics
+from tandem.services.worker import metrics
 
 
 class SpecMetrics:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.worker import metrics
+from tandem.services.worker import metrics
 
 log = logging.getLogger(__name__)
 

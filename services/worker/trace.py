@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from services.common import tracing
+from tandem.services.common import tracing
 
 # bootstrap room -> the decode span of the request it belongs to, so the Bootstrap call that the
 # engine thread asks for (BootstrapClient) joins the request's trace. Only filled while tracing is on.

@@ -6,8 +6,8 @@ import json
 import httpx
 import pytest
 
-from bench.serve.backends import BackendConfig, OpenAIHTTPBackend, TandemGrpcBackend, make_backend
-from bench.serve.records import BenchRequest
+from tandem.bench.serve.backends import BackendConfig, OpenAIHTTPBackend, TandemGrpcBackend, make_backend
+from tandem.bench.serve.records import BenchRequest
 from tests.bench.fakes import FakeServer
 
 REQ = BenchRequest(prompt=" alpha bravo", prompt_len=2, output_len=3, prompt_ids=(11, 12))

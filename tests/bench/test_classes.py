@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.serve import classes
+from tandem.bench.serve import classes
 
 
 def _sweep(tmp_path, name, runs, num_prompts=4):

@@ -6,7 +6,7 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from bench.serve.datasets import DatasetConfig, TokenSampler, build_dataset, encode, load_tokenizer
+from tandem.bench.serve.datasets import DatasetConfig, TokenSampler, build_dataset, encode, load_tokenizer
 from tests.bench.fakes import byte_level_bpe
 
 
@@ -99,7 +99,7 @@ def test_load_tokenizer_from_file_and_folder(tok, tmp_path):
 
 
 def test_priority_mix_parses_weights_into_shares():
-    from bench.serve.datasets import parse_priority_mix
+    from tandem.bench.serve.datasets import parse_priority_mix
 
     assert parse_priority_mix("10:1,0:3") == ((10, 0.25), (0, 0.75))
     assert parse_priority_mix(" -5:2 ") == ((-5, 1.0),)
@@ -110,7 +110,7 @@ def test_priority_mix_parses_weights_into_shares():
 
 
 def test_priority_mix_exact_counts_shuffled_and_deterministic(tok):
-    from bench.serve.datasets import parse_priority_mix
+    from tandem.bench.serve.datasets import parse_priority_mix
 
     cfg = DatasetConfig(name="random", num_prompts=10, input_len=8, output_len=2, seed=4,
                         priority_mix=parse_priority_mix("10:1,0:2"))

@@ -18,18 +18,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import bundle, part_tests
-from bench.gpu_check.nixl_peer import digest, untouched_nonzero
-from bench.gpu_check.part_nixl import expand, page_runs
-from bench.gpu_check.runner import Part, Run, run_all, run_part
+from tandem.bench.gpu_check import bundle, part_tests
+from tandem.bench.gpu_check.nixl_peer import digest, untouched_nonzero
+from tandem.bench.gpu_check.part_nixl import expand, page_runs
+from tandem.bench.gpu_check.runner import Part, Run, link_checkout, run_all, run_part
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """The parts' environment as `make gpu-check` makes it: this tree's tandem and tests through links."""
+    return dict(os.environ, PYTHONPATH=str(link_checkout(tmp_path_factory.mktemp("site"))))
 
 
 # ---- the run on a machine without a GPU ----------------------------------------------------------------
 
-def test_make_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
+def test_make_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path, env):
     assert not torch.cuda.is_available()
     out = subprocess.run(["make", "-s", "gpu-check", f"GPU_CHECK_ARGS=--out {tmp_path}/gpu_check.json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
@@ -38,8 +43,8 @@ def test_make_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_no_gpu_where_one_is_required_fails_loudly():
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--require-gpu"], cwd=ROOT, env=ENV,
+def test_no_gpu_where_one_is_required_fails_loudly(env):
+    out = subprocess.run([sys.executable, "-P", "-m", "tandem.bench.gpu_check", "--require-gpu"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "FAILED" in out.stderr and "cannot use it" in out.stderr
@@ -48,7 +53,7 @@ def test_no_gpu_where_one_is_required_fails_loudly():
 # ---- the runner: one JSON, every failure named --------------------------------------------------------
 
 def fake_part(name: str, body: str, timeout_s: float = 30.0) -> Part:
-    code = "import time\nfrom bench.gpu_check.report import main_of, require\n" + textwrap.dedent(body)
+    code = "import time\nfrom tandem.bench.gpu_check.report import main_of, require\n" + textwrap.dedent(body)
     return Part(name, (sys.executable, "-c", code), timeout_s, what=f"fake {name}")
 
 
@@ -73,11 +78,11 @@ main_of(run)
 CRASHES = "import os\nprint('segfault, say')\nos._exit(3)\n"
 
 
-def test_the_run_json_names_each_failed_part_and_keeps_what_it_measured(tmp_path):
+def test_the_run_json_names_each_failed_part_and_keeps_what_it_measured(tmp_path, env):
     run = Run(out=tmp_path / "gpu_check.json", log=tmp_path / "gpu_check.log", header={"machine": {"gpu": "fake"}})
     parts = [fake_part("ok", PASSES), fake_part("wrong", FAILS), fake_part("hang", HANGS, timeout_s=6),
              fake_part("crash", CRASHES)]
-    run_all(parts, ENV, budget_s=120, run=run)
+    run_all(parts, env, budget_s=120, run=run)
     doc = json.loads(run.out.read_text())
     assert doc["ok"] is False and doc["failed"] == ["wrong", "hang", "crash"]
     assert doc["machine"] == {"gpu": "fake"} and doc["total_s"] > 0
@@ -94,8 +99,8 @@ def test_the_run_json_names_each_failed_part_and_keeps_what_it_measured(tmp_path
     assert "[wrong] FAILED: triton and torch differ by 0.5" in run.log.read_text()
 
 
-def test_a_part_the_budget_has_no_room_for_is_not_run():
-    outcome = run_part(fake_part("late", PASSES), ENV, budget_left_s=2.0)
+def test_a_part_the_budget_has_no_room_for_is_not_run(env):
+    outcome = run_part(fake_part("late", PASSES), env, budget_left_s=2.0)
     assert outcome["ok"] is False and outcome["status"] == "not_run"
     assert "budget" in outcome["error"]
 
@@ -183,7 +188,7 @@ def test_trim_wheel_drops_the_members_and_their_record_lines(tmp_path):
 
 IMPORTS = """
 import builtins, importlib, json, sys
-FIRST = {"bench", "engine", "services", "kvtransfer", "kernels", "tandem", "tests", "sdk"}
+FIRST = {"tandem", "tests"}
 seen, real = set(), builtins.__import__
 def record(name, globals=None, locals=None, fromlist=(), level=0):
     if level == 0 and globals and (globals.get("__name__") or "").split(".")[0] in FIRST:
@@ -198,19 +203,19 @@ print(json.dumps(sorted(seen - FIRST - set(sys.stdlib_module_names))))
 # What the parts load in their own processes (and, lazily, nixl): bench.gpu_check's modules, what
 # they import inside functions, the CUDA test modules, and the services the disagg part starts.
 RUNTIME_MODULES = [
-    "bench.gpu_check.__main__", "bench.gpu_check.part_tests", "bench.gpu_check.part_kernels",
-    "bench.gpu_check.part_engine", "bench.gpu_check.part_nixl", "bench.gpu_check.part_disagg",
-    "bench.gpu_check.models", "bench.kernels", "bench.engine", "engine.engine", "kvtransfer.backends.nixl",
-    "kernels.rmsnorm", "kernels.rope", "kernels.kv_store", "kernels.kv_pack", "kernels.decode_attention",
-    "tests.fixtures.tiny_models", "tandem.cli", "services.prefill.role", "services.decode.role",
-    "services.router.server", "tandem.v1.generation_pb2_grpc",
+    "tandem.bench.gpu_check.__main__", "tandem.bench.gpu_check.part_tests", "tandem.bench.gpu_check.part_kernels",
+    "tandem.bench.gpu_check.part_engine", "tandem.bench.gpu_check.part_nixl", "tandem.bench.gpu_check.part_disagg",
+    "tandem.bench.gpu_check.models", "tandem.bench.kernels", "tandem.bench.engine", "tandem.engine.engine", "tandem.kvtransfer.backends.nixl",
+    "tandem.kernels.rmsnorm", "tandem.kernels.rope", "tandem.kernels.kv_store", "tandem.kernels.kv_pack", "tandem.kernels.decode_attention",
+    "tests.fixtures.tiny_models", "tandem.cli", "tandem.services.prefill.role", "tandem.services.decode.role",
+    "tandem.services.router.server", "tandem.v1.generation_pb2_grpc",
     "tests.engine.test_engine_vs_hf", "tests.engine.test_bf16_parity", "tests.kernels.helpers",
     "tests.conftest", "tests.kernels.conftest",
 ]
 
 
-def test_what_the_parts_import_is_on_the_gpu_machine_or_carried():
-    out = subprocess.run([sys.executable, "-c", IMPORTS, *RUNTIME_MODULES], cwd=ROOT, env=ENV,
+def test_what_the_parts_import_is_on_the_gpu_machine_or_carried(env):
+    out = subprocess.run([sys.executable, "-P", "-c", IMPORTS, *RUNTIME_MODULES], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     names = set(json.loads(out.stdout.splitlines()[-1])) | {"nixl"}
@@ -298,10 +303,10 @@ def test_digest_sees_a_misplaced_page_and_a_changed_element():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("part", ["part_nixl", "part_disagg"])
-def test_part_runs_on_cpu(tmp_path, part):
+def test_part_runs_on_cpu(tmp_path, part, env):
     result = tmp_path / "result.json"
-    out = subprocess.run([sys.executable, "-m", f"bench.gpu_check.{part}", "--device", "cpu", "--result", str(result),
-                          "--timeout-s", "240"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-P", "-m", f"tandem.bench.gpu_check.{part}", "--device", "cpu", "--result", str(result),
+                          "--timeout-s", "240"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     doc = json.loads(result.read_text())
     assert out.returncode == 0 and doc["ok"] is True, (doc["error"], out.stdout[-3000:])
     if part == "part_nixl":
@@ -313,8 +318,8 @@ def test_part_runs_on_cpu(tmp_path, part):
 # ---- small pieces of the run ---------------------------------------------------------------------------------
 
 def test_a_static_worker_that_lost_its_port_starts_again_on_a_new_one(monkeypatch):
-    from bench.gpu_check import part_disagg
-    from bench.gpu_check.report import CheckFailed
+    from tandem.bench.gpu_check import part_disagg
+    from tandem.bench.gpu_check.report import CheckFailed
 
     class Exited:
         def poll(self):
@@ -357,7 +362,7 @@ def test_place_stubs_copies_what_is_missing_or_differs(tmp_path):
 def test_device_peak_from_clock_and_bus_width(monkeypatch):
     import types
 
-    from bench.gpu_check import gpu
+    from tandem.bench.gpu_check import gpu
 
     # An H200 as CUDA's device properties describe it (kHz, bits), then as only NVML does (MHz).
     props = types.SimpleNamespace(memory_clock_rate=3_201_000, memory_bus_width=6144)
@@ -380,7 +385,7 @@ def test_device_peak_from_clock_and_bus_width(monkeypatch):
 
 
 def test_parts_are_chosen_by_name_and_the_json_goes_to_out(monkeypatch, tmp_path):
-    from bench.gpu_check.__main__ import PARTS, default_out, select
+    from tandem.bench.gpu_check.__main__ import PARTS, default_out, select
 
     assert [p.name for p in select("nixl, tests")] == ["nixl", "tests"]
     with pytest.raises(SystemExit, match="--parts"):

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from bench.serve import kvtiers, kvtiers_report
-from bench.serve.kvtiers_restart import KillOnce, turn_of
-from bench.serve.metrics import SLO, compute_metrics, multi_turn_metrics
-from bench.serve.multiturn import Conversation, UserTurn
-from bench.serve.records import BenchRequest, RequestRecord
-from bench.serve.serve import RateRun
-from bench.serve.sweep import VllmServe
+from tandem.bench.serve import kvtiers, kvtiers_report
+from tandem.bench.serve.kvtiers_restart import KillOnce, turn_of
+from tandem.bench.serve.metrics import SLO, compute_metrics, multi_turn_metrics
+from tandem.bench.serve.multiturn import Conversation, UserTurn
+from tandem.bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.serve import RateRun
+from tandem.bench.serve.sweep import VllmServe
 from tests.bench.fakes import byte_level_bpe
 
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from bench.serve import load_profile as lp
-from bench.serve.datasets import DatasetConfig, build_dataset
-from bench.serve.metrics import SLO
-from bench.serve.records import RequestRecord
-from tandem import bench_cmd
+from tandem.bench.serve import load_profile as lp
+from tandem.bench.serve.datasets import DatasetConfig, build_dataset
+from tandem.bench.serve.metrics import SLO
+from tandem.bench.serve.records import RequestRecord
+from tandem.cli import bench_cmd
 from tests.bench.fakes import FakeServer, byte_level_bpe
 
 

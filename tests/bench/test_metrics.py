@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from bench.serve.metrics import (
+from tandem.bench.serve.metrics import (
     SLO,
     LatencyStats,
     compute_metrics,
@@ -14,7 +14,7 @@ from bench.serve.metrics import (
     metrics_by_priority,
     percentile,
 )
-from bench.serve.records import RequestRecord
+from tandem.bench.serve.records import RequestRecord
 
 
 def rec(start, times, end, out_tokens, prompt_len=10, error=""):

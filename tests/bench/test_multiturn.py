@@ -14,13 +14,13 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from bench.serve import sweep
-from bench.serve.datasets import DatasetConfig, encode, parse_priority_mix
-from bench.serve.metrics import compute_metrics, format_multi_turn_summary, multi_turn_metrics
-from bench.serve.multiturn import build_conversations, first_request, next_request, run_conversations
-from bench.serve.records import BenchRequest, RequestRecord
-from bench.serve.runner import LoadConfig, arrival_offsets
-from tandem import bench_cmd
+from tandem.bench.serve import sweep
+from tandem.bench.serve.datasets import DatasetConfig, encode, parse_priority_mix
+from tandem.bench.serve.metrics import compute_metrics, format_multi_turn_summary, multi_turn_metrics
+from tandem.bench.serve.multiturn import build_conversations, first_request, next_request, run_conversations
+from tandem.bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.runner import LoadConfig, arrival_offsets
+from tandem.cli import bench_cmd
 from tests.bench.fakes import FakeOpenAIServer, FakeServer, byte_level_bpe
 
 

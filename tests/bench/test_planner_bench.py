@@ -9,11 +9,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench import planner as pb
-from bench.planner_report import format_summary, verdict
-from bench.serve.deployment import Endpoint
-from bench.serve.load_profile import parse_load_profile
-from bench.serve.metrics import SLO
+from tandem.bench import planner as pb
+from tandem.bench.planner_report import format_summary, verdict
+from tandem.bench.serve.deployment import Endpoint
+from tandem.bench.serve.load_profile import parse_load_profile
+from tandem.bench.serve.metrics import SLO
 from tests.bench.fakes import FakeServer, byte_level_bpe
 
 METRICS = """# HELP tandem_router_workers Registered workers by role

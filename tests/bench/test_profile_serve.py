@@ -1,6 +1,6 @@
 """The serving profile's sample classification (py-spy raw stacks, made up here)."""
 
-from bench.profile_serve import summarize
+from tandem.bench.profile_serve import summarize
 
 LOOP = "_run (services/worker/loop.py:90)"
 FWD = "forward (engine/models/llama.py:80)"

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from bench.serve.records import BenchRequest, RequestRecord
-from bench.serve.runner import LoadConfig, WarmupFailed, arrival_offsets, run_load
+from tandem.bench.serve.records import BenchRequest, RequestRecord
+from tandem.bench.serve.runner import LoadConfig, WarmupFailed, arrival_offsets, run_load
 
 
 class FakeBackend:

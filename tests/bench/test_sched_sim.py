@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.sched_sim import StepCosts, engine_config, load_traces, main, simulate
+from tandem.bench.sched_sim import StepCosts, engine_config, load_traces, main, simulate
 
 FIXED = StepCosts(0.020, 0.002, 0.001)     # 20 ms + 2 ms per row + 1 ms per prefill token, no spread
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from bench.serve import sweep, sweep_report
-from bench.serve.sweep import DeploymentUnavailable, Endpoint, SweepConfig, make_deployment
-from tandem import bench_cmd
+from tandem.bench.serve import sweep, sweep_report
+from tandem.bench.serve.sweep import DeploymentUnavailable, Endpoint, SweepConfig, make_deployment
+from tandem.cli import bench_cmd
 from tests.bench.fakes import FakeServer, byte_level_bpe
 
 
@@ -180,7 +180,7 @@ def test_deployment_registry():
     cfg = SweepConfig(model="m", up_args=("--kv-cache-gb", "0.5"), tandem_backend="tandem-grpc")
     co = make_deployment("colocated", cfg)
     argv = co.argv()
-    assert argv[3] == "up" and "--ready-json" in argv
+    assert argv[argv.index("tandem.cli") + 1] == "up" and "--ready-json" in argv
     at = argv.index("--mode")
     assert argv[at:] == ["--mode", "colocated", "--colocated", "1", "--model", "m", "--dtype", "auto",
                          "--kv-cache-gb", "0.5"]

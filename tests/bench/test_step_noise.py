@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_noise import main, spread
+from tandem.bench.step_noise import main, spread
 
 
 def test_a_steady_step_has_no_spread_even_while_it_drifts():

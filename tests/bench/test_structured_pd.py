@@ -3,8 +3,8 @@ report's math (no servers, no model, no torch)."""
 
 import pytest
 
-from bench import structured_pd as spd
-from bench.structured_pd import FREE, SCHEMA, Sample
+from tandem.bench import structured_pd as spd
+from tandem.bench.structured_pd import FREE, SCHEMA, Sample
 
 
 def s(kind: str, prompt: int, ttft: float | None, e2e: float = 1.0, tokens: int = 11, **kw) -> Sample:

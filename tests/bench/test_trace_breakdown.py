@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.trace_breakdown import breakdown, phases_of
+from tandem.bench.trace_breakdown import breakdown, phases_of
 
 MS = 1_000_000
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.tracing_overhead import cpu_used, role, run_order, stack_cpu, summary, tracing_samples
+from tandem.bench.tracing_overhead import cpu_used, role, run_order, stack_cpu, summary, tracing_samples
 
 
 def run(traced: bool, ttft: float, tpot: float, cpu: float = 10.0) -> dict:
@@ -29,9 +29,9 @@ def test_overhead_is_on_over_off_medians():
 
 def test_processes_are_named_by_their_role_in_the_stack():
     py = "/venv/bin/python"
-    assert role([py, "-m", "tandem.cli", "worker", "--role", "prefill", "--port", "1"], "python") == "worker:prefill"
-    assert role([py, "-m", "tandem.cli", "router", "--port", "1"], "python") == "router"
-    assert role([py, "-m", "services.gateway", "--port", "1"], "python") == "gateway"
+    assert role([py, "-P", "-m", "tandem.cli", "worker", "--role", "prefill", "--port", "1"], "python") == "worker:prefill"
+    assert role([py, "-P", "-m", "tandem.cli", "router", "--port", "1"], "python") == "router"
+    assert role([py, "-P", "-m", "tandem.services.gateway", "--port", "1"], "python") == "gateway"
     assert role(["/x/redis-server", "*:0"], "redis-server") == "redis-server"
 
 

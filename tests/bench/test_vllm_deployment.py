@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import sweep
-from bench.serve.sweep import DeploymentUnavailable, SweepConfig, VllmServe, make_deployment
-from tandem import bench_cmd
+from tandem.bench.serve import sweep
+from tandem.bench.serve.sweep import DeploymentUnavailable, SweepConfig, VllmServe, make_deployment
+from tandem.cli import bench_cmd
 
 FAKE_SERVER = Path(__file__).with_name("fake_vllm_server.py")
 
@@ -185,8 +185,8 @@ def test_targets_against_vllm():
 
 SWEEP_SCRIPT = """
 import sys
-from bench.serve import sweep
-from bench.serve.datasets import DatasetConfig
+from tandem.bench.serve import sweep
+from tandem.bench.serve.datasets import DatasetConfig
 sweep.VllmServe.entrypoint = (sys.argv[1],)
 sweep.VllmServe.stop_grace_s = 0.5
 sweep._http_ok = lambda url: False                           # never ready: SIGTERM arrives while it starts

@@ -44,7 +44,7 @@ class Stack:
         env = service_env() if env is None else env
         gateway_port = "0" if gateway else "-1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
+            [sys.executable, "-P", "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
              "--ready-json", "--local-prefill-max-tokens", "-1", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
             start_new_session=True,
@@ -77,7 +77,9 @@ class Stack:
         return [w for w in self.info["workers"] if w["role"] == role]
 
     def generate(self, prompt: list[int] | str, timeout: float = 60.0, **sampling) -> generation_pb2.GenerateResponse:
-        """The whole generation merged into one response (token ids, text, last chunk's fields)."""
+        """The whole generation merged into one response (token ids, text, last chunk's fields). Greedy
+        unless `sampling` says otherwise (an unset temperature would sample, as on every API)."""
+        sampling.setdefault("temperature", 0.0)
         req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(**sampling))
         if isinstance(prompt, str):
             req.text = prompt
@@ -174,7 +176,7 @@ class Service:
     it printed its TANDEM_READY line; `info` is that line's JSON."""
 
     def __init__(self, *argv: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
                                      env=service_env())
         self.log: deque[str] = deque(maxlen=200)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench.serve.sweep import first_http_model
-from tandem.cli import main
+from tandem.bench.serve.sweep import first_http_model
+from tandem.cli.main import main
 from tests.e2e.stack import API_KEY, gateway_stack
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench.chaos import main as chaos_main
+from tandem.bench.chaos import main as chaos_main
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 

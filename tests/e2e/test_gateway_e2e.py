@@ -13,7 +13,7 @@ import pytest
 from tandem_client import Client
 from transformers import AutoTokenizer
 
-from tandem import cli
+from tandem.cli import main as cli
 from tests.e2e.stack import API_KEY, Service, gateway_stack
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,7 +120,7 @@ def side_gateways(stack):
     services = list(routers)
     try:
         addrs = [r.wait_ready()["grpc_addr"] for r in routers]
-        gateways = [Service("services.gateway", "--port", "0", "--router", a) for a in addrs]
+        gateways = [Service("tandem.services.gateway", "--port", "0", "--router", a) for a in addrs]
         services += gateways
         yield [(a, g.wait_ready()["url"]) for a, g in zip(addrs, gateways, strict=True)]
     finally:

@@ -23,7 +23,7 @@ MAX_TOKENS = 12
 
 
 def reshape(stack: Stack, shape: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", "reshape", shape, "--redis-url",
+    return subprocess.run([sys.executable, "-P", "-m", "tandem.cli", "reshape", shape, "--redis-url",
                            stack.info["redis_url"], "--reason", "e2e", "--wait-timeout", str(timeout_s)],
                           capture_output=True, text=True, cwd=ROOT, env=service_env(), timeout=timeout_s + 30)
 

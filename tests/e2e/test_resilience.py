@@ -101,7 +101,7 @@ def test_decode_killed_mid_stream_every_stream_is_migrated_and_matches_an_undist
         progress = [0] * len(prompts)
 
         def stream(i: int) -> list[int]:
-            req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=120,
+            req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=120, temperature=0,
                                                                                           ignore_eos=True))
             req.token_ids.ids.extend(prompts[i])
             got = []

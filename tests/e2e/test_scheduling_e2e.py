@@ -14,8 +14,8 @@ from collections import deque
 import grpc
 import pytest
 
-from services.worker.faults import HANG_AT_ENV, HANG_S_ENV
-from services.worker.watchdog import EXIT_CODE
+from tandem.services.worker.faults import HANG_AT_ENV, HANG_S_ENV
+from tandem.services.worker.watchdog import EXIT_CODE
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 from tests.e2e.stack import ROOT, Service
@@ -28,7 +28,7 @@ class Worker(Service):
 
     def __init__(self, model, *args: str, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "colocated", "--model", str(model), "--dtype", "float32",
+            [sys.executable, "-P", "-m", "tandem.cli", "colocated", "--model", str(model), "--dtype", "float32",
              "--page-size", "4", "--max-total-tokens", "2048", "--context-length", "256", "--metrics-port", "-1",
              "--log-stats-interval", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,

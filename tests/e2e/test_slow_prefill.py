@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from services.prefill.progress import DEFAULT_S_PER_TOKEN, REPORT_INTERVAL_S
-from services.worker.faults import HANG_AT_ENV, HANG_S_ENV
+from tandem.services.prefill.progress import DEFAULT_S_PER_TOKEN, REPORT_INTERVAL_S
+from tandem.services.worker.faults import HANG_AT_ENV, HANG_S_ENV
 from tests.e2e.stack import Stack, service_env
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]   # ~40 s: prefills stretched on purpose

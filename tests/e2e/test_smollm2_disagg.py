@@ -6,9 +6,9 @@ import concurrent.futures as cf
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

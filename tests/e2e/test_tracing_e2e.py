@@ -13,9 +13,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from bench.trace_breakdown import breakdown
-from tandem.cli import main
-from tandem.trace_cmd import find, load, timeline
+from tandem.bench.trace_breakdown import breakdown
+from tandem.cli.main import main
+from tandem.cli.trace_cmd import find, load, timeline
 from tests.e2e.stack import Stack, service_env
 
 pytestmark = pytest.mark.timeout(300)

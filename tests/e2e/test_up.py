@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from services.common.cpu_cores import available_cores, describe, plan_cores
+from tandem.services.common.cpu_cores import available_cores, describe, plan_cores
 from tests.e2e.stack import ROOT, shm_segments_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,7 +49,7 @@ def read_until(q: queue.Queue, pattern: str, seen: list[str], timeout_s: float =
 
 def test_up_banner_comes_once_serving_and_ctrl_c_says_goodbye(tiny_llama):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--model", str(tiny_llama),
+        [sys.executable, "-P", "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "0", "--model", str(tiny_llama),
          "--dtype", "float32", "--max-total-tokens", "1024", "--transfer-backend", "shm"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
     seen: list[str] = []

@@ -137,7 +137,7 @@ def test_profile_of_the_next_steps(worker):
 
 
 def test_tandem_up_places_each_worker_and_forwards_the_flags(tiny_llama, tmp_path):
-    from services.common.cpu_cores import available_cores, format_cpu_list, plan_cores
+    from tandem.services.common.cpu_cores import available_cores, format_cpu_list, plan_cores
     from tests.e2e.stack import Stack
 
     stack = Stack("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--max-total-tokens", "1024",

@@ -38,10 +38,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.hardware import detect
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.hardware import detect
+from tandem.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import random_prompts
 
 SMOLLM2_TOKENS = 32

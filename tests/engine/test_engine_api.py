@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest, ModelNotFound
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest, ModelNotFound
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

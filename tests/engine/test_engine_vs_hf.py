@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 ARCHS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3"]
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine.hardware import (
+from tandem.engine.hardware import (
     Hardware,
     choose_cpu_kernels,
     choose_dtype,
@@ -75,7 +75,7 @@ def test_summary_says_what_was_capped():
     assert "no native bf16" in AVX2.summary() and "native bf16" in ZEN4.summary()
 
 
-_PROBE = ("import json, torch; from engine.hardware import detect, choose_dtype; hw = detect('cpu'); "
+_PROBE = ("import json, torch; from tandem.engine.hardware import detect, choose_dtype; hw = detect('cpu'); "
           "print(json.dumps({'isa': hw.isa, 'native_bf16': hw.native_bf16, 'onednn_bf16': hw.onednn_bf16, "
           "'dtype': str(choose_dtype(hw).value), 'aten': torch.backends.cpu.get_cpu_capability()}))")
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest
-from engine.kvcache.tiers.base import Tier
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kvblocks.blocks import Tier
 
 PS = 4
 # 12 pages of 4 tokens: the pool holds one 40-token prompt and its output, not two.
@@ -116,7 +116,7 @@ def test_corrupt_l3_block_is_recomputed(tiny_llama, reference, tmp_path):
     finally:
         first.close()
     # Flip a byte in the payload of A's fourth block: blocks 0-2 load, the rest is recomputed.
-    from engine.kvcache.tiers.block_hash import block_hashes
+    from tandem.kvblocks.keys import block_hashes
     keys = block_hashes(tiers.namespace, PREFIX)
     path = tiers.store.disk.path(keys[3])
     data = bytearray(path.read_bytes())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import greedy, make_engine, random_prompts
 from tests.engine.test_mixed_chunk_engine import run_staggered
 

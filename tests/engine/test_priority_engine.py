@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import ResourceExhausted
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import ResourceExhausted
+from tandem.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LOW, HIGH = [5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

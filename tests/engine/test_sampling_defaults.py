@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest
-from engine.models.config import generation_defaults, load_sampling_defaults
-from engine.sampling_params import MODEL_DEFAULT_FIELDS, OPENAI_DEFAULTS, SamplingDefaults, SamplingParams
-from services.common.convert import sampling_from_pb
-from tandem import generate_cmd
+from tandem.cli import generate_cmd
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.models.config import generation_defaults, load_sampling_defaults
+from tandem.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingDefaults, SamplingParams
+from tandem.services.common.convert import sampling_from_pb
 from tandem.v1 import generation_pb2 as pb
 from tests.fixtures.model_folders import with_generation_config
 
@@ -33,8 +33,8 @@ def engine_on(folder: Path) -> LLMEngine:
 
 def test_fill_takes_the_defaults_for_unset_fields_only():
     UNSET.validate()                                            # unset passes: the defaults are checked
-    assert [getattr(SamplingDefaults().fill(UNSET), f) for f in MODEL_DEFAULT_FIELDS] == [0.0, 1.0, -1, 0.0, 1.0]
-    assert OPENAI_DEFAULTS.fill(UNSET).temperature == 1.0
+    # OpenAI's, on every API: an unset temperature samples (vLLM's and SGLang's rule too).
+    assert [getattr(SamplingDefaults().fill(UNSET), f) for f in MODEL_DEFAULT_FIELDS] == [1.0, 1.0, -1, 0.0, 1.0]
     model = SamplingDefaults().with_model(RECOMMENDED)
     assert model.from_model == ("temperature", "top_p", "top_k")
     got = model.fill(replace(UNSET, temperature=0.0, top_k=-1))
@@ -52,12 +52,12 @@ def test_generation_config_values_are_read_and_bad_ones_left_out(tmp_path, caplo
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_k": 40.0, "top_p": 0, "min_p": "low",
         "repetition_penalty": None, "max_new_tokens": 256}))
-    with caplog.at_level(logging.WARNING, logger="engine.models.config"):
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.models.config"):
         assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 40}
     assert "top_p must be in (0, 1]" in caplog.text and "min_p must be a number" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine.models.config"):
-        defaults = load_sampling_defaults(tmp_path, OPENAI_DEFAULTS)
+    with caplog.at_level(logging.INFO, logger="tandem.engine.models.config"):
+        defaults = load_sampling_defaults(tmp_path)
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.7, 40, 1.0)
     assert any(r.levelno == logging.WARNING and "temperature 0.7" in r.getMessage() for r in caplog.records)
     (tmp_path / "generation_config.json").write_text("{not json")
@@ -97,9 +97,9 @@ def test_every_entry_point_gets_the_models_defaults_and_explicit_values_win(reco
     assert engine.generate([[5, 6, 7]], replace(grpc_explicit, max_tokens=8))[0].token_ids == greedy
 
 
-def test_a_folder_without_recommendations_keeps_todays_defaults(tiny_llama):
+def test_a_folder_without_recommendations_takes_openais_defaults_on_grpc_too(tiny_llama):
     engine = engine_on(tiny_llama)
     assert engine.sampling_defaults == SamplingDefaults()
     p = engine.make_request([5, 6, 7], sampling_from_pb(pb.SamplingParams(max_tokens=4)), rid="r").params
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.0, 1.0, -1, 0.0, 1.0)
-    assert p.is_greedy                                          # the gRPC API's unset temperature, as before
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, -1, 0.0, 1.0)
+    assert not p.is_greedy                                      # the same as an HTTP request without one

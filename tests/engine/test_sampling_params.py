@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams, normalize_stop
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.sampling_params import SamplingParams, normalize_stop
 
 
 def test_defaults_are_valid():

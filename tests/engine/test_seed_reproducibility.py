@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.attention.base import create_backend  # noqa: E402
-from engine.kvcache.kv_pool import KVPool, KVPoolSpec  # noqa: E402
+from tandem.engine.attention.base import create_backend  # noqa: E402
+from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec  # noqa: E402
 from tests.engine.test_engine_vs_hf import greedy, make_engine, random_prompts  # noqa: E402
 
 
@@ -60,8 +60,8 @@ def test_auto_picks_torch_on_cpu_and_triton_on_cuda():
 def test_cpu_without_interpreter_is_a_clear_error_and_torch_never_imports_triton():
     code = textwrap.dedent("""
         import sys, torch
-        from engine.attention.base import create_backend
-        from engine.kvcache.kv_pool import KVPool, KVPoolSpec
+        from tandem.engine.attention.base import create_backend
+        from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec
         pool = KVPool(KVPoolSpec(1, 4, 4, 1, 16, torch.float32), "cpu")
         assert create_backend("auto", pool, 2, 16).name == "torch"
         assert "triton" not in sys.modules

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels.cpu import load, runnable_levels
+from tandem.kernels.cpu import load, runnable_levels
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -20,6 +20,6 @@ if not torch.cuda.is_available():
 def ops(request):
     """The CPU kernels (kernels/cpu) of each ISA level this CPU runs, one after the other."""
     ops = load(request.param)
-    assert ops is not None, f"the {request.param} CPU kernels did not build (run `python -m kernels.cpu -v`)"
+    assert ops is not None, f"the {request.param} CPU kernels did not build (run `python -m tandem.kernels.cpu -v`)"
     assert ops.LEVEL == request.param
     return ops

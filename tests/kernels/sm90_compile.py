@@ -21,8 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import decode_attention, extend_attention, kv_pack, kv_store, rmsnorm, rope
-from kernels.common import attention_tile, num_warps_for
+from tandem.kernels import decode_attention, extend_attention, kv_pack, kv_store, rmsnorm, rope
+from tandem.kernels.common import attention_tile, num_warps_for
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

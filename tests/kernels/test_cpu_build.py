@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu import build, cache_dir, isa, runnable_levels
-from kernels.cpu.build import Artifact, BuildError, cached, run
+from tandem.kernels.cpu import build, cache_dir, isa, runnable_levels
+from tandem.kernels.cpu.build import Artifact, BuildError, cached, run
 
 REPO = Path(__file__).resolve().parents[2]
 COMPILING = "compiling Tandem's CPU kernels"
@@ -79,17 +79,26 @@ def cache(tmp_path, seeded_cache_root) -> Path:
     return root
 
 
-def _load_script(level: str) -> str:
-    return ("import logging; logging.basicConfig(level=logging.WARNING, format='%(message)s')\n"
-            "import kernels.cpu as k\n"
+def _load_script(level: str, checkout: Path = REPO) -> str:
+    """Load the kernels of `level` from `checkout`'s kernels/cpu (this one's is tandem.kernels.cpu; another
+    checkout's is loaded from its files under the same name, as its own install would)."""
+    if checkout == REPO:
+        load = "import tandem.kernels.cpu as k\n"
+    else:
+        init = checkout / "kernels" / "cpu" / "__init__.py"
+        load = ("import importlib.util, sys, tandem.kernels\n"
+                f"spec = importlib.util.spec_from_file_location('tandem.kernels.cpu', {str(init)!r}, "
+                f"submodule_search_locations=[{str(init.parent)!r}])\n"
+                "k = importlib.util.module_from_spec(spec); sys.modules[spec.name] = k; spec.loader.exec_module(k)\n")
+    return ("import logging; logging.basicConfig(level=logging.WARNING, format='%(message)s')\n" + load +
             f"ops = k.load({level!r})\n"
             "assert ops is not None\n"
             "print('LOADED', ops.LEVEL, ops.__file__, k.__file__)\n")
 
 
-def _load(cwd: Path, cache: Path, level: str = "generic", **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _load_script(level)], cwd=cwd, env=_env(cache, **env),
-                          capture_output=True, text=True, timeout=300)
+def _load(checkout: Path, cache: Path, level: str = "generic", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-c", _load_script(level, checkout)], cwd=checkout,
+                          env=_env(cache, **env), capture_output=True, text=True, timeout=300)
 
 
 def _loaded(proc: subprocess.CompletedProcess) -> list[str]:
@@ -104,7 +113,7 @@ def _loaded(proc: subprocess.CompletedProcess) -> list[str]:
 def test_the_isa_caps_choose_the_avx2_variant(caps):
     """Under the AVX2 emulation the engine's `load()` gives the avx2 kernels (in a fresh process: the
     caps are read from its environment); without caps, the host's best."""
-    script = "import kernels.cpu as k; ops = k.load(); print('LOADED', ops.LEVEL)"
+    script = "import tandem.kernels.cpu as k; ops = k.load(); print('LOADED', ops.LEVEL)"
     env = {**_env(cache_dir()), **caps}
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
@@ -161,7 +170,7 @@ def test_a_build_killed_midway_blocks_no_later_start(tmp_path, caplog):
         child.communicate()
     assert [p.name.startswith("build-") for p in entry.iterdir() if p.is_dir()] == [True]
     assert not (entry / "ready").exists()
-    caplog.set_level("INFO", logger="kernels.cpu")
+    caplog.set_level("INFO", logger="tandem.kernels.cpu")
     t0 = time.monotonic()
     lib = cached(root, _tiny(src, "c++"), timeout_s=20)   # ... and free again: a wait would raise BuildError
     assert time.monotonic() - t0 < 20

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest
-from engine.models.layers import RMSNorm
-from engine.models.rope import _rotate
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.models.layers import RMSNorm
+from tandem.engine.models.rope import _rotate
+from tandem.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import random_prompts
 
 

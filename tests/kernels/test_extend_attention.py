@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.decode_attention import paged_decode_attention
-from kernels.extend_attention import extend_attention
+from tandem.kernels import reference
+from tandem.kernels.decode_attention import paged_decode_attention
+from tandem.kernels.extend_attention import extend_attention
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, page_table, randn
 
 PAGE_SIZE = 4

@@ -1,6 +1,6 @@
 """kernels/cpu/isa.py: the ISA level read off the CPU's flags and capped by the emulation variables."""
 
-from kernels.cpu import isa
+from tandem.kernels.cpu import isa
 
 ZEN4 = frozenset("fpu sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni".split())
 ZEN3 = frozenset("fpu sse2 avx f16c fma avx2".split())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.kv_pack import pack_kv_pages, staging_shape, unpack_kv_pages
+from tandem.kernels import reference
+from tandem.kernels.kv_pack import pack_kv_pages, staging_shape, unpack_kv_pages
 from tests.kernels.helpers import DEVICE, randn
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.kv_store import store_kv
+from tandem.kernels import reference
+from tandem.kernels.kv_store import store_kv
 from tests.kernels.helpers import DEVICE, DTYPES, randn
 
 

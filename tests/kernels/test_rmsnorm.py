@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers import RMSNorm
-from kernels import reference
-from kernels.rmsnorm import rms_norm
+from tandem.engine.models.layers import RMSNorm
+from tandem.kernels import reference
+from tandem.kernels.rmsnorm import rms_norm
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, randn
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import RopeConfig
-from engine.models.rope import RotaryEmbedding
-from kernels.rope import apply_rope
+from tandem.engine.models.config import RopeConfig
+from tandem.engine.models.rope import RotaryEmbedding
+from tandem.kernels.rope import apply_rope
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, randn
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtransfer.base import PoolLayout, RoomStatus
+from tandem.kvtransfer.base import PoolLayout, RoomStatus
 
 SMALL = PoolLayout(num_layers=2, num_pages=64, page_size=4, kv_heads=2, head_dim=8, dtype="bfloat16")
 BIGGER = PoolLayout(num_layers=4, num_pages=256, page_size=16, kv_heads=4, head_dim=64, dtype="bfloat16")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from kvtransfer import create_receiver, create_sender
-from kvtransfer.base import PoolLayout
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.kvtransfer.base import PoolLayout
 from tests.kvtransfer.helpers import page_bytes, random_pool, wait_done, wait_until
 
 

@@ -6,14 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-import kvtransfer
-from kvtransfer import cleanup_stale_segments, create_receiver, create_sender
-from kvtransfer.base import RoomState, TransferError
-from kvtransfer.protocol.shm import PREFIX, Segment
+from tandem.kvtransfer import cleanup_stale_segments, create_receiver, create_sender
+from tandem.kvtransfer.base import RoomState, TransferError
+from tandem.kvtransfer.protocol.shm import PREFIX, Segment
 from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,11 +50,11 @@ def test_options_reach_the_parts_that_take_them_and_nothing_else():
 
 
 def test_importing_kvtransfer_loads_neither_nixl_nor_ucxx():
-    code = ("import os, sys, kvtransfer; "
+    code = ("import os, sys, tandem.kvtransfer; "
             "assert not {'nixl', 'nixl_cu12', 'ucxx'} & set(sys.modules), sorted(sys.modules); "
             "assert not any(k.startswith('UCX_') for k in os.environ)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(kvtransfer.__path__[0]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
 
 
 def test_a_receiver_that_cannot_listen_leaves_no_segment():
@@ -156,11 +158,10 @@ def test_a_new_segment_removes_stale_ones_and_unlinks_itself_when_dropped(tmp_pa
 
 
 def test_a_worker_killed_with_sigkill_leaks_a_segment_the_next_worker_removes(tmp_path):
-    code = ("import sys, time; from kvtransfer.protocol.shm import Segment; from tests.kvtransfer.helpers import SMALL; "
+    code = ("import sys, time; from tandem.kvtransfer.protocol.shm import Segment; from tests.kvtransfer.helpers import SMALL; "
             "seg = Segment.create(SMALL, 'decode-0', directory=sys.argv[1]); print(seg.path, flush=True); "
             "time.sleep(60)")
-    root = os.path.dirname(kvtransfer.__path__[0])
-    victim = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=root)
+    victim = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         path = victim.stdout.readline().strip()
         assert path and os.path.exists(path)

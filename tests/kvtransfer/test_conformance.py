@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvtransfer import cleanup_stale_segments, create_receiver, create_sender
-from kvtransfer.base import Progress, RoomState, TransferError
+from tandem.kvtransfer import cleanup_stale_segments, create_receiver, create_sender
+from tandem.kvtransfer.base import Progress, RoomState, TransferError
 from tests.kvtransfer.helpers import BIGGER, SMALL, Child, page_bytes, random_pool, uid, wait_done, wait_until
 
 BACKENDS = ["shm", "tcp", "auto", "nixl", "ucx"]

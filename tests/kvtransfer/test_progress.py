@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kvtransfer import create_receiver, create_sender
-from kvtransfer.base import Progress, RoomState
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.kvtransfer.base import Progress, RoomState
 from tests.kvtransfer.helpers import SMALL, random_pool, uid, wait_done, wait_until
 
 pytestmark = pytest.mark.timeout(60)

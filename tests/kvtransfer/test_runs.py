@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.protocol.runs import expand_runs, merge_runs
+from tandem.kvtransfer.protocol.runs import expand_runs, merge_runs
 
 
 def test_merges_where_both_sides_are_consecutive():

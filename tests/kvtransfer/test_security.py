@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from kvtransfer import create_receiver, create_sender
-from kvtransfer.base import RoomState, TransferError
-from kvtransfer.protocol.handshake import CHALLENGE_BYTES, _proof
-from kvtransfer.protocol.wire import HEADER, VERSION, Channel, Kind, ReceiverMetadata, dumps, loads
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.kvtransfer.base import RoomState, TransferError
+from tandem.kvtransfer.protocol.handshake import CHALLENGE_BYTES, _proof
+from tandem.kvtransfer.protocol.wire import HEADER, VERSION, Channel, Kind, ReceiverMetadata, dumps, loads
 from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,7 +68,7 @@ def test_a_sender_with_the_key_transfers(pair, backend):
 def test_a_sender_without_the_key_is_refused_and_logged(pair, backend, sender_key, caplog):
     rx_, tx_ = pair
     rx, tx = rx_(backend), tx_(backend, key=sender_key)
-    with caplog.at_level(logging.WARNING, logger="kvtransfer.protocol.handshake"):
+    with caplog.at_level(logging.WARNING, logger="tandem.kvtransfer.protocol.handshake"):
         with pytest.raises(TransferError, match="refused the connection: the sender"):
             tx.connect(rx.worker_id, rx.metadata())
     assert rx.refusals.count == 1 and not tx.has_peer(rx.worker_id)

@@ -7,11 +7,11 @@ import socket
 import numpy as np
 import pytest
 
-from kvtransfer import create_receiver, create_sender
-from kvtransfer.backends.ucx import DIRECT_MIN, STAGE_BYTES, plan_messages
-from kvtransfer.backends.ucx_env import UcxSettings
-from kvtransfer.base import RoomState, TransferError
-from kvtransfer.protocol.liveness import connection_up
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.kvtransfer.backends.ucx import DIRECT_MIN, STAGE_BYTES, plan_messages
+from tandem.kvtransfer.backends.ucx_env import UcxSettings
+from tandem.kvtransfer.base import RoomState, TransferError
+from tandem.kvtransfer.protocol.liveness import connection_up
 from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done, wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvtransfer import create_receiver, create_sender
-from kvtransfer.backends.ucx_transports import Transport, check_rdma, is_rdma, rdma_devices
-from kvtransfer.base import TransferError
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.kvtransfer.backends.ucx_transports import Transport, check_rdma, is_rdma, rdma_devices
+from tandem.kvtransfer.base import TransferError
 from tests.kvtransfer.helpers import SMALL, random_pool, uid
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.base import PoolLayout, Progress, TransferError
-from kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
-from kvtransfer.protocol.wire import (
+from tandem.kvtransfer.base import PoolLayout, Progress, TransferError
+from tandem.kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
+from tandem.kvtransfer.protocol.wire import (
     PROGRESS_BODY,
     VERSION,
     Channel,

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from services.decode.worker import DecodeTimeouts
-from services.prefill.worker import PrefillTimeouts
+from tandem.services.decode.worker import DecodeTimeouts
+from tandem.services.prefill.worker import PrefillTimeouts
 from tests.services.test_pd_tiers import A2, GREEDY, SMALL, A, colocated  # noqa: F401  (fixture)
 from tests.services.test_pd_workers import drive, make_pair, submit
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.errors import ResourceExhausted
-from engine.sampling_params import SamplingParams
-from services.decode.worker import DecodeRoom
-from services.prefill.rooms import BootstrapInfo
+from tandem.engine.errors import ResourceExhausted
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.decode.worker import DecodeRoom
+from tandem.services.prefill.rooms import BootstrapInfo
 from tandem.v1 import worker_pb2
 from tests.services.test_pd_workers import drive, pair  # noqa: F401 (a fixture)
 

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import Progress
-from services.decode.worker import DecodeTimeouts, TransferFailed
-from services.prefill.worker import PrefillTimeouts
-from services.worker import metrics
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kvtransfer.base import Progress
+from tandem.services.decode.worker import DecodeTimeouts, TransferFailed
+from tandem.services.prefill.worker import PrefillTimeouts
+from tandem.services.worker import metrics
 from tests.services.test_pd_workers import BASE, make_pair, submit
 
 TRANSFER_S = 0.4

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer import create_receiver, create_sender
-from services.decode.worker import DecodeTimeouts, DecodeWorker
-from services.prefill.worker import PrefillTimeouts, PrefillWorker
-from services.worker.layout import layout_of
-from services.worker.spec_metrics import SpecMetrics
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.services.decode.worker import DecodeTimeouts, DecodeWorker
+from tandem.services.prefill.worker import PrefillTimeouts, PrefillWorker
+from tandem.services.worker.layout import layout_of
+from tandem.services.worker.spec_metrics import SpecMetrics
 from tests.services.test_pd_workers import BASE, DirectPeers, drive, submit
 
 
@@ -67,7 +67,7 @@ def test_decode_worker_speculates_and_matches_colocated(spec_pair, tiny_llama):
 
 
 def test_spec_metrics_export_deltas(tiny_llama):
-    from services.worker import metrics
+    from tandem.services.worker import metrics
 
     engine = LLMEngine(spec_cfg(tiny_llama, "draft"))
     exporter = SpecMetrics(engine.spec)

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured_output import Kind, StructuredSpec
-from services.decode.worker import DecodeRoom, DecodeTimeouts
-from services.prefill.worker import PrefillTimeouts
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import Kind, StructuredSpec
+from tandem.services.decode.worker import DecodeRoom, DecodeTimeouts
+from tandem.services.prefill.worker import PrefillTimeouts
 from tests.engine.structured.test_structured_engine import SCHEMA, check_schema
 from tests.services.test_pd_workers import BASE, drive, make_pair, submit
 

@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from services.decode.worker import DecodeTimeouts
-from services.prefill.worker import PrefillTimeouts
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.services.decode.worker import DecodeTimeouts
+from tandem.services.prefill.worker import PrefillTimeouts
 from tandem.v1 import worker_pb2
 from tests.services.test_pd_workers import BASE, drive, make_pair, submit
 

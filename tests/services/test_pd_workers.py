@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer import create_receiver, create_sender
-from services.decode.worker import DecodeRoom, DecodeTimeouts, DecodeWorker, TransferFailed
-from services.prefill.rooms import BootstrapInfo
-from services.prefill.worker import PrefillTimeouts, PrefillWorker
-from services.worker.layout import layout_of
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.services.decode.worker import DecodeRoom, DecodeTimeouts, DecodeWorker, TransferFailed
+from tandem.services.prefill.rooms import BootstrapInfo
+from tandem.services.prefill.worker import PrefillTimeouts, PrefillWorker
+from tandem.services.worker.layout import layout_of
 from tandem.v1 import worker_pb2
 
 BASE = EngineConfig(dtype="float32", page_size=4, max_total_tokens=512, chunked_prefill_size=16)

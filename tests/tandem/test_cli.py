@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tandem.cli import SUBCOMMANDS, HelpFormatter, build_parser, main
+from tandem.cli.main import SUBCOMMANDS, HelpFormatter, build_parser, main
 
 
 def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("tandem",)):
@@ -95,7 +95,7 @@ def test_up_help_shows_every_flag_once_in_its_group_with_its_default_once():
             assert not re.search(r"\(default: (True|False|None|)\)", entry), entry
     entries = {f: e for t in titles for e in sections[t] for f in _flag_of(e)}
     assert "(default: on)" in entries["--enable-mixed-chunk"] and "default" not in entries["--disable-mixed-chunk"]
-    from services.worker.config import WorkerConfig
+    from tandem.services.worker.config import WorkerConfig
     assert f"(default: {WorkerConfig(role='').drain_timeout_s})" in entries["--drain-timeout"]
     assert entries["--policy"].rstrip().endswith("(cache_aware) (default: cache_aware)")
 

@@ -1,5 +1,5 @@
 """Every flag is declared once (services/common/flags.py). Walking every parser of `tandem` (each
-subcommand, `bench serve|sweep`) and of `python -m services.router|gateway`, each option string comes
+subcommand, `bench serve|sweep`) and of `python -m tandem.services.router|gateway`, each option string comes
 from exactly one declaration: a `Flag`, or for a flag added by hand (bench, generate) one
 `add_argument` call. The exceptions are names that mean different things in different commands,
 listed here with each meaning (one declaration each)."""
@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-from services.common.flags import OWNER_ORDER, Flag, Owner, declaration_of, flags_of, owner_names
+from tandem.services.common.flags import OWNER_ORDER, Flag, Owner, declaration_of, flags_of, owner_names
 
 # option -> {who declares it (a Flag's owners, or the module of a hand-made flag): what it is there}
 HOMONYMS: dict[str, dict[str, str]] = {
@@ -26,12 +26,12 @@ HOMONYMS: dict[str, dict[str, str]] = {
     "--cpu-cores": {"launcher": "`tandem up`'s placement of every worker (auto, one list per worker)",
                     "workers": "the cores of one worker"},
     "--api-key": {"launcher+router+gateway": "the key a server requires",
-                  "tandem.bench_cmd": "the key a load generator sends"},
+                  "tandem.cli.bench_cmd": "the key a load generator sends"},
     "--tokenizer": {"gateway": "where the gateway loads the served model's tokenizer from",
-                    "tandem.bench_cmd": "what the load generator counts tokens with"},
-    "--seed": {"tandem.generate_cmd": "the sampling seed", "tandem.bench_cmd": "the workload's seed"},
-    "--temperature": {"tandem.generate_cmd": "sampling temperature (default: the model's)",
-                      "tandem.bench_cmd": "every request's temperature in a load test (default: greedy)"},
+                    "tandem.cli.bench_cmd": "what the load generator counts tokens with"},
+    "--seed": {"tandem.cli.generate_cmd": "the sampling seed", "tandem.cli.bench_cmd": "the workload's seed"},
+    "--temperature": {"tandem.cli.generate_cmd": "sampling temperature (default: the model's)",
+                      "tandem.cli.bench_cmd": "every request's temperature in a load test (default: greedy)"},
 }
 
 
@@ -55,9 +55,9 @@ def _build_parsers(monkeypatch) -> tuple[list[argparse.ArgumentParser], dict[int
         return action
 
     monkeypatch.setattr(argparse._ActionsContainer, "add_argument", recording)
-    from services.gateway.__main__ import parser as gateway_main
-    from services.router.__main__ import parser as router_main
-    from tandem.cli import build_parser
+    from tandem.cli.main import build_parser
+    from tandem.services.gateway.__main__ import parser as gateway_main
+    from tandem.services.router.__main__ import parser as router_main
 
     return [*_walk(build_parser()), router_main(), gateway_main()], sites
 
@@ -89,7 +89,7 @@ def test_each_flag_is_declared_once(monkeypatch):
 
 def test_a_copied_flag_is_caught(monkeypatch):
     # What `tandem up` did before: its own --bootstrap-timeout with a literal default.
-    import tandem.up_cmd as up_cmd
+    import tandem.cli.up_cmd as up_cmd
 
     real = up_cmd.up_flags
 
@@ -103,7 +103,7 @@ def test_a_copied_flag_is_caught(monkeypatch):
 
 def test_a_flag_added_again_by_hand_is_caught(monkeypatch):
     # What the router did before: its own --max-queued-requests beside the engine's.
-    import services.router.config as router_config
+    import tandem.services.router.config as router_config
 
     flags = tuple(f for f in router_config.ROUTER_FLAGS if f.name != "--max-queued-requests")
     real = router_config.add_arguments
@@ -118,19 +118,19 @@ def test_a_flag_added_again_by_hand_is_caught(monkeypatch):
 
 
 def _all_flags() -> list[Flag]:
-    from tandem.up_cmd import up_flags
+    from tandem.cli.up_cmd import up_flags
 
-    parsers = [p for p in _walk(__import__("tandem.cli").cli.build_parser())]
+    parsers = [p for p in _walk(__import__("tandem.cli.main").cli.main.build_parser())]
     return list({id(f): f for p in parsers for f in flags_of(p)}.values()) + up_flags()
 
 
 def test_defaults_come_from_each_owners_config():
-    from engine.config import EngineConfig
-    from services.gateway.config import GatewayConfig
-    from services.router.config import RouterConfig
-    from services.worker.config import WorkerConfig
-    from tandem.cli import build_parser
-    from tandem.up_cmd import _configs
+    from tandem.cli.main import build_parser
+    from tandem.cli.up_cmd import _configs
+    from tandem.engine.config import EngineConfig
+    from tandem.services.gateway.config import GatewayConfig
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.worker.config import WorkerConfig
 
     configs = _configs()
     for flag in _all_flags():
@@ -149,7 +149,7 @@ def test_defaults_come_from_each_owners_config():
 
 
 def test_up_takes_every_flag_of_its_children_but_their_placement():
-    from tandem.cli import build_parser
+    from tandem.cli.main import build_parser
 
     parsers = {p.prog.split()[-1]: p for p in _walk(build_parser())}
     up = {s for a in parsers["up"]._actions for s in a.option_strings}
@@ -166,10 +166,10 @@ def test_up_takes_every_flag_of_its_children_but_their_placement():
 def test_python_m_services_is_the_tandem_subcommand(name):
     import importlib
 
-    from tandem.cli import build_parser
+    from tandem.cli.main import build_parser
 
     sub = next(p for p in _walk(build_parser()) if p.prog == f"tandem {name}")
-    alone = importlib.import_module(f"services.{name}.__main__").parser()
+    alone = importlib.import_module(f"tandem.services.{name}.__main__").parser()
 
     def described(p: argparse.ArgumentParser) -> dict:
         return {a.option_strings[0]: (a.default, a.help, a.type, declaration_of(a)) for a in p._actions
@@ -179,10 +179,10 @@ def test_python_m_services_is_the_tandem_subcommand(name):
 
 
 def test_kv_tier_flags_reach_the_engine_config_and_default_off():
-    from engine.config import EngineConfig
-    from engine.errors import InvalidRequest
-    from tandem.cli import build_parser
-    from tandem.engine_args import engine_config_from_args
+    from tandem.cli.engine_args import engine_config_from_args
+    from tandem.cli.main import build_parser
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.errors import InvalidRequest
 
     parse = build_parser().parse_args
     off = engine_config_from_args(parse(["colocated"]))
@@ -201,9 +201,9 @@ def test_kv_tier_flags_reach_the_engine_config_and_default_off():
 
 
 def test_kv_events_flag_defaults_to_on_with_redis_and_tandem_up_forwards_it():
-    from services.worker.config import WorkerConfig
-    from tandem.cli import build_parser
-    from tandem.up_cmd import worker_args
+    from tandem.cli.main import build_parser
+    from tandem.cli.up_cmd import worker_args
+    from tandem.services.worker.config import WorkerConfig
 
     parse = build_parser().parse_args
     assert parse(["colocated"]).kv_events is None          # decided at start: on with a Redis registry

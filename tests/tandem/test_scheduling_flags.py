@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.router.config import RouterConfig
-from tandem.cli import build_parser
-from tandem.engine_args import engine_config_from_args
-from tandem.up_cmd import router_args, worker_args
+from tandem.cli.engine_args import engine_config_from_args
+from tandem.cli.main import build_parser
+from tandem.cli.up_cmd import router_args, worker_args
+from tandem.services.router.config import RouterConfig
 
 FLAGS = ["--max-queued-requests", "7", "--enable-priority-scheduling", "--low-priority-values-first",
          "--priority-preemption-threshold", "3"]
@@ -44,8 +44,8 @@ def test_up_forwards_every_engine_flag_to_workers():
     import argparse
     import dataclasses
 
-    from engine.config import EngineConfig
-    from tandem.engine_args import add_engine_arguments
+    from tandem.cli.engine_args import add_engine_arguments
+    from tandem.engine.config import EngineConfig
 
     values = {"--model": "/m", "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
               "--page-size": "8", "--max-total-tokens": "512", "--kv-cache-gb": "0.5", "--context-length": "300",
@@ -77,7 +77,7 @@ def test_up_forwards_every_engine_flag_to_workers():
 
 
 def test_up_forwards_the_routing_flags_to_the_router():
-    from services.router.route_config import RouteConfig
+    from tandem.services.router.route_config import RouteConfig
 
     flags = ["--local-prefill-max-tokens", "-1", "--max-prefill-queue-tokens", "100", "--balance-abs-threshold",
              "3", "--balance-rel-threshold", "2.5", "--prefix-cache-ttl", "7"]

@@ -3,10 +3,10 @@ or the environment (a secret), never a secret on a command line."""
 
 from __future__ import annotations
 
-from services.common.auth import API_KEY_ENV, TOKEN_ENV
-from services.launcher.up import UpConfig, _children_env, _router_env
-from tandem.cli import build_parser
-from tandem.up_cmd import gateway_args, router_args, worker_args
+from tandem.cli.main import build_parser
+from tandem.cli.up_cmd import gateway_args, router_args, worker_args
+from tandem.services.common.auth import API_KEY_ENV, TOKEN_ENV
+from tandem.services.launcher.up import UpConfig, _children_env, _router_env
 
 
 def test_a_token_file_given_to_up_goes_to_workers_router_and_gateway(tmp_path):

@@ -11,10 +11,10 @@ from typing import NamedTuple
 
 import pytest
 
-from services.common.flags import Owner
-from services.launcher.up import gateway_argv, router_argv, worker_argv, worker_threads
-from tandem.cli import build_parser
-from tandem.up_cmd import child_argv, up_config
+from tandem.cli.main import build_parser
+from tandem.cli.up_cmd import child_argv, up_config
+from tandem.services.common.flags import Owner
+from tandem.services.launcher.up import gateway_argv, router_argv, worker_argv, worker_threads
 
 
 class Case(NamedTuple):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from services.launcher.shaping import planner_argv, serves_without_prefill
-from tandem import up_cmd
+from tandem.cli import up_cmd
+from tandem.services.launcher.shaping import planner_argv, serves_without_prefill
 
 
 def _up(*argv: str):

@@ -1,43 +1,18 @@
-"""The interface every KV tier below the page pool implements, and the vocabulary they share.
+"""The interface every KV tier below the page pool implements.
 
 A tier stores blocks: opaque payloads (one page across all layers, K and V, packed by the runner)
-under the 16-byte keys of `block_hash`. The store never interprets a payload and never imports
+under the 16-byte keys of `tandem.kvblocks.keys` (the vocabulary -- Tier, BlockMeta -- is there too:
+the router speaks it). The store never interprets a payload and never imports
 torch; the runner packs and unpacks pages.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
+from tandem.kvblocks.blocks import BlockMeta, EventKind, Tier
 
-class Tier(enum.IntEnum):
-    """Where a block lives; the value is the level (a lower level is faster)."""
-
-    DEVICE = 1  # L1: the page pool (owned by the radix cache, not by a BlockStore)
-    HOST = 2  # L2: host memory
-    DISK = 3  # L3: local disk
-
-    @property
-    def label(self) -> str:
-        """The metric / event label: "device", "host", "disk"."""
-        return self.name.lower()
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """A block's identity: its key, its parent's key (None when the tier does not know it, e.g. a
-    disk block found by a directory scan and not read yet) and the tier that holds it."""
-
-    key: bytes
-    parent: bytes | None
-    tier: Tier
-
-
-EventKind = Literal["stored", "removed"]
 # Told of every block that enters or leaves a tier, for any reason (put, eviction, discard, a
 # corrupt file, the tier turning itself off), so the events reproduce the tier's index.
 Listener = Callable[[EventKind, BlockMeta], None]

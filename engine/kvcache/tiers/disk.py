@@ -36,8 +36,9 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from engine.kvcache.tiers.base import BlockMeta, BlockStore, EventKind, Listener, Tier
-from engine.kvcache.tiers.block_hash import KEY_BYTES, Namespace, key_from_hex, key_hex
+from tandem.engine.kvcache.tiers.base import BlockStore, Listener
+from tandem.kvblocks.blocks import BlockMeta, EventKind, Tier
+from tandem.kvblocks.keys import KEY_BYTES, Namespace, key_from_hex, key_hex
 
 log = logging.getLogger(__name__)
 

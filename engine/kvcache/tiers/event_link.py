@@ -3,7 +3,7 @@
 
 The engine opens one when its worker publishes KV events (`LLMEngine.open_kv_events`), whether or
 not the tiers are on. It gives the radix cache a key function (the block hash chain of
-block_hash.py, the same one the tiers use) and two hooks: full pages entering the tree are
+tandem/kvblocks/keys.py, the same one the tiers use) and two hooks: full pages entering the tree are
 `stored` in L1, pages leaving it are `removed` from L1 (an eviction with tiers on is also a `stored`
 in L2, which the store reports itself). Everything here runs on the engine thread, except `take`
 and `want_snapshot`, which the transport thread calls: the two meet only in a bounded queue and an
@@ -18,13 +18,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from engine.kvcache.radix_cache import EvictedRun, RadixCache
-from engine.kvcache.tiers.base import BlockMeta, EventKind, Tier
-from engine.kvcache.tiers.block_hash import ROOT, Namespace, block_hash
-from engine.kvcache.tiers.events import DEFAULT_MAX_BATCH, KVEventPublisher, KVMessage
+from tandem.engine.kvcache.radix_cache import EvictedRun, RadixCache
+from tandem.engine.kvcache.tiers.publisher import DEFAULT_MAX_BATCH, KVEventPublisher
+from tandem.kvblocks.blocks import BlockMeta, EventKind, Tier
+from tandem.kvblocks.events import KVMessage
+from tandem.kvblocks.keys import ROOT, Namespace, block_hash
 
 if TYPE_CHECKING:
-    from engine.kvcache.tiers.store import TieredStore
+    from tandem.engine.kvcache.tiers.store import TieredStore
 
 DEFAULT_MAX_OUTBOX = 64   # messages waiting for the transport thread (a batch holds up to max_batch events)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.kvcache.tiers.base import BlockMeta, BlockStore, Listener, Tier
+from tandem.engine.kvcache.tiers.base import BlockStore, Listener
+from tandem.kvblocks.blocks import BlockMeta, Tier
 
 # Called with a block pushed out for capacity and its payload, which is valid only during the call
 # (the slot is overwritten right after): the caller's chance to write it back to a lower tier.

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
 
-from engine.kvcache.radix_cache import EvictedRun
-from engine.kvcache.tiers.block_hash import ROOT, Namespace, block_hash
-from engine.kvcache.tiers.disk import DiskTier
-from engine.kvcache.tiers.host import HostTier
-from engine.kvcache.tiers.store import TieredStore
-from engine.kvcache.tiers.timings import TierOp
+from tandem.engine.kvcache.radix_cache import EvictedRun
+from tandem.engine.kvcache.tiers.disk import DiskTier
+from tandem.engine.kvcache.tiers.host import HostTier
+from tandem.engine.kvcache.tiers.store import TieredStore
+from tandem.engine.kvcache.tiers.timings import TierOp
+from tandem.kvblocks.keys import ROOT, Namespace, block_hash
 
 # read_page(page id) -> that page's KV, every layer, K and V, packed (valid until the next call).
 ReadPage = Callable[[int], memoryview | bytes]

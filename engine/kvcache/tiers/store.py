@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
-from engine.kvcache.tiers.base import BlockMeta, EventKind, Tier
-from engine.kvcache.tiers.disk import DiskTier
-from engine.kvcache.tiers.host import HostTier
-from engine.kvcache.tiers.timings import TierOp, TierTimings
-from engine.kvcache.tiers.writer import WriteBehind
+from tandem.engine.kvcache.tiers.disk import DiskTier
+from tandem.engine.kvcache.tiers.host import HostTier
+from tandem.engine.kvcache.tiers.timings import TierOp, TierTimings
+from tandem.engine.kvcache.tiers.writer import WriteBehind
+from tandem.kvblocks.blocks import BlockMeta, EventKind, Tier
 
 EventHook = Callable[[EventKind, bytes, bytes | None, Tier], None]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-from engine.kvcache.tiers.base import Tier
+from tandem.kvblocks.blocks import Tier
 
 
 class TierOp(enum.Enum):

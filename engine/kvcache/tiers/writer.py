@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from time import perf_counter
 
-from engine.kvcache.tiers.disk import DiskTier
+from tandem.engine.kvcache.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.kvcache.kv_manager import KVManager
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.disk import DiskTier
-from engine.kvcache.tiers.host import HostTier
-from engine.kvcache.tiers.link import TierLink
-from engine.kvcache.tiers.store import TieredStore
-from engine.sampling_params import SamplingParams
-from engine.scheduler.request import Request
+from tandem.engine.kvcache.kv_manager import KVManager
+from tandem.engine.kvcache.tiers.disk import DiskTier
+from tandem.engine.kvcache.tiers.host import HostTier
+from tandem.engine.kvcache.tiers.link import TierLink
+from tandem.engine.kvcache.tiers.store import TieredStore
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.request import Request
+from tandem.kvblocks.blocks import Tier
+from tandem.kvblocks.keys import Namespace, block_hashes
 
 PS = 4
 BLOCK = 8

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kvcache.page_allocator import PageAllocator
+from tandem.engine.kvcache.page_allocator import PageAllocator
 
 
 def test_fresh_pool_hands_out_lowest_ids_in_order():

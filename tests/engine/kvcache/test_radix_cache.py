@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kvcache.page_allocator import PageAllocator
-from engine.kvcache.radix_cache import PrefixMatch, RadixCache, RadixNode
+from tandem.engine.kvcache.page_allocator import PageAllocator
+from tandem.engine.kvcache.radix_cache import PrefixMatch, RadixCache, RadixNode
 
 
 def make(num_pages: int = 16, page_size: int = 2, enabled: bool = True):

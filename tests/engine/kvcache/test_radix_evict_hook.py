@@ -4,8 +4,8 @@ kept aligned with the pages through splits and trims."""
 
 from __future__ import annotations
 
-from engine.kvcache.page_allocator import PageAllocator
-from engine.kvcache.radix_cache import EvictedRun, RadixCache
+from tandem.engine.kvcache.page_allocator import PageAllocator
+from tandem.engine.kvcache.radix_cache import EvictedRun, RadixCache
 
 PS = 2
 

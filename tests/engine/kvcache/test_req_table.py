@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvcache.req_table import ReqToPageTable
+from tandem.engine.kvcache.req_table import ReqToPageTable
 
 
 def test_slots_alloc_lowest_first_until_exhausted():

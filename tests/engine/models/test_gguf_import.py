@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine.models import gguf_import, source
-from engine.models.gguf_import import MARKER_FILE, import_gguf, unpermute_qk
-from engine.models.source import PackagedGguf, resolve_model
+from tandem.engine.models import gguf_import, source
+from tandem.engine.models.gguf_import import MARKER_FILE, import_gguf, unpermute_qk
+from tandem.engine.models.source import PackagedGguf, resolve_model
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -175,7 +175,7 @@ def test_imported_tiny_model_runs_like_the_original(tiny_llama, tiny_gguf, tmp_p
 
 
 def test_generation_config_carries_the_sampling_defaults_the_gguf_has_and_no_others(tiny_llama, tiny_gguf, tmp_path):
-    from engine.models.config import generation_defaults
+    from tandem.engine.models.config import generation_defaults
 
     plain = import_gguf(tiny_gguf[0], tmp_path / "plain", progress=False)
     assert generation_defaults(plain) == {}                 # SmolLM2's case: its authors published none

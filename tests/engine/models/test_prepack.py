@@ -8,18 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequest
-from engine.models.prepack import (
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.models.prepack import (
     PackedLinear,
     PanelEmbedding,
     PanelLinear,
     prepack_linears,
     prepack_supported,
 )
-from engine.sampling_params import SamplingParams
-from kernels.cpu import load
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kernels.cpu import load
 from tests.engine.test_engine_vs_hf import random_prompts
 
 bf16 = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16),
@@ -29,7 +29,7 @@ bf16 = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloa
 @pytest.fixture(scope="module")
 def ops():
     ops = load()
-    assert ops is not None, "the CPU kernels did not build (run `python -m kernels.cpu -v`)"
+    assert ops is not None, "the CPU kernels did not build (run `python -m tandem.kernels.cpu -v`)"
     return ops
 
 

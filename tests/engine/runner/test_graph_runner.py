@@ -19,16 +19,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.errors import InvalidRequest  # noqa: E402
-from engine.runner.graph_runner import CudaGraphRunner, capture_sizes, graph_enabled  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler.batch import SeqStep, StepBatch  # noqa: E402
-from engine.scheduler.request import Request  # noqa: E402
-from tandem.cli import build_parser  # noqa: E402
-from tandem.engine_args import engine_config_from_args  # noqa: E402
-from tandem.up_cmd import worker_args  # noqa: E402
+from tandem.cli.engine_args import engine_config_from_args  # noqa: E402
+from tandem.cli.main import build_parser  # noqa: E402
+from tandem.cli.up_cmd import worker_args  # noqa: E402
+from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.engine.engine import LLMEngine  # noqa: E402
+from tandem.engine.errors import InvalidRequest  # noqa: E402
+from tandem.engine.runner.graph_runner import CudaGraphRunner, capture_sizes, graph_enabled  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.engine.scheduler.batch import SeqStep, StepBatch  # noqa: E402
+from tandem.engine.scheduler.request import Request  # noqa: E402
 from tests.engine.test_engine_vs_hf import random_prompts  # noqa: E402
 
 SIZES = (1, 4)
@@ -225,8 +225,8 @@ def test_smollm2_bf16_compiled_matches_eager(smollm2_path):
 def test_inductor_cache_dir(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
-    from engine.hardware import detect
-    from engine.runner.graph_runner import inductor_cache_dir
+    from tandem.engine.hardware import detect
+    from tandem.engine.runner.graph_runner import inductor_cache_dir
 
     ours = str(tmp_path / "inductor" / detect("cpu").isa)   # one cache per ISA level
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from engine.runner.sampler import Sampler, SamplingBatch, _apply_penalties
-from engine.sampling_params import SamplingParams
+from tandem.engine.runner.sampler import Sampler, SamplingBatch, _apply_penalties
+from tandem.engine.sampling_params import SamplingParams
 
 V = 32
 

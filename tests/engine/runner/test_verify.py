@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runner.sampler import Sampler, SamplingBatch, sampling_probs
-from engine.runner.verify import VerifyRow, verify
-from engine.sampling_params import SamplingParams
+from tandem.engine.runner.sampler import Sampler, SamplingBatch, sampling_probs
+from tandem.engine.runner.verify import VerifyRow, verify
+from tandem.engine.sampling_params import SamplingParams
 
 V = 8
 N = 8000

@@ -3,8 +3,8 @@ prefill, decode and co-located workers read and change instead of reaching into 
 
 from __future__ import annotations
 
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.stats import SchedulerStats
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.stats import SchedulerStats
 from tests.engine.scheduler.test_scheduler import make, req
 
 

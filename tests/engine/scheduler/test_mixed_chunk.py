@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.config import EngineConfig
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken, StepBatch
-from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import Scheduler
-from engine.scheduler.step_cost import StepCostModel
+from tandem.engine.config import EngineConfig
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken, StepBatch
+from tandem.engine.scheduler.request import Request, RequestStatus
+from tandem.engine.scheduler.scheduler import Scheduler
+from tandem.engine.scheduler.step_cost import StepCostModel
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, mixed_chunk_itl_factor=0)
 

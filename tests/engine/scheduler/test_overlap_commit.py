@@ -3,9 +3,9 @@ before the tokens arrive (overlap scheduling)."""
 
 from __future__ import annotations
 
-from engine.outputs import FinishReason
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.future import FutureSlots, future_ref
+from tandem.engine.outputs import FinishReason
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.future import FutureSlots, future_ref
 from tests.engine.scheduler.test_scheduler import make, req
 
 

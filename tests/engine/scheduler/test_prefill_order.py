@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.prefill_order import PrefillOrder
-from engine.scheduler.queue_policy import QueuePolicy
-from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import Scheduler
+from tandem.engine.config import EngineConfig
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.prefill_order import PrefillOrder
+from tandem.engine.scheduler.queue_policy import QueuePolicy
+from tandem.engine.scheduler.request import Request, RequestStatus
+from tandem.engine.scheduler.scheduler import Scheduler
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, enable_mixed_chunk=False)
 

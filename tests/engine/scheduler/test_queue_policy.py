@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import ResourceExhausted
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.queue_policy import PolicyQueue, QueuePolicy, check_priority
-from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import Scheduler
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import ResourceExhausted
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.queue_policy import PolicyQueue, QueuePolicy, check_priority
+from tandem.engine.scheduler.request import Request, RequestStatus
+from tandem.engine.scheduler.scheduler import Scheduler
 
 
 @dataclasses.dataclass(eq=False)

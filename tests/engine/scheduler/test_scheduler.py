@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest, ResourceExhausted
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import Scheduler
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import InvalidRequest, ResourceExhausted
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.request import Request, RequestStatus
+from tandem.engine.scheduler.scheduler import Scheduler
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, max_queued_requests=4)
 

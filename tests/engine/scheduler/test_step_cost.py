@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.scheduler.step_cost import StepCostModel
-from services.worker.convert import step_cost_to_pb
+from tandem.engine.scheduler.step_cost import StepCostModel
+from tandem.services.worker.convert import step_cost_to_pb
 
 
 def _feed(cost: StepCostModel, steps) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.kvcache.kv_manager import KVManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler.request import Request
-from engine.spec.adaptive import SpecGate
-from engine.spec.ngram import NgramProposer
+from tandem.engine.kvcache.kv_manager import KVManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.request import Request
+from tandem.engine.spec.adaptive import SpecGate
+from tandem.engine.spec.ngram import NgramProposer
 
 
 def test_longest_suffix_match_proposes_its_continuation():
@@ -83,8 +83,8 @@ def test_shrink_returns_pages_of_rejected_drafts_only():
 def test_bad_speculative_config_is_refused_with_the_field_named():
     import pytest
 
-    from engine.config import EngineConfig
-    from engine.errors import InvalidRequest
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.errors import InvalidRequest
 
     for kw, field in ((dict(speculative_algorithm="eagle"), "speculative_algorithm"),
                       (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),

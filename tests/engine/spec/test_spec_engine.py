@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import greedy, make_engine, random_prompts
 from tests.engine.test_mixed_chunk_engine import run_staggered
 

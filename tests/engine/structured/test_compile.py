@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from engine.errors import InvalidRequest
-from engine.structured import compile as gc
-from engine.structured_output import Kind, StructuredSpec, ToolCallSpec
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured import compile as gc
+from tandem.engine.structured_output import Kind, StructuredSpec, ToolCallSpec
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -69,8 +69,8 @@ def test_every_kind_compiles():
 
 
 def test_router_validation_rejects_before_any_worker():
-    from services.common.convert import structured_to_pb
-    from services.router.validation import validate_request
+    from tandem.services.common.convert import structured_to_pb
+    from tandem.services.router.validation import validate_request
     from tandem.v1 import generation_pb2
 
     req = generation_pb2.GenerateRequest(text="hi", sampling=generation_pb2.SamplingParams(max_tokens=4))
@@ -83,7 +83,7 @@ def test_router_validation_rejects_before_any_worker():
 
 
 def test_wire_round_trip():
-    from services.common.convert import sampling_from_pb, structured_to_pb
+    from tandem.services.common.convert import sampling_from_pb, structured_to_pb
     from tandem.v1 import generation_pb2
 
     for spec in (StructuredSpec(Kind.JSON_OBJECT), StructuredSpec(Kind.CHOICE, ("a", "b")),

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from engine.errors import InvalidRequest
-from engine.structured.matcher import GrammarBackend, bitmask_words
-from engine.structured_output import Kind, StructuredSpec, ToolCallSpec
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured.matcher import GrammarBackend, bitmask_words
+from tandem.engine.structured_output import Kind, StructuredSpec, ToolCallSpec
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from engine.errors import GrammarViolation, InvalidRequest
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
-from engine.structured_output import Kind, StructuredSpec
+from tandem.engine.errors import GrammarViolation, InvalidRequest
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.structured_output import Kind, StructuredSpec
 from tests.engine.test_engine_vs_hf import make_engine, random_prompts
 
 # Bounded strings and numbers: a random-weight model completes it within max_tokens.

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from tandem.engine.outputs import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 
 EOS = "<eos>"
 WORDS = (

@@ -3,9 +3,9 @@ import shutil
 
 import pytest
 
-from engine.errors import InvalidRequest, ModelNotFound
-from engine.models.source import resolve_model
-from engine.tokenizer.tokenizer import Tokenizer
+from tandem.engine.errors import InvalidRequest, ModelNotFound
+from tandem.engine.models.source import resolve_model
+from tandem.engine.tokenizer.tokenizer import Tokenizer
 
 TEXTS = [
     "hello world",

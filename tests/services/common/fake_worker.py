@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.worker.identity import WorkerIdentityServicer
+from tandem.services.worker.identity import WorkerIdentityServicer
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 PREFILL = worker_pb2.WORKER_ROLE_PREFILL

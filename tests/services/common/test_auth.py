@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.auth import (
+from tandem.services.common.auth import (
     API_KEY_ENV,
     TOKEN_ENV,
     AuthConfigError,
@@ -129,7 +129,7 @@ async def test_without_the_secret_every_internal_method_is_refused_and_health_st
     interceptor = auth.server_interceptor()
     server, addr = await _server(interceptor)
     try:
-        with caplog.at_level(logging.WARNING, logger="services.common.auth"):
+        with caplog.at_level(logging.WARNING, logger="tandem.services.common.auth"):
             async with grpc.aio.insecure_channel(addr) as bare:
                 assert set((await _every_call(bare)).values()) == {grpc.StatusCode.UNAUTHENTICATED}
                 wrong = (("tandem-internal-token", "not-the-secret-at-all"),)
@@ -204,7 +204,7 @@ def test_load_reads_the_file_then_the_environment(tmp_path, caplog):
     assert InternalAuth.load(None, environ={TOKEN_ENV: " env-secret-0123456789 "}).token == b"env-secret-0123456789"
     assert not InternalAuth.load(None, environ={}).enabled
     os.chmod(path, 0o644)
-    with caplog.at_level(logging.WARNING, logger="services.common.auth"):
+    with caplog.at_level(logging.WARNING, logger="tandem.services.common.auth"):
         assert read_token_file(str(path)) == TOKEN
     assert "readable by every user" in caplog.text
 

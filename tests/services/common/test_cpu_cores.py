@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.common.cpu_cores import (
+from tandem.services.common.cpu_cores import (
     CorePlan,
     CpuListError,
     assign_cores,

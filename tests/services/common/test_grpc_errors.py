@@ -3,8 +3,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.errors import InvalidRequest, ModelNotFound, RequestAborted, ResourceExhausted, TandemError
-from services.common.grpc_errors import (
+from tandem.engine.errors import InvalidRequest, ModelNotFound, RequestAborted, ResourceExhausted, TandemError
+from tandem.services.common.grpc_errors import (
     RpcFailed,
     abort_with,
     error_from_rpc,

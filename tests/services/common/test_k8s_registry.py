@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from services.common.k8s_registry import KubernetesRegistry, ready_endpoints
-from services.common.registry import create_registry
-from services.router.config import RouterConfig
-from services.router.server import RouterServer
+from tandem.services.common.k8s_registry import KubernetesRegistry, ready_endpoints
+from tandem.services.common.registry import create_registry
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.server import RouterServer
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun, wait_until
 from tests.services.common.fake_kube_api import FakeKubeAPI, endpoint, recorded_slices

@@ -9,11 +9,11 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from engine.errors import InvalidRequest
-from services.common.limits import RequestLimits
-from services.router.config import RouterConfig
-from tandem.cli import build_parser
-from tandem.up_cmd import router_args
+from tandem.cli.main import build_parser
+from tandem.cli.up_cmd import router_args
+from tandem.engine.errors import InvalidRequest
+from tandem.services.common.limits import RequestLimits
+from tandem.services.router.config import RouterConfig
 from tandem.v1 import generation_pb2
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import FakeDecode, FakePrefill
@@ -84,7 +84,7 @@ def test_the_router_refuses_requests_over_its_limits_before_any_worker_sees_them
 
 
 def test_up_forwards_the_limits_to_router_and_gateway():
-    from services.gateway.config import GatewayConfig
+    from tandem.services.gateway.config import GatewayConfig
 
     flags = ["--max-request-bytes", "5000", "--max-input-tokens", "7", "--max-output-tokens", "9",
              "--max-stop-sequences", "3", "--max-stop-length", "11"]

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.registry import RedisRegistry, StaticRegistry, create_registry, registry_names
+from tandem.services.common.registry import RedisRegistry, StaticRegistry, create_registry, registry_names
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun, wait_until
 
@@ -232,7 +232,7 @@ def test_registry_factory():
 
 
 def test_redis_restart_workers_reannounce_and_the_router_keeps_them_meanwhile(tmp_path):
-    from services.launcher.redis_server import EmbeddedRedis
+    from tandem.services.launcher.redis_server import EmbeddedRedis
 
     redis = EmbeddedRedis(str(tmp_path))
     redis.start()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.auth import InternalAuth
-from services.common.tls import TlsConfigError, TlsFiles
+from tandem.services.common.auth import InternalAuth
+from tandem.services.common.tls import TlsConfigError, TlsFiles
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.common.conftest import arun
 from tests.services.common.test_auth import TOKEN, _Identity

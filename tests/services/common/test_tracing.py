@@ -8,8 +8,8 @@ import time
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common import tracing
-from tandem.trace_cmd import find, timeline
+from tandem.cli.trace_cmd import find, timeline
+from tandem.services.common import tracing
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_file_exporter_lines_and_timeline(tmp_path):
         tracing.end(root)
     finally:
         tracing.shutdown()
-    from tandem.trace_cmd import load
+    from tandem.cli.trace_cmd import load
 
     traces = load(str(path))
     lines = timeline(find(traces, "cmpl-1"))
@@ -88,8 +88,8 @@ def test_off_never_imports_the_sdk():
     import sys
 
     code = ("import sys\n"
-            "import services.gateway.app, services.router.servicer, services.decode.servicer, services.prefill.servicer\n"
-            "from services.common import tracing\n"
+            "import tandem.services.gateway.app, tandem.services.router.servicer, tandem.services.decode.servicer, tandem.services.prefill.servicer\n"
+            "from tandem.services.common import tracing\n"
             "assert not tracing.configure('', 'x', {})\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from services.gateway.app import Gateway, create_app
-from services.gateway.config import GatewayConfig
+from tandem.services.gateway.app import Gateway, create_app
+from tandem.services.gateway.config import GatewayConfig
 from tandem.v1 import generation_pb2 as pb
 
 MODEL = "tiny"

@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from services.gateway.tokenizer import GatewayTokenizer
+from tandem.services.gateway.tokenizer import GatewayTokenizer
 from tests.fixtures.model_folders import with_generation_config
 from tests.sdk.fake_router import FakeRouter, failing, tokens
 from tests.services.gateway.conftest import CONTEXT, MODEL, MODELS, gateway_client, sse_events
@@ -319,7 +319,7 @@ async def _call_until_disconnect(app, path: str, body: dict, disconnect_after_bo
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_cancels_the_generation(tiny_llama, stream):
-    from services.gateway.app import create_app
+    from tandem.services.gateway.app import create_app
 
     with FakeRouter(lambda req, ctx: tokens(req, ctx, delay_s=0.05), models=MODELS) as fake:
         async def scenario(client, gw):

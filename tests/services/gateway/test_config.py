@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from services.common.auth import API_KEY_ENV
-from services.gateway.config import GatewayConfig
-from tandem import gateway_cmd
+from tandem.cli import gateway_cmd
+from tandem.services.common.auth import API_KEY_ENV
+from tandem.services.gateway.config import GatewayConfig
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.common.limits import RequestLimits
+from tandem.services.common.limits import RequestLimits
 from tests.sdk.fake_router import FakeRouter
 from tests.services.gateway.conftest import MODEL, MODELS, gateway_client
 

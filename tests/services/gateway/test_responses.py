@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.responses import ChatFormat, Choice, CompletionFormat
+from tandem.services.gateway.responses import ChatFormat, Choice, CompletionFormat
 from tandem.v1 import generation_pb2 as pb
 
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH

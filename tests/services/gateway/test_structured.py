@@ -9,8 +9,8 @@ import json
 import grpc
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.structured import check_schema, constraints
+from tandem.services.gateway.errors import APIError
+from tandem.services.gateway.structured import check_schema, constraints
 from tandem.v1 import generation_pb2 as pb
 from tests.sdk.fake_router import FakeRouter, failing
 from tests.services.gateway.conftest import MODEL, gateway_client
@@ -168,8 +168,8 @@ def test_false_json_object_is_no_constraint():
 
 def test_what_the_gateway_sends_compiles_in_the_engines_compiler(fake, tiny_llama):
     """The router's check (engine/structured/compile.py) accepts every spelling and both tool grammars."""
-    from engine.structured.compile import validate_structured
-    from services.common.convert import structured_from_pb
+    from tandem.engine.structured.compile import validate_structured
+    from tandem.services.common.convert import structured_from_pb
 
     tools = [{"type": "function", "function": {"name": "a", "parameters": SCHEMA}}, {"type": "function",
                                                                                     "function": {"name": "b"}}]
@@ -187,8 +187,8 @@ def test_what_the_gateway_sends_compiles_in_the_engines_compiler(fake, tiny_llam
 
 
 def test_one_call_at_most_compiles(fake, tiny_llama):
-    from engine.structured.compile import validate_structured
-    from services.common.convert import structured_from_pb
+    from tandem.engine.structured.compile import validate_structured
+    from tandem.services.common.convert import structured_from_pb
 
     body = chat(tools=[{"type": "function", "function": {"name": "b"}}], tool_choice="required",
                 parallel_tool_calls=False)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer.tokenizer import Tokenizer
-from services.gateway.chat_template import ChatTemplateError
-from services.gateway.tokenizer import GatewayTokenizer
+from tandem.engine.tokenizer.tokenizer import Tokenizer
+from tandem.services.gateway.chat_template import ChatTemplateError
+from tandem.services.gateway.tokenizer import GatewayTokenizer
 
 TEXTS = ["The capital of France is", " leading space", "Grüße, 東京 — naïve café ☕ 🙂 \t tabs\nnewlines",
          "<|im_start|>user\nhi<|im_end|>", "{json: [1, 2]}", ""]
@@ -53,9 +53,9 @@ def test_template_sources_and_errors(tmp_path: Path, tiny_llama):
 def test_gateway_never_imports_torch(tiny_llama):
     code = (
         "import sys\n"
-        "from services.gateway.app import Gateway, create_app\n"
-        "from services.gateway.server import serve\n"
-        "from services.gateway.tokenizer import GatewayTokenizer\n"
+        "from tandem.services.gateway.app import Gateway, create_app\n"
+        "from tandem.services.gateway.server import serve\n"
+        "from tandem.services.gateway.tokenizer import GatewayTokenizer\n"
         f"tok = GatewayTokenizer.from_folder({str(tiny_llama)!r})\n"
         "tok.encode(tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])); tok.token_text(5)\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"

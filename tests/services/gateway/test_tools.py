@@ -10,11 +10,11 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from services.gateway.chat_template import render
-from services.gateway.errors import APIError
-from services.gateway.responses import finish_reason
-from services.gateway.tool_parser import ToolCallParser, parse_tool_calls
-from services.gateway.tools import inline_tools, parse_tool_use, template_renders_tools
+from tandem.services.gateway.chat_template import render
+from tandem.services.gateway.errors import APIError
+from tandem.services.gateway.responses import finish_reason
+from tandem.services.gateway.tool_parser import ToolCallParser, parse_tool_calls
+from tandem.services.gateway.tools import inline_tools, parse_tool_use, template_renders_tools
 from tandem.v1 import generation_pb2 as pb
 from tests.fixtures.tiny_models import CHATML_TEMPLATE
 from tests.sdk.fake_router import FakeRouter, prompt_len

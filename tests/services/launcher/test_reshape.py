@@ -9,10 +9,10 @@ import itertools
 
 import pytest
 
-from services.launcher.reshape import Reshaper, Slot
-from services.launcher.supervisor import Supervisor
-from services.planner.host import HostActuator, ShapeStore
-from services.planner.shape import Shape
+from tandem.services.launcher.reshape import Reshaper, Slot
+from tandem.services.launcher.supervisor import Supervisor
+from tandem.services.planner.host import HostActuator, ShapeStore
+from tandem.services.planner.shape import Shape
 
 _pids = itertools.count(1000)
 
@@ -263,7 +263,7 @@ def test_a_workers_load_is_read_from_its_metrics():
     import http.server
     import threading
 
-    from services.launcher.reshape import worker_load
+    from tandem.services.launcher.reshape import worker_load
 
     body = (b'# HELP vllm:num_requests_running Requests running\nvllm:num_requests_running{model_name="m"} 2.0\n'
             b'vllm:num_requests_waiting{model_name="m"} 3.0\ntandem_other 9.0\n')

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from services.launcher.procs import Child
-from services.launcher.supervisor import Supervisor, describe_exit
+from tandem.services.launcher.procs import Child
+from tandem.services.launcher.supervisor import Supervisor, describe_exit
 
 SCRIPT = "import json, os, time; print('TANDEM_READY ' + json.dumps({'pid': os.getpid()}), flush=True); time.sleep(60)"
 

@@ -8,8 +8,15 @@ import time
 
 import pytest
 
-from services.launcher.procs import Child, stop_all
-from services.launcher.up import UpConfig, _banner, _Interrupted, _wait_ready, worker_roles, worker_threads
+from tandem.services.launcher.procs import Child, stop_all
+from tandem.services.launcher.up import (
+    UpConfig,
+    _banner,
+    _Interrupted,
+    _wait_ready,
+    worker_roles,
+    worker_threads,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,10 +62,23 @@ def test_a_child_that_never_gets_ready_is_an_error_after_its_timeout():
     child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
     child.start()
     try:
-        with pytest.raises(RuntimeError, match="sleeper did not become ready"):
+        with pytest.raises(RuntimeError, match=r"sleeper did not become ready within \ds \(still running\)"):
             _wait_ready(child, 0.5, threading.Event())
     finally:
         stop_all([child], grace_s=5.0)
+
+
+def test_a_child_that_dies_at_start_says_so_with_its_exit_code_and_last_lines():
+    # What a broken install looked like: `did not become ready within 0s (exit code None)`.
+    script = ("import sys; print('loading the model'); print('Traceback (most recent call last):'); "
+              "print(\"ImportError: cannot import name 'get_kernel' from 'kernels'\"); sys.exit(3)")
+    child = Child("colocated-0", [sys.executable, "-c", script])
+    child.start()
+    with pytest.raises(RuntimeError) as err:
+        _wait_ready(child, 600.0, threading.Event())
+    text = str(err.value)
+    assert text.startswith("colocated-0 exited with code 3 before it was ready")
+    assert "its last lines:\n  loading the model\n  Traceback" in text and "get_kernel" in text
 
 
 def test_colocated_replicas_split_the_cores(monkeypatch):

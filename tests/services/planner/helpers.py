@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.planner.observe import Observation, StepCost
-from services.planner.shape import Shape
+from tandem.services.planner.observe import Observation, StepCost
+from tandem.services.planner.shape import Shape
 
 # Step costs of the order measured on a 2-core CPU: 30 ms a step, 2 ms a decode row, 1.5 ms a prompt token.
 PREFILL_FIT = StepCost(0.03, 0.0, 0.0015)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.planner.config import PlannerConfig
-from tandem.cli import build_parser
+from tandem.cli.main import build_parser
+from tandem.services.planner.config import PlannerConfig
 
 
 def _cfg(*argv: str) -> PlannerConfig:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.planner.config import PlannerConfig
-from services.planner.decide import Planner
-from services.planner.shape import Shape
+from tandem.services.planner.config import PlannerConfig
+from tandem.services.planner.decide import Planner
+from tandem.services.planner.shape import Shape
 from tests.services.planner.helpers import FakeActuator, obs
 
 HOST = PlannerConfig(target="host", redis_url="redis://x", router_metrics_url="http://x", ttft_slo_s=2.0,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import time
 
-from services.planner.host import STALE_S, HostActuator, ShapeStore
-from services.planner.shape import Shape
+from tandem.services.planner.host import STALE_S, HostActuator, ShapeStore
+from tandem.services.planner.shape import Shape
 from tests.services.common.conftest import redis_url  # noqa: F401  (fixture)
 
 

@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.planner.k8s import FIELD_MANAGER, MERGE_PATCH, KubernetesActuator
-from services.planner.k8s_config import KubernetesTarget, add_k8s_arguments, k8s_target_from_args
-from services.planner.shape import Shape
+from tandem.services.planner.k8s import FIELD_MANAGER, MERGE_PATCH, KubernetesActuator
+from tandem.services.planner.k8s_config import KubernetesTarget, add_k8s_arguments, k8s_target_from_args
+from tandem.services.planner.shape import Shape
 from tests.services.common.fake_kube_api import FakeKubeAPI
 
 NS = "tandem"
@@ -153,7 +153,7 @@ def test_a_colocated_shape_scales_prefill_to_zero_after_decode_grew(kube):
 def test_no_decode_replica_is_no_shape(kube, caplog):
     kube.spec["tandem-decode"] = 0
     a = actuator(kube.url)
-    with caplog.at_level(logging.INFO, "services.planner.k8s"):
+    with caplog.at_level(logging.INFO, "tandem.services.planner.k8s"):
         for _ in range(3):
             assert a.current() is None and a.busy()       # spec 0, one pod still observed
     assert "no shape without a decode worker" in a.problem
@@ -163,7 +163,7 @@ def test_no_decode_replica_is_no_shape(kube, caplog):
 def test_forbidden_is_logged_once_and_the_planner_goes_on(kube, caplog):
     kube.forbid.add("tandem-decode")
     a = actuator(kube.url)
-    with caplog.at_level(logging.INFO, "services.planner.k8s"):
+    with caplog.at_level(logging.INFO, "tandem.services.planner.k8s"):
         for _ in range(3):
             assert a.current() is None and a.busy() is False
             a.apply(Shape(2, 2), "burst")
@@ -172,7 +172,7 @@ def test_forbidden_is_logged_once_and_the_planner_goes_on(kube, caplog):
     assert len(warnings) == 1 and "403 Forbidden" in warnings[0].getMessage()
     assert "deployments/scale of tandem-prefill and tandem-decode in namespace tandem" in a.problem
     kube.forbid.clear()                               # RBAC fixed: the next interval works
-    with caplog.at_level(logging.INFO, "services.planner.k8s"):
+    with caplog.at_level(logging.INFO, "tandem.services.planner.k8s"):
         assert a.current() == Shape(1, 1) and a.problem is None
     assert "works again" in caplog.records[-1].getMessage()
 
@@ -218,8 +218,8 @@ def test_flags_build_the_target(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="one Deployment"):
         k8s_target_from_args(p.parse_args(["--prefill-deployment", "x", "--decode-deployment", "x"]))
     # No namespace given: the pod's (its service-account mount), "default" outside a cluster.
-    import services.planner.k8s as k8s
-    from services.common.k8s_registry import pod_namespace
+    import tandem.services.planner.k8s as k8s
+    from tandem.services.common.k8s_registry import pod_namespace
 
     ns_file = tmp_path / "namespace"
     ns_file.write_text("serving\n")

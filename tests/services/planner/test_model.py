@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from services.planner.model import CapacityModel, Correction, Costs, NotFitted, wait_quantile
-from services.planner.observe import StepCost
-from services.planner.predict import Holt, Load, LoadPredictor
-from services.planner.shape import Shape
+from tandem.services.planner.model import CapacityModel, Correction, Costs, NotFitted, wait_quantile
+from tandem.services.planner.observe import StepCost
+from tandem.services.planner.predict import Holt, Load, LoadPredictor
+from tandem.services.planner.shape import Shape
 from tests.services.planner.helpers import DECODE_FIT, PREFILL_FIT, obs
 
 MODEL = CapacityModel(Costs.from_roles({"prefill": PREFILL_FIT, "decode": DECODE_FIT}))

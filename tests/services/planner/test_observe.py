@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from services.planner.observe import RouterObserver, histogram_quantile
-from services.router.metrics import RouterMetrics
+from tandem.services.planner.observe import RouterObserver, histogram_quantile
+from tandem.services.router.metrics import RouterMetrics
 from tandem.v1 import worker_pb2
 
 

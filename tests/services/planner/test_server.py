@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from services.planner.config import PlannerConfig
-from services.planner.observe import RouterObserver
-from services.planner.server import PlannerService, make_actuator
-from services.planner.shape import Shape
-from services.router.metrics import RouterMetrics
+from tandem.services.planner.config import PlannerConfig
+from tandem.services.planner.observe import RouterObserver
+from tandem.services.planner.server import PlannerService, make_actuator
+from tandem.services.planner.shape import Shape
+from tandem.services.router.metrics import RouterMetrics
 from tandem.v1 import worker_pb2
 from tests.services.planner.helpers import FakeActuator
 
@@ -98,7 +98,7 @@ def test_the_metrics_target_has_no_actuator():
 def test_sigterm_stops_the_process_cleanly():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.planner", "--router-metrics-url", "http://127.0.0.1:9/metrics",
+        [sys.executable, "-P", "-m", "tandem.services.planner", "--router-metrics-url", "http://127.0.0.1:9/metrics",
          "--planner-interval", "0.2", "--metrics-port", "0"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

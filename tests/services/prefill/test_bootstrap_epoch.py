@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.prefill.servicer import BootstrapServicer
+from tandem.services.prefill.servicer import BootstrapServicer
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun
 

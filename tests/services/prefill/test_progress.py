@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler.batch import SampledToken
-from engine.scheduler.request import Request
-from engine.scheduler.scheduler import Scheduler
-from kvtransfer.base import RoomState
-from services.prefill.progress import DEFAULT_S_PER_TOKEN, PrefillPace, ProgressReporter
-from services.prefill.rooms import BootstrapInfo, PrefillRoom
+from tandem.engine.config import EngineConfig
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.batch import SampledToken
+from tandem.engine.scheduler.request import Request
+from tandem.engine.scheduler.scheduler import Scheduler
+from tandem.kvtransfer.base import RoomState
+from tandem.services.prefill.progress import DEFAULT_S_PER_TOKEN, PrefillPace, ProgressReporter
+from tandem.services.prefill.rooms import BootstrapInfo, PrefillRoom
 
 CFG = EngineConfig(page_size=4, chunked_prefill_size=16, max_running_requests=8, prefill_schedule_policy="fcfs",
                    init_new_token_ratio=0, min_new_token_ratio=0)

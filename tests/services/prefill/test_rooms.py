@@ -1,8 +1,8 @@
 """Which pages a prefill room sends after each chunk (torch-free)."""
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler.request import Request
-from services.prefill.rooms import BootstrapInfo, PrefillRoom
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.request import Request
+from tandem.services.prefill.rooms import BootstrapInfo, PrefillRoom
 
 
 def room_for(prompt_len: int, pages: list[int], dst: list[int], decode_prefix: int) -> PrefillRoom:

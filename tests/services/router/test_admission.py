@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from engine.errors import ResourceExhausted
-from engine.scheduler.queue_policy import QueuePolicy
-from services.router.admission import Admission
+from tandem.engine.errors import ResourceExhausted
+from tandem.engine.scheduler.queue_policy import QueuePolicy
+from tandem.services.router.admission import Admission
 
 PRIO = QueuePolicy(enable_priority=True)
 

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from services.router.breaker import Breakers
+from tandem.services.router.breaker import Breakers
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import FakeDecode, FakePrefill
@@ -101,9 +101,9 @@ def test_a_decode_failure_due_to_its_prefill_peer_is_retried_without_that_prefil
 
 
 def test_up_forwards_the_retry_and_breaker_flags_to_the_router():
-    from services.router.config import RouterConfig
-    from tandem.cli import build_parser
-    from tandem.up_cmd import router_args
+    from tandem.cli.main import build_parser
+    from tandem.cli.up_cmd import router_args
+    from tandem.services.router.config import RouterConfig
 
     up = build_parser().parse_args(["up", "--retry-max-retries", "2", "--cb-failure-threshold", "7",
                                     "--cb-timeout-duration-secs", "1.5", "--disable-circuit-breaker"])

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from services.router.config import RouterConfig, add_arguments
-from tandem import router_cmd
+from tandem.cli import router_cmd
+from tandem.services.router.config import RouterConfig, add_arguments
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -50,13 +50,13 @@ def test_bad_flag_combinations(argv, match):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, tandem.router_cmd, services.router.server; print('torch' in sys.modules)"
+    code = "import sys, tandem.cli.router_cmd, tandem.services.router.server; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_process_prints_ready_and_stops_on_sigterm():
-    argv = [sys.executable, "-m", "services.router", "--port", "0", "--prefill", "127.0.0.1:1", "--decode",
+    argv = [sys.executable, "-P", "-m", "tandem.services.router", "--port", "0", "--prefill", "127.0.0.1:1", "--decode",
             "127.0.0.1:2", "--probe-interval", "0", "--drain-timeout", "0.5"]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
@@ -74,7 +74,7 @@ def test_process_prints_ready_and_stops_on_sigterm():
 
 
 def test_process_exits_2_on_bad_flags():
-    out = subprocess.run([sys.executable, "-m", "services.router", "--port", "0"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-P", "-m", "tandem.services.router", "--port", "0"], capture_output=True, text=True)
     assert out.returncode == 2 and "no registry" in out.stderr
 
 

@@ -5,10 +5,11 @@ import random
 
 import pytest
 
-from engine.kvcache.tiers.base import BlockMeta, Tier
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.events import KVEventBatch, KVEventPublisher, KVSnapshot, message_from_dict
-from services.router.kv_events import DEFAULT_TIER_WEIGHTS, KVEventIndex, ViewState, block_keys
+from tandem.engine.kvcache.tiers.publisher import KVEventPublisher
+from tandem.kvblocks.blocks import BlockMeta, Tier
+from tandem.kvblocks.events import KVEventBatch, KVSnapshot, message_from_dict
+from tandem.kvblocks.keys import Namespace, block_hashes
+from tandem.services.router.kv_events import DEFAULT_TIER_WEIGHTS, KVEventIndex, ViewState, block_keys
 
 NS = Namespace(model="tandem-test-model", dtype="bfloat16", page_size=4, num_layers=2, kv_heads=1, head_dim=8)
 KEYS = block_hashes(NS, list(range(4 * 24)))

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.kvcache.kv_manager import KVManager
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.block_hash import Namespace
-from engine.kvcache.tiers.event_link import EventLink
-from engine.kvcache.tiers.events import KVEventBatch, KVSnapshot
-from services.router.cache_view import PromptKey
-from services.router.kv_events import KVEventIndex, block_keys
-from services.router.kv_feed import EventPrefixView, KVEventFeed
-from services.router.metrics import RouterMetrics
-from services.router.planner import RoutePlanner
-from services.router.route_config import RouteConfig
-from services.worker.kv_events import KVEventSender, event_source
+from tandem.engine.kvcache.kv_manager import KVManager
+from tandem.engine.kvcache.tiers.event_link import EventLink
+from tandem.kvblocks.blocks import Tier
+from tandem.kvblocks.events import KVEventBatch, KVSnapshot
+from tandem.kvblocks.keys import Namespace
+from tandem.services.router.cache_view import PromptKey
+from tandem.services.router.kv_events import KVEventIndex, block_keys
+from tandem.services.router.kv_feed import EventPrefixView, KVEventFeed
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.planner import RoutePlanner
+from tandem.services.router.route_config import RouteConfig
+from tandem.services.worker.kv_events import KVEventSender, event_source
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun, wait_until
 
@@ -165,7 +165,7 @@ def _info(wid: str, events: bool = True) -> worker_pb2.WorkerInfo:
 
 def _exact(index: KVEventIndex, wid: str, tokens: list[int], tier: Tier) -> None:
     blocks = [(k, p) for k, p in zip(block_keys(NS, tokens), [None, *block_keys(NS, tokens)], strict=False)]
-    from engine.kvcache.tiers.events import BlockRef
+    from tandem.kvblocks.events import BlockRef
     index.apply(KVSnapshot(wid, 1, 0, tuple(BlockRef(k, p, tier) for k, p in blocks)))
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import grpc
 import pytest
 
-from services.router.migration import StreamLedger
+from tandem.services.router.migration import StreamLedger
 from tandem.v1 import generation_pb2
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import FakeDecode, FakePrefill

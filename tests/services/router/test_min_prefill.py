@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.common.registry import RedisRegistry
-from services.router.config import RouterConfig
+from tandem.services.common.registry import RedisRegistry
+from tandem.services.router.config import RouterConfig
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun, wait_until
 from tests.services.router.fakes import FakeDecode, FakePrefill

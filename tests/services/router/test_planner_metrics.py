@@ -9,11 +9,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.registry import RedisRegistry
-from services.router.config import RouterConfig
-from services.router.metrics import RouterMetrics
-from services.router.route_config import RouteConfig
-from services.router.server import RouterServer
+from tandem.services.common.registry import RedisRegistry
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.metrics import RouterMetrics
+from tandem.services.router.route_config import RouteConfig
+from tandem.services.router.server import RouterServer
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.services.common.conftest import arun, wait_until
 from tests.services.router.fakes import FakeDecode, FakePrefill

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.cache_view import BLOCK_TOKENS, PrefixCacheView, PromptKey
-from services.router.cost import Candidate
-from services.router.planner import RoutePlanner
-from services.router.policy import LeastLoad, RoundRobin, make_policy, policy_names
-from services.router.route_config import RouteConfig
+from tandem.services.router.cache_view import BLOCK_TOKENS, PrefixCacheView, PromptKey
+from tandem.services.router.cost import Candidate
+from tandem.services.router.planner import RoutePlanner
+from tandem.services.router.policy import LeastLoad, RoundRobin, make_policy, policy_names
+from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
 P, D = worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE

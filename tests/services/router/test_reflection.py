@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import InternalAuth
-from services.common.registry import StaticRegistry
-from services.router.server import RouterServer
+from tandem.services.common.auth import InternalAuth
+from tandem.services.common.registry import StaticRegistry
+from tandem.services.router.server import RouterServer
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import dead_addr
 from tests.services.router.reflection_client import describe

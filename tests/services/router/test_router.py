@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.registry import RedisRegistry, StaticRegistry
-from services.router.config import RouterConfig
-from services.router.route_config import RouteConfig
-from services.router.server import RouterServer
+from tandem.services.common.registry import RedisRegistry, StaticRegistry
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.route_config import RouteConfig
+from tandem.services.router.server import RouterServer
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.services.common.conftest import arun, wait_until
 from tests.services.router.fakes import FakeColocated, FakeDecode, FakePrefill, dead_addr

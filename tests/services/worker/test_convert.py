@@ -6,9 +6,9 @@ import pytest
 from tandem_client._convert import chunk_from_pb
 from tandem_client._proto import generation_pb2 as sdk_pb
 
-from engine.outputs import FinishReason, RequestOutput
-from services.gateway.responses import stop_reason
-from services.worker.convert import output_to_pb
+from tandem.engine.outputs import FinishReason, RequestOutput
+from tandem.services.gateway.responses import stop_reason
+from tandem.services.worker.convert import output_to_pb
 
 
 @pytest.mark.parametrize(("matched", "field"), [

@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from kvtransfer import create_receiver, create_sender
-from kvtransfer.base import RoomState
-from services.worker.fault_sender import FaultySender, wrap_sender
-from services.worker.faults import ALLOW_ENV, HANG_AT_ENV, FaultConfig, FaultInjector, FaultSpecError
-from tandem.cli import build_parser
-from tandem.up_cmd import worker_args
-from tandem.worker_cmd import fault_config
+from tandem.cli.main import build_parser
+from tandem.cli.up_cmd import worker_args
+from tandem.cli.worker_cmd import fault_config
+from tandem.kvtransfer import create_receiver, create_sender
+from tandem.kvtransfer.base import RoomState
+from tandem.services.worker.fault_sender import FaultySender, wrap_sender
+from tandem.services.worker.faults import ALLOW_ENV, HANG_AT_ENV, FaultConfig, FaultInjector, FaultSpecError
 from tests.kvtransfer.helpers import SMALL, random_pool, uid, wait_done
 
 SPEC = "transfer_fail=0.25,transfer_delay_ms=50,forward_delay_ms=20,seed=7"

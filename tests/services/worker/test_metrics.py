@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.store import StoreStats, TierStats
-from services.worker import metrics
+from tandem.engine.kvcache.tiers.store import StoreStats, TierStats
+from tandem.kvblocks.blocks import Tier
+from tandem.services.worker import metrics
 
 
 def sample(name: str, **labels) -> float:
@@ -32,7 +32,7 @@ def test_kv_tier_counters_advance_by_what_the_store_gained():
 
 
 def test_kv_tier_latencies_are_observed_once():
-    from engine.kvcache.tiers.timings import TierOp, TierTimings
+    from tandem.engine.kvcache.tiers.timings import TierOp, TierTimings
 
     before = (sample("tandem_kv_tier_load_seconds_count", tier="disk"),
               sample("tandem_kv_tier_store_seconds_count", tier="host"),

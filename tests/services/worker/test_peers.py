@@ -7,7 +7,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.worker.peers import LIVENESS, PeerMonitor
+from tandem.services.worker.peers import LIVENESS, PeerMonitor
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import dead_addr
 

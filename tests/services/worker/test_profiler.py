@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.loop import EngineLoop
-from services.worker.metrics_server import start_metrics_server
-from services.worker.profiler import StepProfiler
+from tandem.services.worker.loop import EngineLoop
+from tandem.services.worker.metrics_server import start_metrics_server
+from tandem.services.worker.profiler import StepProfiler
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY
 
-from engine.scheduler.batch import SeqStep, StepBatch
-from services.worker.step_stats import StepStats, shape_of
+from tandem.engine.scheduler.batch import SeqStep, StepBatch
+from tandem.services.worker.step_stats import StepStats, shape_of
 
 
 @dataclass
@@ -77,7 +77,7 @@ def test_each_step_feeds_the_histograms():
 
 
 def test_busy_line_every_interval_and_silence_when_idle(caplog):
-    caplog.set_level(logging.INFO, logger="services.worker.step_stats")
+    caplog.set_level(logging.INFO, logger="tandem.services.worker.step_stats")
     runner, clock = Runner(), Clock()
     stats = StepStats(runner, Load, "decode-0", log_interval_s=5.0, clock=clock)
 
@@ -105,7 +105,7 @@ def test_busy_line_every_interval_and_silence_when_idle(caplog):
 
 
 def test_interval_zero_logs_nothing(caplog):
-    caplog.set_level(logging.INFO, logger="services.worker.step_stats")
+    caplog.set_level(logging.INFO, logger="tandem.services.worker.step_stats")
     runner, clock = Runner(), Clock()
     stats = StepStats(runner, Load, "w", log_interval_s=0, clock=clock)
     for _ in range(100):
@@ -133,7 +133,7 @@ def test_graph_steps_counter_follows_the_runners_replays():
 def test_trace_appends_a_json_line_per_step(tmp_path):
     import json
 
-    from services.worker.step_stats import StepTrace
+    from tandem.services.worker.step_stats import StepTrace
 
     runner = Runner()
     stats = StepStats(runner, Load, "w", log_interval_s=0, trace=StepTrace(tmp_path / "steps", "colocated-0"))
@@ -156,7 +156,7 @@ def test_trace_appends_a_json_line_per_step(tmp_path):
 
 
 def test_a_failing_trace_write_is_logged_once_and_ends_the_trace(tmp_path, caplog):
-    from services.worker.step_stats import StepTrace
+    from tandem.services.worker.step_stats import StepTrace
 
     class Full:
         def write(self, _):
@@ -170,7 +170,7 @@ def test_a_failing_trace_write_is_logged_once_and_ends_the_trace(tmp_path, caplo
     trace._f = Full()
     runner = Runner()
     stats = StepStats(runner, Load, "w", log_interval_s=0, trace=trace)
-    with caplog.at_level(logging.ERROR, logger="services.worker.step_stats"):
+    with caplog.at_level(logging.ERROR, logger="tandem.services.worker.step_stats"):
         for _ in range(3):
             runner.last_batch = StepBatch([decode_row()])
             stats.after_step(0.01)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.kvcache.tiers import disk as disk_module
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.disk import HEADER_BYTES, DiskTier
+from tandem.engine.kvcache.tiers import disk as disk_module
+from tandem.engine.kvcache.tiers.disk import HEADER_BYTES, DiskTier
+from tandem.kvblocks.blocks import Tier
+from tandem.kvblocks.keys import Namespace, block_hashes
 
 NS = Namespace(model="tandem-test-model", dtype="bfloat16", page_size=4, num_layers=2, kv_heads=1, head_dim=8)
 KEYS = block_hashes(NS, list(range(4 * 64)))

@@ -5,15 +5,15 @@ router's request both end in a snapshot."""
 
 from __future__ import annotations
 
-from engine.kvcache.kv_manager import KVManager
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.event_link import EventLink
-from engine.kvcache.tiers.events import KVEventBatch, KVSnapshot
-from engine.kvcache.tiers.host import HostTier
-from engine.kvcache.tiers.link import TierLink
-from engine.kvcache.tiers.store import TieredStore
-from services.router.kv_events import KVEventIndex
+from tandem.engine.kvcache.kv_manager import KVManager
+from tandem.engine.kvcache.tiers.event_link import EventLink
+from tandem.engine.kvcache.tiers.host import HostTier
+from tandem.engine.kvcache.tiers.link import TierLink
+from tandem.engine.kvcache.tiers.store import TieredStore
+from tandem.kvblocks.blocks import Tier
+from tandem.kvblocks.events import KVEventBatch, KVSnapshot
+from tandem.kvblocks.keys import Namespace, block_hashes
+from tandem.services.router.kv_events import KVEventIndex
 
 PS = 4
 BLOCK = 8

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvcache.tiers.base import BlockMeta, Tier
-from engine.kvcache.tiers.host import HostTier
+from tandem.engine.kvcache.tiers.host import HostTier
+from tandem.kvblocks.blocks import BlockMeta, Tier
 
 
 def key(i: int) -> bytes:

@@ -3,7 +3,7 @@ names and sizes, and not with anything else in the folder."""
 
 from __future__ import annotations
 
-from engine.kvcache.tiers.link import model_fingerprint
+from tandem.engine.kvcache.tiers.link import model_fingerprint
 
 
 def test_fingerprint_follows_config_and_weight_files(tmp_path):

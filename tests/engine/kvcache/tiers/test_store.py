@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from engine.kvcache.tiers import disk as disk_module
-from engine.kvcache.tiers.base import Tier
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.disk import HEADER_BYTES, DiskTier
-from engine.kvcache.tiers.host import HostTier
-from engine.kvcache.tiers.store import TieredStore
+from tandem.engine.kvcache.tiers import disk as disk_module
+from tandem.engine.kvcache.tiers.disk import HEADER_BYTES, DiskTier
+from tandem.engine.kvcache.tiers.host import HostTier
+from tandem.engine.kvcache.tiers.store import TieredStore
+from tandem.kvblocks.blocks import Tier
+from tandem.kvblocks.keys import Namespace, block_hashes
 
 NS = Namespace(model="tandem-test-model", dtype="bfloat16", page_size=4, num_layers=2, kv_heads=1, head_dim=8)
 BLOCK = NS.block_bytes(2)  # 256

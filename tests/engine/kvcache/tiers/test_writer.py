@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from engine.kvcache.tiers.block_hash import Namespace, block_hashes
-from engine.kvcache.tiers.disk import DiskTier
-from engine.kvcache.tiers.writer import WriteBehind
+from tandem.engine.kvcache.tiers.disk import DiskTier
+from tandem.engine.kvcache.tiers.writer import WriteBehind
+from tandem.kvblocks.keys import Namespace, block_hashes
 
 NS = Namespace(model="tandem-test-model", dtype="bfloat16", page_size=4, num_layers=2, kv_heads=1, head_dim=8)
 KEYS = block_hashes(NS, list(range(4 * 16)))

@@ -8,13 +8,13 @@ SUMMARY = "run the SLO planner: reshape prefill/decode capacity to keep the TTFT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.planner.config import add_arguments as add_planner_arguments
+    from tandem.services.planner.config import add_arguments as add_planner_arguments
 
     add_planner_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at module import: `tandem --help` stays instant.
-    from services.planner.server import run as run_planner
+    from tandem.services.planner.server import run as run_planner
 
     return run_planner(args)

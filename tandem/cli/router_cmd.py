@@ -8,15 +8,15 @@ SUMMARY = "run the router: the public gRPC API, pairing prefill and decode worke
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.router.config import add_arguments as add_router_arguments
+    from tandem.services.router.config import add_arguments as add_router_arguments
 
     add_router_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at module import: `tandem --help` stays instant.
-    from services.common import tracing
-    from services.router.server import run as run_router
+    from tandem.services.common import tracing
+    from tandem.services.router.server import run as run_router
 
     tracing.configure(args.otlp_traces_endpoint, "tandem-router")
 

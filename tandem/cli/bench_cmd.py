@@ -9,10 +9,10 @@ import os
 import shlex
 import sys
 
-from engine.config import EngineConfig
-from services.common.flags import Owner
-from services.common.shared_flags import MODEL_FLAG
-from tandem.engine_args import DTYPE
+from tandem.cli.engine_args import DTYPE
+from tandem.engine.config import EngineConfig
+from tandem.services.common.flags import Owner
+from tandem.services.common.shared_flags import MODEL_FLAG
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -23,7 +23,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _priority_mix(text: str) -> tuple[tuple[int, float], ...]:
-    from bench.serve.datasets import parse_priority_mix
+    from tandem.bench.serve.datasets import parse_priority_mix
 
     try:
         return parse_priority_mix(text)
@@ -32,7 +32,7 @@ def _priority_mix(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def _load_profile(text: str):
-    from bench.serve.load_profile import parse_load_profile
+    from tandem.bench.serve.load_profile import parse_load_profile
 
     try:
         return parse_load_profile(text)
@@ -78,7 +78,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _dataset(args: argparse.Namespace, default_prompts: int):
-    from bench.serve.datasets import DatasetConfig
+    from tandem.bench.serve.datasets import DatasetConfig
 
     output_len = args.output_len
     if output_len is None and args.dataset_name != "sharegpt":
@@ -113,7 +113,7 @@ def _add_run_arguments(p: argparse.ArgumentParser, num_warmups: int, slo: str, o
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.serve.backends import BACKENDS, FORCE_OUTPUT_LEN
+    from tandem.bench.serve.backends import BACKENDS, FORCE_OUTPUT_LEN
 
     p.add_argument("--backend", default="openai-http", choices=sorted(BACKENDS),
                    help="an OpenAI-compatible HTTP server (Tandem's gateway or another), or Tandem's gRPC router")
@@ -190,10 +190,10 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from bench.serve.backends import DEFAULT_URLS, BackendConfig
-    from bench.serve.metrics import SLO
-    from bench.serve.runner import WarmupFailed
-    from bench.serve.serve import ServeConfig, run_serve
+    from tandem.bench.serve.backends import DEFAULT_URLS, BackendConfig
+    from tandem.bench.serve.metrics import SLO
+    from tandem.bench.serve.runner import WarmupFailed
+    from tandem.bench.serve.serve import ServeConfig, run_serve
 
     try:
         extra = json.loads(args.extra_body) if args.extra_body else {}
@@ -225,8 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from bench.serve.metrics import SLO
-    from bench.serve.sweep import SweepConfig, run_sweep
+    from tandem.bench.serve.metrics import SLO
+    from tandem.bench.serve.sweep import SweepConfig, run_sweep
 
     try:
         cfg = SweepConfig(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.sampling_params import SamplingDefaults, SamplingParams
-from services.common.arg_groups import GENERATION, arg_group
-from tandem.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.cli.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.engine.sampling_params import SamplingDefaults, SamplingParams
+from tandem.services.common.arg_groups import GENERATION, arg_group
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
-    # Unset: the model's generation_config.json, else Tandem's (engine/sampling_params.py), as on the gRPC API.
+    # Unset: the model's generation_config.json, else OpenAI's (engine/sampling_params.py), as on every API.
     d = SamplingDefaults()
     g.add_argument("--temperature", type=float, default=None,
                    help=f"sampling temperature in [0, 2]; 0: greedy (default: the model's, else {d.temperature:g})")
@@ -48,8 +48,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module import: `tandem --help` stays instant.
-    from engine.engine import LLMEngine
-    from engine.errors import TandemError
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.errors import TandemError
 
     try:
         params = sampling_from_args(args)

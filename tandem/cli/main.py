@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
-from tandem import (
+from tandem.cli import (
     bench_cmd,
     gateway_cmd,
     generate_cmd,
@@ -17,7 +16,7 @@ from tandem import (
     up_cmd,
     worker_cmd,
 )
-from tandem.command import HelpFormatter, add_global_arguments, start
+from tandem.cli.command import HelpFormatter, add_global_arguments, start
 
 # name -> (one-line description, add_arguments, run); each subcommand lives in its own module.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
@@ -55,6 +54,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return start(args, SUBCOMMANDS[args.command][2])
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,15 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kvcache.tiers.block_hash import (
-    KEY_BYTES,
-    ROOT,
-    Namespace,
-    block_hash,
-    block_hashes,
-    key_from_hex,
-    key_hex,
-)
+from tandem.kvblocks.keys import KEY_BYTES, ROOT, Namespace, block_hash, block_hashes, key_from_hex, key_hex
 
 NS = Namespace(model="tandem-test-model", dtype="bfloat16", page_size=4, num_layers=2, kv_heads=1, head_dim=8)
 REPO = Path(__file__).resolve().parents[4]
@@ -47,7 +39,7 @@ def test_keys_follow_the_documented_formula_and_a_pinned_vector():
 
 
 def test_keys_do_not_depend_on_the_interpreters_hash_seed():
-    code = ("from engine.kvcache.tiers.block_hash import Namespace, block_hashes\n"
+    code = ("from tandem.kvblocks.keys import Namespace, block_hashes\n"
             "ns = Namespace('tandem-test-model', 'bfloat16', 4, 2, 1, 8)\n"
             "print(','.join(k.hex() for k in block_hashes(ns, list(range(100, 112)))))")
     expected = ",".join(k.hex() for k in block_hashes(NS, list(range(100, 112))))

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from services.common.shared_flags import REDIS_URL
+from tandem.services.common.shared_flags import REDIS_URL
 
 SUMMARY = "move a running `tandem up`'s workers to another shape (e.g. 0P2D, 1P1D) and wait until it serves so"
 
@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.planner.host import ShapeStore
-    from services.planner.shape import Shape
+    from tandem.services.planner.host import ShapeStore
+    from tandem.services.planner.shape import Shape
 
     if not args.redis_url:
         print("error: --redis-url is needed: the registry of the `tandem up` to reshape (printed in its banner)",

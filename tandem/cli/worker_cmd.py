@@ -6,13 +6,13 @@ import argparse
 import sys
 from functools import partial
 
-from engine.config import EngineConfig
-from services.common.flags import Owner, add_flags, unique
-from tandem.engine_args import ENGINE_FLAGS, engine_config_from_args
+from tandem.cli.engine_args import ENGINE_FLAGS, engine_config_from_args
+from tandem.engine.config import EngineConfig
+from tandem.services.common.flags import Owner, add_flags, unique
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.worker.config import WORKER_FLAGS, WorkerConfig
+    from tandem.services.worker.config import WORKER_FLAGS, WorkerConfig
 
     add_flags(p, unique(ENGINE_FLAGS, WORKER_FLAGS),
               {Owner.ENGINE: EngineConfig(), Owner.WORKER: WorkerConfig(role="")})
@@ -20,18 +20,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def fault_config(args: argparse.Namespace):
     """The worker's FaultConfig from its flags and environment; raises FaultSpecError."""
-    from services.worker.faults import FaultConfig
+    from tandem.services.worker.faults import FaultConfig
 
     return FaultConfig.load(args.fault_inject, args.enable_fault_injection)
 
 
 def run(role: str, args: argparse.Namespace) -> int:
-    from services.common import tracing
-    from services.common.auth import InternalAuth
-    from services.common.tls import tls_from_args
-    from services.worker.config import WorkerConfig
-    from services.worker.faults import FaultSpecError
-    from services.worker.server import run as run_worker
+    from tandem.services.common import tracing
+    from tandem.services.common.auth import InternalAuth
+    from tandem.services.common.tls import tls_from_args
+    from tandem.services.worker.config import WorkerConfig
+    from tandem.services.worker.faults import FaultSpecError
+    from tandem.services.worker.server import run as run_worker
 
     try:
         faults = fault_config(args)

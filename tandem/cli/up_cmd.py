@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.flags import SERVICES, Flag, Owner, forwarded, owner_names, unique
+from tandem.services.common.flags import SERVICES, Flag, Owner, forwarded, owner_names, unique
 
 # The flags each kind of child takes from `tandem up`.
 WORKERS = Owner.ENGINE | Owner.WORKER
 
 
 def _configs() -> dict[Owner, object]:
-    from engine.config import EngineConfig
-    from services.gateway.config import GatewayConfig
-    from services.launcher.config import UpConfig
-    from services.planner.config import PlannerConfig
-    from services.router.config import RouterConfig
-    from services.worker.config import WorkerConfig
+    from tandem.engine.config import EngineConfig
+    from tandem.services.gateway.config import GatewayConfig
+    from tandem.services.launcher.config import UpConfig
+    from tandem.services.planner.config import PlannerConfig
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.worker.config import WorkerConfig
 
     return {Owner.LAUNCHER: UpConfig(), Owner.ENGINE: EngineConfig(), Owner.WORKER: WorkerConfig(role=""),
             Owner.ROUTER: RouterConfig(), Owner.GATEWAY: GatewayConfig(), Owner.PLANNER: PlannerConfig()}
@@ -30,12 +30,12 @@ def _configs() -> dict[Owner, object]:
 
 def up_flags() -> list[Flag]:
     """Every flag `tandem up` takes, in --help order: its own, then its children's."""
-    from services.gateway.config import GATEWAY_FLAGS
-    from services.launcher.config import LAUNCHER_FLAGS
-    from services.planner.config import PLANNER_FLAGS
-    from services.router.config import ROUTER_FLAGS
-    from services.worker.config import WORKER_FLAGS
-    from tandem.engine_args import ENGINE_FLAGS
+    from tandem.cli.engine_args import ENGINE_FLAGS
+    from tandem.services.gateway.config import GATEWAY_FLAGS
+    from tandem.services.launcher.config import LAUNCHER_FLAGS
+    from tandem.services.planner.config import PLANNER_FLAGS
+    from tandem.services.router.config import ROUTER_FLAGS
+    from tandem.services.worker.config import WORKER_FLAGS
 
     flags = unique(LAUNCHER_FLAGS, ENGINE_FLAGS, WORKER_FLAGS, ROUTER_FLAGS, GATEWAY_FLAGS, PLANNER_FLAGS)
     return [f for f in flags if f.up_targets]
@@ -91,7 +91,7 @@ def router_args_up(args: argparse.Namespace) -> list[str]:
 
 def up_config(args: argparse.Namespace):
     """The launcher's UpConfig from a parsed `tandem up` command line (not validated)."""
-    from services.launcher.config import UpConfig
+    from tandem.services.launcher.config import UpConfig
 
     return UpConfig(
         mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
@@ -105,12 +105,12 @@ def up_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.limits import RequestLimits
-    from services.common.tls import tls_from_args
-    from services.launcher.shaping import serves_without_prefill
-    from services.launcher.up import run_up
-    from services.worker.faults import FaultSpecError
-    from tandem.worker_cmd import fault_config
+    from tandem.cli.worker_cmd import fault_config
+    from tandem.services.common.limits import RequestLimits
+    from tandem.services.common.tls import tls_from_args
+    from tandem.services.launcher.shaping import serves_without_prefill
+    from tandem.services.launcher.up import run_up
+    from tandem.services.worker.faults import FaultSpecError
 
     try:
         fault_config(args)  # refuse a bad or unauthorized --fault-inject before starting anything

@@ -1,5 +1,5 @@
 """What every `tandem` subcommand shares: the help formatter, `--log-level`, and running one
-subcommand on its own parser (`python -m services.router ...` is `tandem router ...`). Torch-free:
+subcommand on its own parser (`python -m tandem.services.router ...` is `tandem router ...`). Torch-free:
 the router's and the gateway's entry points import it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from services.common.shared_flags import LOG_LEVEL
+from tandem.services.common.shared_flags import LOG_LEVEL
 
 _SAYS_DEFAULT = re.compile(r"\bdefault:", re.IGNORECASE)
 

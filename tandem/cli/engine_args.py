@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import DTYPES, PREFILL_SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
-from services.common.arg_groups import ENGINE, MODEL, SCHEDULER, SPECULATIVE
-from services.common.flags import Flag, Owner, add_flags
-from services.common.shared_flags import MODEL_FLAG, QUEUE_FLAGS
+from tandem.engine.config import DTYPES, PREFILL_SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from tandem.services.common.arg_groups import ENGINE, MODEL, SCHEDULER, SPECULATIVE
+from tandem.services.common.flags import Flag, Owner, add_flags
+from tandem.services.common.shared_flags import MODEL_FLAG, QUEUE_FLAGS
 
 _E = Owner.ENGINE
 
@@ -43,7 +43,9 @@ def _batch_sizes(text: str) -> str:
 
 
 DTYPE = Flag(("--dtype",), _E, MODEL,
-             "weights, activations and KV cache dtype; auto: bfloat16, float32 if the model is fp32-only",
+             "weights, activations and KV cache dtype; auto: what this device computes fast -- bfloat16 on a "
+             "CPU with native bf16 (AVX512-BF16, AMX, Arm BF16) or a GPU that has it, float32 on other CPUs "
+             "(AVX2-only: bf16 is 3-6x slower there), float16 on older GPUs (the start-up log says why)",
              field="dtype", choices=DTYPES)
 ENGINE_FLAGS = (
     MODEL_FLAG, DTYPE,
