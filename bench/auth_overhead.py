@@ -18,10 +18,11 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import grpc
 
+from tandem.bench.flags import add_out_flag
+from tandem.bench.results import write_result
 from tandem.services.common.auth import InternalAuth
 from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -105,7 +106,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=500, help="unary calls per round (default 500)")
     ap.add_argument("--stream-len", type=int, default=20000, help="messages per stream per round (default 20000)")
     ap.add_argument("--connects", type=int, default=30, help="KV connects per way (default 30)")
-    ap.add_argument("--out", default="bench/results/auth_overhead.json", help="JSON output path")
+    add_out_flag(ap, "bench/results/auth_overhead.json", help="JSON output path")
     args = ap.parse_args()
 
     ways = {"plain": InternalAuth(), "secret": InternalAuth(TOKEN)}
@@ -123,8 +124,7 @@ def main() -> None:
         "stream_msgs_per_s": {w: round(statistics.median(v)) for w, v in rates.items()},
         "kv_connect_us_p50": {w: round(_p(v, 50), 1) for w, v in connects.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.auth_overhead")
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "args")}, indent=2))
 
 

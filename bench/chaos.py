@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.bench.chaos_stack import ChaosStack
+from tandem.bench.flags import REQUIRED, add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 
 KILLS = ("baseline", "prefill-0", "decode-0", "router", "redis", "gateway")
 
@@ -150,19 +152,19 @@ def drill(stack_args: list[str], phases: list[str], args: argparse.Namespace, lo
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="model for `tandem up` (alias or local HF folder)")
+    add_stack_flags(p, model=REQUIRED, helps={"model": "model for `tandem up` (alias or local HF folder)"})
     p.add_argument("--rate", type=float, default=4.0, help="requests per second")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds of load per phase")
     p.add_argument("--kill-at-s", type=float, default=5.0, help="when, into a phase, its process is SIGKILLed")
     p.add_argument("--hang-s", type=float, default=30.0, help="a request with no answer after this long is hung")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request")
+    add_load_flags(p, max_tokens=8, helps={"max_tokens": "tokens per request"})
     p.add_argument("--phases", default=",".join(KILLS), help=f"comma separated, from {', '.join(KILLS)}")
     p.add_argument("--transfer-fail", type=float, default=0.1,
                    help="the fault-injection phase's transfer failure probability (0: skip that phase)")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers")
     p.add_argument("--decode", type=int, default=2, help="decode workers")
     p.add_argument("--up-arg", action="append", default=[], help="extra `tandem up` argument (repeatable)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"), help="JSON results")
+    add_out_flag(p, Path("bench/results/chaos.json"), help="JSON results", type=Path)
     p.add_argument("--scenario", choices=("drill", "migration"), default="drill",
                    help="drill: the kill phases above; migration: SIGKILL a decode worker of 1P2D while --streams "
                    "streams are mid-output, and compare their text with an undisturbed run (bench/chaos_migration.py)")
@@ -187,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += drill(base + faults, ["transfer_fail"], args, log)
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "host": platform.node(), "uptime_before": load_before, "uptime_after": _uptime(), "phases": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.chaos")
     log(f"wrote {args.out}")
     bad = [r["phase"] for r in rows if r["hung"] or r["pages_leaked"] or r["idle_check_failures"] or r["failed_unclear"]]
     if bad:
@@ -203,8 +204,7 @@ def _migration(args: argparse.Namespace, log) -> int:
     row = run(["--model", args.model, "--transfer-backend", "tcp", *args.up_arg], model_id, args, log)
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "host": platform.node(), "uptime_before": load_before, "uptime_after": _uptime(), "migration": row}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.chaos")
     log(f"wrote {args.out}")
     ok = row["completed"] == row["identical_to_undisturbed"] == args.streams and not row["pages_leaked"]
     return 0 if ok else 1

@@ -46,7 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.bench.engine import prompts_of
+from tandem.bench.flags import add_out_flag, add_stack_flags
 from tandem.bench.kernels import decode_context, extend_context, make_case
+from tandem.bench.results import write_result
 from tandem.engine.attention.base import create_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
@@ -205,7 +207,7 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
+    add_stack_flags(ap, model="smollm2-135m")
     ap.add_argument("--parts", default="ops,extend,linear,steps", help="any of ops, extend, linear, steps")
     ap.add_argument("--no-emulation", action="store_true",
                     help="skip the avx2 variant's extend and linear rows under the AVX2 emulation")
@@ -213,7 +215,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--steps", type=int, default=40, help="decode steps per batch and engine")
     ap.add_argument("--repeat", type=int, default=2, help="alternate the two engines this many times per batch")
-    ap.add_argument("--out", default="bench/results/cpu_kernels.json")
+    add_out_flag(ap, "bench/results/cpu_kernels.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     torch.set_num_threads(1)
@@ -238,8 +240,7 @@ def main() -> None:
             out["linear"] += emulated_avx2_rows("linear")
     if "steps" in parts:
         out["steps"] = bench_steps(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_result(args.out, out, tool="tandem.bench.cpu_kernels")
 
 
 def bench_steps(args) -> list[dict]:

@@ -22,11 +22,12 @@ import argparse
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from tandem.bench.engine import bench_tandem_decode, bench_tandem_prefill, prompts_of
+from tandem.bench.flags import add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.hardware import choose_dtype, detect
@@ -100,10 +101,10 @@ def bench_engine(model: str, dtype: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    add_stack_flags(ap, model="smollm2-135m")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--out", default="bench/results/dtype_choice.json")
+    add_out_flag(ap, "bench/results/dtype_choice.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = resolve_model(args.model)
@@ -119,8 +120,7 @@ def main() -> None:
         fast = max(result["engine"], key=lambda d: result["engine"][d]["prefill_tok_s"])
         result["engine_fastest_prefill"] = fast
         result["auto_is_fastest_prefill"] = fast == result["auto_dtype"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.dtype_choice")
     print(f"wrote {args.out}")
 
 

@@ -31,10 +31,11 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -137,12 +138,12 @@ def _rss_mb() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
+    add_stack_flags(ap, model="smollm2-135m")
     ap.add_argument("--dtype", default="auto", help="auto: what engine/hardware.py picks for this CPU")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--input-lens", default="128,512",
                     help="prompt lengths; each gets a row per batch size (512: the serving workload's context)")
-    ap.add_argument("--output-len", type=int, default=64)
+    add_load_flags(ap, output_len=64)
     ap.add_argument("--mixed-requests", type=int, default=64, help="requests in the mixed workload (0: skip)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
@@ -157,7 +158,7 @@ def main() -> None:
                     help="measure each row this many times (alternating engines with --compare-graph or "
                          "--compare-prepack) and keep the fastest: on shared cores the best run is the least "
                          "disturbed one")
-    ap.add_argument("--out", default="bench/results/engine.json")
+    add_out_flag(ap, "bench/results/engine.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     input_lens = [int(n) for n in args.input_lens.split(",")]
@@ -249,8 +250,7 @@ def main() -> None:
         "mixed_workload": {"requests": args.mixed_requests, "prompt_len": [32, 256], "output_len": [16, 128],
                            "batch": max_batch, **mixed},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.engine")
     print(f"wrote {args.out}")
 
 

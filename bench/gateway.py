@@ -26,6 +26,8 @@ import httpx
 import openai
 from tandem_client import Client
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.bench.serve.procs import _Proc, start_tandem_up
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
@@ -105,14 +107,14 @@ def run(router: str, gateway: str, rounds: int, warmup: int, max_tokens: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
+    add_stack_flags(p, model="smollm2-135m")
     p.add_argument("--mode", default="disagg", choices=["disagg", "colocated"])
     p.add_argument("--router", default=None, help="use this running router (with --gateway) instead of tandem up")
     p.add_argument("--gateway", default=None, help="the running gateway's URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--out", type=Path, default=Path("bench/results/gateway.json"))
+    add_load_flags(p, max_tokens=4)
+    add_out_flag(p, Path("bench/results/gateway.json"), type=Path)
     args = p.parse_args(argv)
     proc = None
     if args.router and args.gateway:
@@ -127,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.stop(30.0)
     report = {"bench": "gateway_ttft", "model": args.model, "mode": args.mode, "rounds": args.rounds,
               "max_tokens": args.max_tokens, "machine": platform.machine(), "cpus": os.cpu_count(), **result}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, tool="tandem.bench.gateway")
     print(json.dumps(report, indent=2))
     return 0
 

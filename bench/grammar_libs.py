@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.bench.flags import add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -224,10 +227,10 @@ LIBS = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar, "outlines_co
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="model alias or folder (its tokenizer.json is used)")
+    add_stack_flags(ap, model="smollm2-135m", helps={"model": "model alias or folder (its tokenizer.json is used)"})
     ap.add_argument("--libs", default=",".join(LIBS))
     ap.add_argument("--path", action="append", default=[], help="extra sys.path entry (libraries installed aside)")
-    ap.add_argument("--out", type=Path, default=None)
+    add_out_flag(ap, type=Path)
     args = ap.parse_args(argv)
     sys.path[:0] = args.path
     from tokenizers import Tokenizer
@@ -247,11 +250,9 @@ def main(argv: list[str] | None = None) -> None:
             result["libs"][name] = {"skipped": f"not installed ({e})"}
         except Exception as e:   # a library that cannot do the schema is a result too
             result["libs"][name] = {"failed": f"{type(e).__name__}: {e}"}
-    out = json.dumps(result, indent=2)
-    print(out)
+    print(json.dumps(result, indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(out + "\n")
+        write_result(args.out, result, tool="tandem.bench.grammar_libs")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,15 @@ Without CUDA there is nothing to measure: the script says so and runs a tiny int
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
+
+from tandem.bench.flags import add_out_flag
+from tandem.bench.results import write_result
 
 # HBM bandwidth in GB/s (vendor figures), matched against torch.cuda.get_device_name().
 PEAK_GBPS = [
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-gbps", type=float, default=None, help="HBM peak; default from the GPU's name")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--out", type=Path, default=None)
+    add_out_flag(p, type=Path)
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -208,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['torch_gbps']:>7} {row['torch_pct_peak']!s:>6} {row['speedup']:>7}")
         torch.cuda.empty_cache()
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result, tool="tandem.bench.kernels")
     return 0
 
 

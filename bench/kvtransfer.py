@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.bench.flags import add_out_flag
+from tandem.bench.results import write_result
 from tandem.kvtransfer import create_receiver, create_sender, merge_runs
 from tandem.kvtransfer.backends.ucx_env import UcxSettings
 from tandem.kvtransfer.base import PoolLayout, RoomState
@@ -217,7 +219,7 @@ def main() -> None:
     ap.add_argument("--move", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    add_out_flag(ap, type=Path)
     args = ap.parse_args()
 
     layout = smollm2_layout(args.pool_pages)
@@ -353,13 +355,12 @@ def main() -> None:
         print(f"target {k:<34}{'met' if v else 'NOT met'}")
 
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
+        write_result(args.out, {
             "bench": "kvtransfer", "layout": layout.__dict__, "moved_pages": args.move, "runs": len(runs),
             "payload_mb": nbytes / 1e6, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "machine": {"cpu": platform.machine(), "cores": mp.cpu_count(), "torch": torch.__version__},
             "rows": rows, "ratios": ratios, "ratios_best": ratios_best, "targets_met": targets,
-        }, indent=2) + "\n")
+        }, tool="tandem.bench.kvtransfer")
         print(f"wrote {args.out}")
 
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from tandem.bench.engine import prompts_of
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -61,12 +61,11 @@ def run_mode(cfg: EngineConfig, batch: int, input_len: int, output_len: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="model alias or folder (default: %(default)s)")
+    add_stack_flags(ap, model="smollm2-135m", helps={"model": "model alias or folder"})
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default: %(default)s)")
-    ap.add_argument("--input-len", type=int, default=256, help="prompt tokens (default: %(default)s)")
-    ap.add_argument("--output-len", type=int, default=64, help="output tokens (default: %(default)s)")
+    add_load_flags(ap, input_len=256, output_len=64)
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--out", default="bench/results/overlap.json", help="JSON output (default: %(default)s)")
+    add_out_flag(ap, "bench/results/overlap.json", help="JSON output")
     args = ap.parse_args()
     base = EngineConfig(model=args.model, num_threads=args.num_threads)
     rows = []
@@ -81,10 +80,9 @@ def main() -> None:
         print(f"batch {batch:3d}: gap p50 {off['gap_ms_p50']:.2f} -> {on['gap_ms_p50']:.2f} ms, "
               f"forward {off['forward_ms_mean']:.1f} -> {on['forward_ms_mean']:.1f} ms, "
               f"{off['output_tok_s']:.1f} -> {on['output_tok_s']:.1f} tok/s, same tokens: {same}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
+    write_result(args.out, {
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "config": vars(args), "rows": rows}, indent=2))
+        "config": vars(args), "rows": rows}, tool="tandem.bench.overlap")
     print(f"wrote {args.out}")
 
 

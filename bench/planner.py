@@ -32,14 +32,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_progress_flags, add_stack_flags
 from tandem.bench.planner_report import format_summary, verdict
+from tandem.bench.results import write_result
 from tandem.bench.serve import plots
 from tandem.bench.serve.backends import BackendConfig
 from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
 from tandem.bench.serve.deployment import Deployment, measure_deployment
 from tandem.bench.serve.load_profile import LoadProfile, parse_load_profile
 from tandem.bench.serve.metrics import SLO
-from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_profile, write_json
+from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_profile
 from tandem.bench.serve.sweep import SweepConfig, TandemUp, _terminate_as_exit, make_deployment
 
 log = logging.getLogger(__name__)
@@ -230,9 +232,10 @@ def run_planner_bench(cfg: PlannerBenchConfig, deployments: Sequence[Deployment]
                 results["skipped"][dep.name] = why
             else:
                 results["deployments"][dep.name] = entry
-            write_json(out, results)   # after each deployment: a later crash keeps what was measured
+            # after each deployment: a later crash keeps what was measured
+            write_result(out, results, tool="tandem.bench.planner")
     results["verdict"] = verdict(results)
-    write_json(out, results)
+    write_result(out, results, tool="tandem.bench.planner")
     echo(format_summary(results))
     echo(f"results: {out}")
     series = {n: e["time_series"] for n, e in results["deployments"].items()}
@@ -277,26 +280,23 @@ def _measure(cfg: PlannerBenchConfig, dep: Deployment, ep, tokenizer, echo) -> d
 def parse_args(argv: Sequence[str] | None = None) -> PlannerBenchConfig:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.planner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="the model every deployment serves (alias or HF folder)")
+    add_stack_flags(p, model="smollm2-135m", helps={"model": "the model every deployment serves (alias or HF folder)"})
     p.add_argument("--load-profile", default=DEFAULT_PROFILE, help="phases DURATION@RATE:IN/OUT,... or a JSON file")
     p.add_argument("--deployments", default=",".join(DEFAULT_DEPLOYMENTS),
                    help="comma (or semicolon) separated: NpMd, colocated-dpN, planner, or NAME=`tandem up` ARGS")
-    p.add_argument("--slo", default="ttft=2s,tpot=150ms",
-                   help="goodput SLOs (also the planner deployment's --ttft-slo / --itl-slo)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts (the same for every deployment)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--num-warmups", type=int, default=2, help="requests sent one by one before each run")
+    add_load_flags(p, range_ratio=0.0, seed=0, burstiness=1.0, max_concurrency=None, num_warmups=2,
+                   slo="ttft=2s,tpot=150ms", helps={
+                       "seed": "seed of the arrivals and prompts (the same for every deployment)",
+                       "num_warmups": "requests sent one by one before each run",
+                       "slo": "goodput SLOs (also the planner deployment's --ttft-slo / --itl-slo)"})
     p.add_argument("--sample-interval", type=float, default=2.0, help="seconds between shape samples")
     p.add_argument("--load-profile-window", type=float, default=5.0, help="the time series' window (s)")
     p.add_argument("--tandem-backend", default="openai-http", choices=["openai-http", "tandem-grpc"])
     p.add_argument("--dtype", default="auto", help="`tandem up --dtype` of every deployment")
-    p.add_argument("--up-args", default="", help="extra `tandem up` flags for every deployment")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to come up")
-    p.add_argument("--out", default="bench/results/planner.json", help="results JSON (the PNG goes beside it)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-save-requests", action="store_true", help="leave per-request records out of the JSON")
+    add_stack_flags(p, up_args="", start_timeout=600.0,
+                    helps={"up_args": "extra `tandem up` flags for every deployment"})
+    add_out_flag(p, "bench/results/planner.json", help="results JSON (the PNG goes beside it)")
+    add_progress_flags(p, save_requests=True)
     a = p.parse_args(argv)
     try:
         return PlannerBenchConfig(

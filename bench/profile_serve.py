@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import collections
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import psutil
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.bench.serve.backends import BackendConfig
 from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
 from tandem.bench.serve.metrics import SLO
@@ -95,21 +98,18 @@ def worker_pid(up_pid: int, role: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="colocated", help="colocated, or a role of a disaggregated stack: decode | prefill")
-    ap.add_argument("--up-args", default="", help="extra `tandem up` flags")
-    ap.add_argument("--request-rate", type=float, default=2.0)
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
+    add_stack_flags(ap, up_args="")
+    add_load_flags(ap, request_rate=2.0, num_prompts=48, input_len=256, output_len=64)
     ap.add_argument("--duration", type=int, default=20, help="seconds of sampling, from the first request")
     ap.add_argument("--rate-hz", type=int, default=50, help="py-spy samples per second")
-    ap.add_argument("--out", default="bench/results/profile_serve.json")
+    add_out_flag(ap, "bench/results/profile_serve.json")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         sys.exit("py-spy is not installed: `make install` installs it with the dev extras")
 
     mode_args = ["--mode", "colocated"] if args.mode == "colocated" else ["--prefill", "1", "--decode", "1"]
-    up = TandemUp(args.mode, mode_args, SweepConfig(up_args=tuple(args.up_args.split())))
+    up = TandemUp(args.mode, mode_args, SweepConfig(up_args=tuple(shlex.split(args.up_args))))
     endpoint = up.start()
     try:
         pid = worker_pid(up._proc.proc.pid, args.mode)
@@ -135,8 +135,7 @@ def main() -> None:
                "ttft_p50_ms": m.ttft.percentiles.get("p50"), "tpot_p50_ms": m.tpot.percentiles.get("p50")}
     result = {"bench": "profile_serve", "machine": machine_info(), "config": vars(args), "serving": serving,
               **summary}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.profile_serve")
     print(json.dumps({k: v for k, v in result.items() if k != "top_leaf_frames"}, indent=2))
     print(f"wrote {args.out}")
 

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from tandem.bench.flags import add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.services.planner.host import ShapeStore
 from tandem.services.planner.shape import Shape
 
@@ -46,9 +48,9 @@ def _move(store: ShapeStore, shape: Shape, timeout_s: float) -> tuple[float, dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model path (default: tandem's default, SmolLM2-135M)")
+    add_stack_flags(ap, model=None, helps={"model": "model path (default: tandem's default, SmolLM2-135M)"})
     ap.add_argument("--repeats", type=int, default=3, help="1P1D -> 0P2D -> 1P1D round trips")
-    ap.add_argument("--out", default="bench/results/reshape_cost.json")
+    add_out_flag(ap, "bench/results/reshape_cost.json")
     args = ap.parse_args(argv)
 
     cmd = [sys.executable, "-P", "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", "-1", "--quiet", "--ready-json",
@@ -99,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": platform.machine(), "python": platform.python_version(), "first_startup_s": first,
               "moves": moves, "median_warm": {k: median(k) for k in ("wall_s", "drain_s", "start_s", "startup_s",
                                                                       "process_s")}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, tool="tandem.bench.reshape_cost")
     print(json.dumps(report["median_warm"]))
     return 0
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import grpc
 
+from tandem.bench.flags import add_load_flags, add_out_flag
+from tandem.bench.results import write_result
 from tandem.bench.serve.procs import start_tandem_up
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -133,11 +135,11 @@ def short_prompts(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", choices=("shared-prefix", "short-prompts"))
-    p.add_argument("--out", required=True, help="results JSON")
+    add_out_flag(p, required=True)
     p.add_argument("--policies", default="round_robin,cache_aware", help="shared-prefix: router policies to compare")
-    p.add_argument("--num-prompts", type=int, default=32, help="shared-prefix: requests per policy (default: 32)")
+    add_load_flags(p, num_prompts=32, slo="ttft=5s,tpot=500ms",
+                   helps={"num_prompts": "shared-prefix: requests per policy", "slo": "shared-prefix: goodput SLO"})
     p.add_argument("--rate", default="1", help="shared-prefix: request rate, req/s (default: 1)")
-    p.add_argument("--slo", default="ttft=5s,tpot=500ms", help="shared-prefix: goodput SLO (default: ttft=5s,tpot=500ms)")
     p.add_argument("--num-short", type=int, default=8, help="short-prompts: short prompts measured (default: 8)")
     p.add_argument("--local-max", type=int, default=256,
                    help="short-prompts: --local-prefill-max-tokens of the `on` setup (default: 256)")
@@ -153,8 +155,7 @@ def main() -> None:
     run = shared_prefix if args.scenario == "shared-prefix" else short_prompts
     result = {"scenario": args.scenario, "argv": sys.argv[1:], "load_before": os.getloadavg(), "results": run(args)}
     result["load_after"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, tool="tandem.bench.routing")
     print(json.dumps(result["results"], indent=2))
 
 

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.bench.flags import add_load_flags, add_out_flag
+from tandem.bench.results import write_result
 from tandem.bench.serve.metrics import SLO, compute_metrics
 from tandem.bench.serve.records import RequestRecord
 from tandem.bench.serve.runner import arrival_offsets
@@ -198,11 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="co-located workers (colocated-dp2: 2)")
     p.add_argument("--request-rates", default="1,2")
     p.add_argument("--seeds", default="0,1", help="arrival seeds, as `tandem bench --seed`")
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--slo", default="ttft=2s,tpot=150ms")
-    p.add_argument("--out", help="write every point as JSON here")
+    add_load_flags(p, num_prompts=128, input_len=256, output_len=64, slo="ttft=2s,tpot=150ms",
+                   helps={"num_prompts": "requests per point (rate and seed)"})
+    add_out_flag(p, help="write every point as JSON here")
     args = p.parse_args(argv)
     try:
         if args.trace:
@@ -238,9 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          **summary(compute_metrics(recs, window, slo).to_dict())})
     _print(rows)
     if args.out:
-        Path(args.out).write_text(json.dumps({"tool": "tandem.bench.sched_sim", "args": vars(args),
-                                              "step_costs": dataclasses.asdict(costs) | {"describe": costs.describe()},
-                                              "points": rows}, indent=1))
+        write_result(args.out, {"args": vars(args),
+                                "step_costs": dataclasses.asdict(costs) | {"describe": costs.describe()},
+                                "points": rows}, tool="tandem.bench.sched_sim")
     return 0
 
 

@@ -20,10 +20,11 @@ import os
 import platform
 import random
 import time
-from pathlib import Path
 
 import torch
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -123,17 +124,17 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    add_stack_flags(ap, model="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--algorithm", default="ngram", choices=("ngram", "draft"))
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--workloads", default="repetitive,quote,random")
-    ap.add_argument("--max-tokens", type=int, default=160)
+    add_load_flags(ap, max_tokens=160)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--disable-adaptive", action="store_true")
-    ap.add_argument("--out", default="bench/results/spec.json")
+    add_out_flag(ap, "bench/results/spec.json")
     args = ap.parse_args()
     base = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_gb=0.5)
     spec_cfg = dataclasses.replace(base, speculative_algorithm=args.algorithm,
@@ -163,8 +164,7 @@ def main() -> None:
             results.append(row)
     out = {"config": {**vars(args), "torch_threads": torch.get_num_threads(), "cpu": platform.processor(),
                       "loadavg": os.getloadavg()}, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_result(args.out, out, tool="tandem.bench.spec")
 
 
 if __name__ == "__main__":

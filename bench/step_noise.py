@@ -20,7 +20,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
+
+from tandem.bench.flags import add_load_flags, add_out_flag
+from tandem.bench.results import write_result
 
 _WINDOW = 21
 
@@ -83,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--processes", default="1,2", help="engine processes at once, one per core (a list: one run each)")
     p.add_argument("--rows", type=int, default=2, help="decode rows per step")
     p.add_argument("--seconds", type=float, default=20.0, help="timed window per run")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens before decoding starts")
-    p.add_argument("--out", help="write the results as JSON here")
+    add_load_flags(p, input_len=256, helps={"input_len": "prompt tokens before decoding starts"})
+    add_out_flag(p, help="write the results as JSON here")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -103,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{n} process(es), core {r['core']}: {r['steps']} steps of {args.rows} rows, median "
                   f"{r['p50_ms']} ms, step / local median p90 {r['p90']}, p99 {r['p99']}, max {r['max']}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"tool": "tandem.bench.step_noise", "args": vars(args), "runs": results},
-                                             indent=1))
+        write_result(args.out, {"args": vars(args), "runs": results}, tool="tandem.bench.step_noise")
     return 0
 
 

@@ -21,7 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
 from tandem.bench.grammar_libs import SCHEMA
+from tandem.bench.results import write_result
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -97,12 +99,12 @@ def worker_compile_times(engine: LLMEngine) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    add_stack_flags(ap, model="smollm2-135m")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    add_load_flags(ap, max_tokens=128)
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", type=Path, default=None)
+    add_out_flag(ap, type=Path)
     args = ap.parse_args(argv)
     cfg = EngineConfig(model=args.model, dtype=args.dtype, enable_overlap_schedule=args.overlap)
     engine = LLMEngine(cfg)
@@ -121,11 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({b: row}), flush=True)
     engine.check_idle()
     engine.close()
-    out = json.dumps(result, indent=2)
-    print(out)
+    print(json.dumps(result, indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(out + "\n")
+        write_result(args.out, result, tool="tandem.bench.structured")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_progress_flags, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.bench.serve.metrics import percentile
-from tandem.bench.serve.serve import machine_info, write_json
+from tandem.bench.serve.serve import machine_info
 from tandem.bench.serve.sweep import (
     Endpoint,
     SweepConfig,
@@ -347,11 +349,12 @@ def run(cfg: StructuredPDConfig, argv: list[str], echo=print) -> dict:
                 results["skipped"][mode] = why
             else:
                 results["modes"][mode] = entry
-            write_json(out, results)       # after each mode: a later crash keeps what was measured
+            # after each mode: a later crash keeps what was measured
+            write_result(out, results, tool="tandem.bench.structured_pd")
     summaries = {m: e["summary"] for m, e in results["modes"].items()}
     results["handoff_share_ms"] = handoff_share(summaries)
     results["table"] = table(summaries)
-    write_json(out, results)
+    write_result(out, results, tool="tandem.bench.structured_pd")
     echo(results["table"])
     for mode, why in results["skipped"].items():
         echo(f"skipped {mode}: {why.splitlines()[0] if why else ''}")
@@ -364,19 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     d = StructuredPDConfig()
     p = argparse.ArgumentParser(prog="python -m tandem.bench.structured_pd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=d.model)
+    add_stack_flags(p, model=d.model)
     p.add_argument("--modes", default=",".join(d.modes), help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--prompts", type=int, default=d.prompts, help="prompts in the measured set (each sent twice)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--num-warmups", type=int, default=d.num_warmups)
+    add_load_flags(p, max_tokens=d.max_tokens, num_warmups=d.num_warmups)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=d.ignore_eos,
                    help="free-text requests run max_tokens")
     p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--up-args", default="", help="extra `tandem up` flags for every mode")
-    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s)
+    add_stack_flags(p, up_args="", start_timeout=d.start_timeout_s,
+                    helps={"up_args": "extra `tandem up` flags for every mode"})
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--no-progress", action="store_true")
+    add_out_flag(p, d.out)
+    add_progress_flags(p)
     p.add_argument("--log-level", default="WARNING")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -12,10 +12,11 @@ attempt's spans count.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping, Sequence
 
+from tandem.bench.flags import add_out_flag
+from tandem.bench.results import write_result
 from tandem.cli.trace_cmd import load
 
 # phase -> the span whose duration it is ("a->b": from the start of a to the start of b)
@@ -94,13 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.trace_breakdown", description=__doc__.split("\n\n")[0])
     p.add_argument("file", help="spans file of --otlp-traces-endpoint file:///path")
     p.add_argument("--since-ns", type=int, default=0, help="only traces that started at or after (epoch ns)")
-    p.add_argument("--out", default=None, help="also write the table as JSON")
+    add_out_flag(p, help="also write the table as JSON")
     args = p.parse_args(argv)
     result = breakdown(load(args.file), args.since_ns)
     print("\n".join(format_table(result)))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, result, tool="tandem.bench.trace_breakdown")
     return 0 if result["requests"] else 1
 
 

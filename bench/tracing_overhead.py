@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import signal
 import statistics
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.bench.serve.procs import start_tandem_up
 from tandem.bench.serve.sweep import first_http_model
 
@@ -135,7 +138,7 @@ class Profilers:
 
 def one_run(args: argparse.Namespace, traced: bool, workdir: Path, index: int) -> dict:
     up = ["--model", args.model, "--prefill", "1", "--decode", "1", "--port", "0", "--gateway-port", "0",
-          "--quiet", *args.up_args.split()]
+          "--quiet", *shlex.split(args.up_args)]
     trace_file = workdir / f"traces-{index}.jsonl"
     if traced:
         up += ["--otlp-traces-endpoint", f"file://{trace_file}"]
@@ -194,17 +197,13 @@ def summary(runs: list[dict], target: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.tracing_overhead", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--up-args", default="", help="more `tandem up` flags, e.g. \"--dtype float32\"")
+    add_stack_flags(p, model="smollm2-135m", up_args="",
+                    helps={"up_args": "more `tandem up` flags, e.g. \"--dtype float32\""})
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
-    p.add_argument("--request-rate", type=float, default=2.0)
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    add_load_flags(p, request_rate=2.0, num_prompts=200, input_len=512, output_len=128, seed=0)
     p.add_argument("--target", type=float, default=0.02, help="the p50 cost tracing may have")
-    p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--out", default="bench/results/tracing_overhead.json")
+    add_stack_flags(p, start_timeout=600.0)
+    add_out_flag(p, "bench/results/tracing_overhead.json")
     p.add_argument("--keep-traces", metavar="DIR",
                    help="write the traced runs' span files (traces-N.jsonl) here and keep them, e.g. for "
                         "`python -m tandem.bench.trace_breakdown` (default: a temporary directory, removed)")
@@ -220,10 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, traced in enumerate(run_order(args.rounds)):
             runs.append({"round": i // 2 + 1, **one_run(args, traced=traced, workdir=traces, index=i)})
             print(json.dumps(runs[-1]))
-    result = {"tool": "tandem.bench.tracing_overhead", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "config": vars(args), "runs": runs, **summary(runs, args.target)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    result = {"config": vars(args), "runs": runs, **summary(runs, args.target)}
+    write_result(args.out, result, tool="tandem.bench.tracing_overhead")
     for s, v in result["overhead"].items():
         print(f"{s}: off {result['median']['off'][s]:.2f} ms, on {result['median']['on'][s]:.2f} ms ({v:+.1%})")
     if "tracing_cpu" in result:

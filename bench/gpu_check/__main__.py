@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.bench.flags import add_out_flag
 from tandem.bench.gpu_check import bundle, gpu
 from tandem.bench.gpu_check.runner import ROOT, Part, Run, link_checkout, module_part, run_all, summary
 
@@ -65,8 +66,7 @@ def prepare_bundle(folder: Path, site: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of: " + ",".join(PARTS))
-    p.add_argument("--out", type=Path, default=None,
-                   help="the run's JSON (default: $OUT/gpu_check.json, else bench/results/gpu_check.json)")
+    add_out_flag(p, type=Path, help="the run's JSON (default: $OUT/gpu_check.json, else bench/results/gpu_check.json)")
     p.add_argument("--bundle", type=Path, default=ROOT / ".gpu", help="what `make gpu-bundle` made")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time limit")
     p.add_argument("--require-gpu", action="store_true", help="no GPU is a failure, not a reason to stop")

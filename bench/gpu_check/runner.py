@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.bench.results import write_result
+
 ROOT = Path(__file__).resolve().parents[2]
 MIN_PART_S = 5.0          # with less of the run's budget left than this, a part is not started
 LOG_TAIL_LINES = 40
@@ -73,12 +75,8 @@ class Run:
                 "total_s": round(time.monotonic() - self.started, 1), **self.header, "parts": self.parts}
 
     def write(self) -> None:
-        if self.out is None:
-            return
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text(json.dumps(self.as_dict(), indent=2, default=str) + "\n")
-        tmp.replace(self.out)
+        if self.out is not None:
+            write_result(self.out, self.as_dict(), tool="tandem.bench.gpu_check")   # atomic: replaces the file
 
 
 def run_part(part: Part, env: dict[str, str], budget_left_s: float, log=None) -> dict:

@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tandem.bench.flags import add_out_flag
+
 
 def load(paths: list[str]) -> dict[str, dict[float, list[tuple[float, float]]]]:
     """{deployment: {rate: [(goodput req/s, share of requests within the SLO) of each run]}}."""
@@ -87,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=parse_runs, action="append", required=True,
                     help="LABEL=sweep.json[,sweep.json...]: one CPU class and its sweeps (repeat per class)")
-    ap.add_argument("--out", type=Path, required=True, help="PNG to write")
+    add_out_flag(ap, type=Path, required=True, help="PNG to write")
     args = ap.parse_args()
     classes = [(label, load(paths)) for label, paths in args.runs]
     first = json.loads(Path(args.runs[0][1][0]).read_text())

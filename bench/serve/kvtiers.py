@@ -38,12 +38,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_progress_flags, add_stack_flags
+from tandem.bench.results import write_result
 from tandem.bench.serve import kvtiers_report as report
 from tandem.bench.serve import multiturn
 from tandem.bench.serve.backends import BackendConfig
 from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
 from tandem.bench.serve.metrics import SLO
-from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
+from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates
 from tandem.bench.serve.sweep import (
     Deployment,
     Endpoint,
@@ -71,6 +73,7 @@ TANDEM_CONFIGS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 ALL_CONFIGS = (*TANDEM_CONFIGS, "vllm")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SLO_TEXT = "ttft=2s,tpot=500ms"           # goodput's default SLO (--slo)
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class KVTiersConfig:
     host_cache_gb: float = 1.0           # L2 (--kv-host-cache-gb) of the tiered configurations
     disk_cache_gb: float = 2.0           # L3 budget (--kv-disk-cache-gb)
     disk_root: str | None = None         # where the fresh L3 directories are made (None: the system's temp dir)
-    slo: SLO = field(default_factory=lambda: SLO(ttft=2.0, tpot=0.5))
+    slo: SLO = field(default_factory=lambda: SLO.parse(SLO_TEXT))
     dtype: str = "auto"                  # auto: what Tandem picks here, given to vLLM too
     up_args: tuple[str, ...] = ()        # extra `tandem up` flags for every Tandem configuration
     vllm_venv: str = field(default_factory=default_vllm_venv)
@@ -311,10 +314,11 @@ def run_kvtiers(cfg: KVTiersConfig, echo=print) -> dict:
                 results["summaries"][name] = report.config_summary(entry["run"])
                 echo(f"--- {name}: KV capacity as built (tokens): {entry['kv_capacity_tokens']}; "
                      f"blocks loaded from the tiers: {entry['kv_tier_hits'] or '-'}")
-            write_json(out, results)   # after each configuration: a later crash keeps what was measured
+            # after each configuration: a later crash keeps what was measured
+            write_result(out, results, tool="tandem.bench.serve.kvtiers")
     results["ratios"] = report.ratios(results["summaries"])
     results["table"] = report.summary_text(results)
-    write_json(out, results)
+    write_result(out, results, tool="tandem.bench.serve.kvtiers")
     out.with_suffix(".md").write_text(results["table"] + "\n")
     echo(results["table"])
     for name, why in results["skipped"].items():
@@ -328,19 +332,17 @@ def run_kvtiers(cfg: KVTiersConfig, echo=print) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = KVTiersConfig()
-    p.add_argument("--model", default=d.model)
+    add_stack_flags(p, model=d.model)
     p.add_argument("--configs", type=parse_configs, default=d.configs,
                    help=f"comma-separated, run in this order (default: {','.join(d.configs)})")
     p.add_argument("--conversations", type=int, default=d.conversations)
     p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--user-len", type=int, default=d.user_len, help="user tokens each turn adds")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="tokens of each answer")
-    p.add_argument("--range-ratio", type=float, default=d.range_ratio,
-                   help="user and answer lengths uniform in [L(1-r), L(1+r)]")
+    add_load_flags(p, output_len=d.output_len, range_ratio=d.range_ratio, helps={
+        "output_len": "tokens of each answer", "range_ratio": "user and answer lengths uniform in [L(1-r), L(1+r)]"})
     p.add_argument("--think-time", type=float, default=d.think_time_s, help="mean s between an answer and the next turn")
     p.add_argument("--rate", type=float, default=d.rate, help="conversation starts per second (Poisson)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--num-warmups", type=int, default=d.num_warmups)
+    add_load_flags(p, seed=d.seed, num_warmups=d.num_warmups)
     p.add_argument("--l1-tokens", type=int, default=None,
                    help=f"KV pool of every server in tokens, a multiple of {GRANULE} "
                         "(default: the largest that makes the working set >= --working-set-ratio x L1)")
@@ -348,16 +350,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host-cache-gb", type=float, default=d.host_cache_gb, help="L2 of the tiered configurations")
     p.add_argument("--kv-disk-cache-gb", type=float, default=d.disk_cache_gb, help="L3 of the tiered configurations")
     p.add_argument("--disk-root", default=None, help="where fresh L3 directories are made (default: the temp dir)")
-    p.add_argument("--slo", type=SLO.parse, default=d.slo, help="goodput's SLO (default ttft=2s,tpot=500ms)")
+    add_load_flags(p, slo=SLO_TEXT, helps={"slo": "goodput's SLO"})
     p.add_argument("--dtype", default=d.dtype, help="auto: what Tandem picks here; vLLM gets the same")
-    p.add_argument("--up-args", default="", help="extra `tandem up` flags for every Tandem configuration")
+    add_stack_flags(p, up_args="", helps={"up_args": "extra `tandem up` flags for every Tandem configuration"})
     p.add_argument("--vllm-venv", default=d.vllm_venv)
     p.add_argument("--vllm-max-model-len", type=int, default=d.vllm_max_model_len)
     p.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
-    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s)
-    p.add_argument("--out", default=None, help=f"results JSON (default {d.out}, --warm-restart: "
-                                               "bench/results/kvtiers_restart.json); .md and .png beside it")
-    p.add_argument("--no-progress", action="store_true")
+    add_stack_flags(p, start_timeout=d.start_timeout_s)
+    add_out_flag(p, help=f"results JSON (default {d.out}, --warm-restart: bench/results/kvtiers_restart.json); "
+                         ".md and .png beside it")
+    add_progress_flags(p)
     p.add_argument("--warm-restart", action="store_true",
                    help="instead: co-located with L3, kill -9 its worker mid-run, and without L3 the same")
     p.add_argument("--restart-after-turn", type=int, default=d.restart_after_turn,
@@ -373,8 +375,8 @@ def config_from_args(a: argparse.Namespace) -> KVTiersConfig:
         model=a.model, configs=a.configs, conversations=a.conversations, turns=a.turns, user_len=a.user_len,
         output_len=a.output_len, range_ratio=a.range_ratio, think_time_s=a.think_time, rate=a.rate, seed=a.seed,
         num_warmups=a.num_warmups, l1_tokens=a.l1_tokens, working_set_ratio=a.working_set_ratio,
-        host_cache_gb=a.kv_host_cache_gb, disk_cache_gb=a.kv_disk_cache_gb, disk_root=a.disk_root, slo=a.slo,
-        dtype=a.dtype, up_args=tuple(shlex.split(a.up_args)), vllm_venv=a.vllm_venv,
+        host_cache_gb=a.kv_host_cache_gb, disk_cache_gb=a.kv_disk_cache_gb, disk_root=a.disk_root,
+        slo=SLO.parse(a.slo), dtype=a.dtype, up_args=tuple(shlex.split(a.up_args)), vllm_venv=a.vllm_venv,
         vllm_max_model_len=a.vllm_max_model_len, vllm_args=tuple(shlex.split(a.vllm_args)),
         start_timeout_s=a.start_timeout, out=out, progress=not a.no_progress,
         restart_after_turn=a.restart_after_turn, restart_timeout_s=a.restart_timeout)

@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from tandem.bench.results import write_result
 from tandem.bench.serve import kvtiers, multiturn
 from tandem.bench.serve import kvtiers_report as report
 from tandem.bench.serve.backends import Backend, BackendConfig, make_backend
@@ -32,7 +33,7 @@ from tandem.bench.serve.datasets import load_tokenizer
 from tandem.bench.serve.metrics import compute_metrics, multi_turn_metrics
 from tandem.bench.serve.records import BenchRequest, RequestRecord
 from tandem.bench.serve.runner import LoadConfig
-from tandem.bench.serve.serve import WARMUP_SEED_OFFSET, config_dict, machine_info, write_json
+from tandem.bench.serve.serve import WARMUP_SEED_OFFSET, config_dict, machine_info
 from tandem.bench.serve.sweep import Endpoint, _terminate_as_exit, measure_deployment
 
 RESTARTED_PREFIX = "TANDEM_RESTARTED "   # `tandem up --ready-json`'s line for a restarted process
@@ -219,11 +220,11 @@ def run_warm_restart(cfg: kvtiers.KVTiersConfig, echo=print) -> dict:
     with _terminate_as_exit():
         for name, config in RUNS:
             results["runs"][name] = run_once(name, config, cfg, p, tokenizer, echo)
-            write_json(out, results)
+            write_result(out, results, tool="tandem.bench.serve.kvtiers")
     firsts = {n: r.get("restart", {}).get("first_turns_after", []) for n, r in results["runs"].items()}
     results["comparison"] = report.restart_comparison(firsts["restart-l3"], firsts["restart-no-l3"])
     results["table"] = restart_text(results)
-    write_json(out, results)
+    write_result(out, results, tool="tandem.bench.serve.kvtiers")
     out.with_suffix(".md").write_text(results["table"] + "\n")
     echo(results["table"])
     echo(f"results: {out}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.bench.results import write_result
 from tandem.bench.serve import load_profile as lp
 from tandem.bench.serve import multiturn, plots
 from tandem.bench.serve.backends import BackendConfig, make_backend
@@ -214,7 +214,7 @@ def run_serve(cfg: ServeConfig, echo=print) -> dict:
         echo("\n".join(format_table(result["ttft_breakdown"])))
     if cfg.out:
         out = Path(cfg.out)
-        write_json(out, result)
+        write_result(out, result, tool="tandem.bench.serve")
         echo(f"results: {out}")
         if cfg.plot:
             for p in _plots(cfg, runs, out):
@@ -275,17 +275,3 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "load_avg_1_5_15m": load,
             "python": platform.python_version(), "platform": platform.platform()}
 
-
-def _json_safe(x):
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    return x
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(data), indent=1) + "\n")

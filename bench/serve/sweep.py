@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.bench.results import write_result
 from tandem.bench.serve.backends import BackendConfig, http_url
 from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
 from tandem.bench.serve.deployment import (  # noqa: F401 (sweep.* API)
@@ -40,7 +41,7 @@ from tandem.bench.serve.deployment import (  # noqa: F401 (sweep.* API)
 )
 from tandem.bench.serve.metrics import DEFAULT_PERCENTILES, SLO
 from tandem.bench.serve.procs import ROOT, UpFailed, _Proc, start_tandem_up
-from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates, write_json
+from tandem.bench.serve.serve import ServeConfig, config_dict, machine_info, run_rates
 from tandem.bench.serve.sweep_report import (  # noqa: F401 (sweep.* API)
     _COLOCATED,
     _DISAGG,
@@ -440,11 +441,12 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_
             results["skipped"][dep.name] = why
         else:
             results["deployments"][dep.name] = entry
-        write_json(out, results)  # after each deployment: a later crash keeps what was measured
+        # after each deployment: a later crash keeps what was measured
+        write_result(out, results, tool="tandem.bench.serve")
     results["table"] = comparison_table(results)          # Markdown, for the .md file and docs
     results["summary"] = summary_table(results, cfg.slo)  # aligned text, for the terminal
     results["targets"] = target_checks(results, cfg)
-    write_json(out, results)
+    write_result(out, results, tool="tandem.bench.serve")
     out.with_suffix(".md").write_text(f"{results['table']}\n\n{cfg.slo.describe()}\n\n"
                                       + "\n".join(results["targets"]) + "\n")
     echo(results["summary"])

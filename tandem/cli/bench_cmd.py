@@ -9,17 +9,11 @@ import os
 import shlex
 import sys
 
+from tandem.bench.flags import add_load_flags, add_out_flag, add_progress_flags, add_stack_flags, floats
 from tandem.cli.engine_args import DTYPE
 from tandem.engine.config import EngineConfig
 from tandem.services.common.flags import Owner
 from tandem.services.common.shared_flags import MODEL_FLAG
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(math.inf if t.strip().lower() == "inf" else float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or inf, got {text!r}") from None
 
 
 def _priority_mix(text: str) -> tuple[tuple[int, float], ...]:
@@ -47,13 +41,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
                         "multi-turn conversations (closed loop: each turn is sent after the previous answer, "
                         "whose text it includes)")
     g.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT-format JSON file")
-    g.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per request rate (multi-turn: must equal conversations x turns if given)")
-    g.add_argument("--input-len", type=int, default=256,
-                   help="prompt tokens (shared-prefix: tokens after the shared prefix; multi-turn: unused)")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="output tokens (default 64; sharegpt: the reference reply's length; multi-turn: each answer's)")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
+    add_load_flags(g, num_prompts=None, input_len=256, output_len=None, range_ratio=0.0, helps={
+        "num_prompts": "requests per request rate (multi-turn: must equal conversations x turns if given)",
+        "input_len": "prompt tokens (shared-prefix: tokens after the shared prefix; multi-turn: unused)",
+        "output_len": "output tokens (default 64; sharegpt: the reference reply's length; multi-turn: each answer's)"})
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes")
     g.add_argument("--multi-turn-conversations", type=int, default=32,
@@ -63,6 +54,8 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="multi-turn: user tokens each turn adds after the previous answer (--range-ratio applies)")
     g.add_argument("--multi-turn-think-time", type=float, default=1.0,
                    help="multi-turn: mean seconds between an answer and the next turn (exponential, seeded; 0: none)")
+    # By hand, not add_load_flags(seed=...): tests/tandem/test_flags.py knows the workload's --seed as
+    # this module's (--seed is also `tandem generate`'s sampling seed).
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the prompts, their lengths, the think times and the arrival times")
     g.add_argument("--priority-mix", type=_priority_mix, default=(),
@@ -70,11 +63,9 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
                         "PRIORITY:WEIGHT,... (e.g. 10:1,0:3: a quarter at 10); metrics are also "
                         "reported per class (the server needs --enable-priority-scheduling to act on them)")
     g = p.add_argument_group("load")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson")
-    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    g.add_argument("--percentiles", type=_floats, default=(50.0, 90.0, 99.0), help="e.g. 50,90,99")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--no-save-requests", action="store_true", help="leave per-request records out of the JSON")
+    add_load_flags(g, burstiness=1.0, max_concurrency=None)
+    g.add_argument("--percentiles", type=floats, default=(50.0, 90.0, 99.0), help="e.g. 50,90,99")
+    add_progress_flags(g, save_requests=True)
 
 
 def _dataset(args: argparse.Namespace, default_prompts: int):
@@ -106,10 +97,9 @@ def _add_model_argument(p: argparse.ArgumentParser) -> None:
 
 def _add_run_arguments(p: argparse.ArgumentParser, num_warmups: int, slo: str, out: str | None) -> None:
     """What serve and sweep both take, declared once (their defaults differ)."""
-    p.add_argument("--num-warmups", type=int, default=num_warmups,
-                   help="requests sent one by one before measuring (sweep: before each deployment's runs)")
-    p.add_argument("--slo", default=slo, help="goodput SLOs, e.g. ttft=2s,tpot=150ms (bare numbers are ms)")
-    p.add_argument("--out", default=out, help="results JSON (plots are written beside it)")
+    add_load_flags(p, num_warmups=num_warmups, slo=slo, helps={
+        "num_warmups": "requests sent one by one before measuring (sweep: before each deployment's runs)"})
+    add_out_flag(p, out, help="results JSON (plots are written beside it)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,8 +115,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="name sent in requests (default: --model for openai-http, the router's default for gRPC)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, a model folder or an alias (default: --model)")
-    p.add_argument("--request-rate", type=_floats, default=(math.inf,),
-                   help="requests/s, comma-separated for several runs (inf = all at once)")
+    add_load_flags(p, request_rate=(math.inf,))   # a tuple: comma-separated rates, one run each
     p.add_argument("--load-profile", type=_load_profile, default=None, metavar="SPEC",
                    help="one run made of phases instead of --request-rate/--num-prompts: DURATION@RATE:IN/OUT,..., "
                         "e.g. 90s@0.5:128/256,120s@3:256/64,90s@1:1024/32 (a phase may be named, burst=120s@3:256/64), "
@@ -155,14 +144,14 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     _add_model_argument(p)
     p.add_argument("--deployments", default="colocated,1p1d,transformers",
                    help="comma-separated: colocated, NpMd (e.g. 1p1d), transformers, vllm (`make vllm-venv` first)")
-    p.add_argument("--request-rates", type=_floats, default=(0.5, 1.0, 2.0, 4.0),
+    p.add_argument("--request-rates", type=floats, default=(0.5, 1.0, 2.0, 4.0),
                    help="requests/s of each run, comma-separated (inf = all at once)")
     _add_run_arguments(p, num_warmups=2, slo="ttft=2s,tpot=150ms", out="bench/results/sweep.json")
     p.add_argument("--tandem-backend", default="openai-http", choices=["openai-http", "tandem-grpc"],
                    help="how to reach Tandem deployments: its OpenAI HTTP gateway (as the peer) or the router's gRPC API")
     # The engine's --dtype, which sweep gives every deployment (the peers too).
     DTYPE.add_to(p, DTYPE.default_in({Owner.ENGINE: EngineConfig()}))
-    p.add_argument("--up-args", default="", help="extra `tandem up` flags, e.g. \"--kv-cache-gb 0.5\"")
+    add_stack_flags(p, up_args="")
     p.add_argument("--peer-kv-cache-gb", type=float, default=1.0,
                    help="transformers serve's KV cache (its CPU default takes 60%% of RAM and crawls)")
     p.add_argument("--peer-args", default="", help="extra `transformers serve` flags")
@@ -171,7 +160,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-kv-cache-gb", type=int, default=2, help="vLLM's KV space, GiB (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM's --max-model-len")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's OpenAI api_server")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to come up")
+    add_stack_flags(p, start_timeout=600.0)
     _add_workload_arguments(p)
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tandem.bench.flags import floats
 from tandem.bench.serve import sweep, sweep_report
 from tandem.bench.serve.sweep import DeploymentUnavailable, Endpoint, SweepConfig, make_deployment
 from tandem.cli import bench_cmd
@@ -200,4 +201,4 @@ def test_deployment_registry():
     for bad in ("3p", "colocated-dp", "colocated-2"):
         with pytest.raises(ValueError, match="unknown deployment"):
             make_deployment(bad, cfg)
-    assert math.isinf(bench_cmd._floats("1,inf")[1])
+    assert math.isinf(floats("1,inf")[1])
