@@ -38,15 +38,19 @@ class Stack:
     """`gateway=True` also starts the HTTP gateway on a free port (its URL is `self.gateway_url`).
     Local prefill on decode workers is off unless `args` turn it on: the tests' prompts are short,
     and they are here to exercise the prefill -> decode transfer.
-    `env`: the launcher's environment (default: this one with the tests' INTERNAL_TOKEN)."""
+    `env`: the launcher's environment (default: this one with the tests' INTERNAL_TOKEN).
+    `launcher`: how `tandem` is started (default: this Python's `-P -m tandem.cli`); `cwd`: where
+    (default: the checkout)."""
 
-    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False, env: dict | None = None):
+    def __init__(self, *args: str, timeout_s: float = 180.0, gateway: bool = False, env: dict | None = None,
+                 launcher: list[str] | None = None, cwd: Path = ROOT):
         env = service_env() if env is None else env
         gateway_port = "0" if gateway else "-1"
+        launcher = launcher or [sys.executable, "-P", "-m", "tandem.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "tandem.cli", "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
+            [*launcher, "up", "--port", "0", "--gateway-port", gateway_port, "--quiet",
              "--ready-json", "--local-prefill-max-tokens", "-1", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
             start_new_session=True,
         )
         self.log: deque[str] = deque(maxlen=400)

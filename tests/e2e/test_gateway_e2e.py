@@ -73,7 +73,7 @@ def test_greedy_text_equals_tandem_generate(client, model, capsys):
                                      extra_body={"ignore_eos": True}).choices[0].text
     # `tandem generate` itself, run in this process (torch is already imported here).
     assert cli.main(["generate", "--model", model, "--dtype", "float32", "--max-total-tokens", "1024",
-                     "--prompt", prompt, "--max-tokens", "16", "--ignore-eos"]) == 0
+                     "--prompt", prompt, "--max-tokens", "16", "--ignore-eos", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == http + "\n"
 
 
