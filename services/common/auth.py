@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
+from tandem.services.common import keepalive
 from tandem.services.common.arg_groups import SECURITY
 from tandem.services.common.flags import SERVICES, Flag, Owner
 from tandem.services.common.tls import TlsFiles
@@ -128,7 +129,9 @@ class InternalAuth:
 
     def channel(self, addr: str, options=None) -> grpc.aio.Channel:
         """A grpc.aio channel to an internal server whose calls carry the secret (over mutual TLS
-        when configured): every internal client uses this."""
+        when configured): every internal client uses this. It pings its server (keepalive.py), so a
+        silent peer fails its calls within keepalive.DETECT_BOUND_S instead of hanging them."""
+        options = (*keepalive.CLIENT_OPTIONS, *(options or ()))
         if self.tls is not None:
             return grpc.aio.secure_channel(addr, self.tls.channel_credentials(), options=options,
                                            interceptors=self.client_interceptors())

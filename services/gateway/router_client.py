@@ -19,7 +19,7 @@ CHANNEL_OPTIONS = (
     # A restarted router is reachable again within ~1 s, not after gRPC's default minutes of backoff.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-)
+)   # InternalAuth.channel adds keepalive: a router host that went silent fails its streams within seconds
 
 
 class RouterClient:

@@ -18,7 +18,7 @@ CHANNEL_OPTIONS = (
     # A restarted worker on the same address is reachable again within ~1 s, not minutes.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-)
+)   # InternalAuth.channel adds keepalive: a partitioned or frozen worker fails its streams within seconds
 
 
 class ChannelPool:

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.services.common import keepalive
 from tandem.services.common.registry import ROLE_NAMES, WorkerRegistry, create_registry
 from tandem.services.router.channels import MAX_MESSAGE_BYTES, ChannelPool
 from tandem.services.router.config import RouterConfig
@@ -89,6 +90,7 @@ class RouterServer:
                 ("grpc.max_receive_message_length", self.config.limits.max_request_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *keepalive.SERVER_OPTIONS,
             ),
             # Reflection describes the public API: it is as open as that API (or wants the same key).
             interceptors=[self.config.auth.server_interceptor(PUBLIC_SERVICES, self.config.api_key)],

@@ -21,12 +21,15 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.services.common import keepalive
+
 log = logging.getLogger(__name__)
 
 LIVENESS = "liveness"
 # A refused probe must not leave the channel in gRPC's default minutes-long reconnect backoff: the
 # next probe would fail fast without asking a peer that may be back.
-_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500))
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500),
+                    *keepalive.CLIENT_OPTIONS)
 
 
 class PeerMonitor:

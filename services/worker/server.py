@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.models.source import default_cache_dir
+from tandem.services.common import keepalive
 from tandem.services.common.cpu_cores import CpuListError, format_cpu_list, pin
 from tandem.services.common.registry import create_registry
 from tandem.services.worker import metrics, step_stats
@@ -120,7 +121,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
                              tickers=(engine.kv_events.flush,) if kv_events is not None else ())
 
     wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *keepalive.SERVER_OPTIONS],
                              interceptors=[wcfg.auth.server_interceptor()])
     parts.add_servicers(server, engine_loop)
     identity = WorkerIdentityServicer(lambda: engine_loop.call(parts.worker.load))

@@ -124,3 +124,48 @@ def test_decode_killed_mid_stream_every_stream_is_migrated_and_matches_an_undist
         assert stack.metric(router, 'tandem_router_migrations_total{outcome="migrated"}') >= 1
     finally:
         stack.close()
+
+
+def test_frozen_decode_worker_is_noticed_within_the_keepalive_bound_and_its_streams_migrate(tiny_llama):
+    """SIGSTOP: the worker's host still answers TCP (the kernel ACKs), nothing above it does. Without
+    gRPC keepalive its streams would wait as long as the client does; with it the router gives the
+    connection up within keepalive.DETECT_BOUND_S and migrates every stream, text unchanged."""
+    from tandem.services.common.keepalive import DETECT_BOUND_S
+
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--prefill", "1", "--decode", "2",
+                  "--enable-fault-injection", "--fault-inject", "forward_delay_ms=15", "--max-restarts", "0")
+    victim = stack.workers("decode")[0]
+    try:
+        prompts = [list(range(5 + i, 22 + 2 * i)) for i in range(6)]
+        want = [list(stack.generate(p, max_tokens=100, ignore_eos=True).token_ids) for p in prompts]
+        progress = [0] * len(prompts)
+        gaps = [0.0] * len(prompts)
+
+        def stream(i: int) -> list[int]:
+            req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=100, temperature=0,
+                                                                                          ignore_eos=True))
+            req.token_ids.ids.extend(prompts[i])
+            got, last = [], time.monotonic()
+            for chunk in stack.stub.Generate(req, timeout=120):
+                now = time.monotonic()
+                gaps[i], last = max(gaps[i], now - last), now
+                got += chunk.token_ids
+                progress[i] = len(got)
+            return got
+
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(stream, i) for i in range(len(prompts))]
+            t0 = time.monotonic()
+            while min(progress) < 3:
+                assert time.monotonic() - t0 < 60, progress
+                time.sleep(0.01)
+            os.kill(victim["pid"], signal.SIGSTOP)
+            got = [f.result() for f in futures]
+        assert got == want
+        router = {"metrics_port": stack.info["router_metrics_port"]}
+        assert stack.metric(router, 'tandem_router_migrations_total{outcome="migrated"}') >= 1
+        # The longest wait of any stream: detection, then the continuation's prefill on the other pair.
+        assert max(gaps) < DETECT_BOUND_S + 5, gaps
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+        stack.close()

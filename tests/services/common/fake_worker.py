@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from tandem.services.common import keepalive
 from tandem.services.worker.identity import WorkerIdentityServicer
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -27,7 +28,7 @@ class FakeWorker:
 
         svc = WorkerIdentityServicer(load)
         svc.info = self.info
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=keepalive.SERVER_OPTIONS)  # as the real workers'
         worker_pb2_grpc.add_WorkerIdentityServicer_to_server(svc, self.server)
         assert self.server.add_insecure_port(self.addr), f"cannot bind {self.addr}"
         await self.server.start()

@@ -11,6 +11,7 @@ import socket
 
 import grpc
 
+from tandem.services.common import keepalive
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -44,7 +45,7 @@ class _Fake:
             raise
 
     async def start(self) -> str:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=keepalive.SERVER_OPTIONS)  # as the real workers'
         self._add(self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tandem.services.common import keepalive
 from tandem.services.worker.peers import LIVENESS, PeerMonitor
 from tests.services.common.conftest import arun
 from tests.services.router.fakes import dead_addr
@@ -39,7 +40,7 @@ class Worker:
 
 def test_only_the_silent_peer_is_reported_after_three_misses():
     async def body():
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=keepalive.SERVER_OPTIONS)  # as the real workers'
         servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
