@@ -41,6 +41,12 @@ class RouterMetrics:
         self.retries = Counter(
             "tandem_router_retries", "Requests retried on another pair after UNAVAILABLE", registry=self.registry
         )
+        self.fallbacks = Counter(
+            "tandem_router_fallbacks", "Disagg attempts prefilled on their decode worker because no prefill worker "
+            "could take them (decode-only fallback), by reason: no_prefill_worker (none registered or every one "
+            "failed), circuits_open (every prefill worker's circuit breaker is open)",
+            ["reason"], registry=self.registry,
+        )
         self.migrations = Counter(
             "tandem_router_migrations", "Streams that broke after tokens reached the client, by outcome: "
             "migrated (continued on another pair), exhausted (--max-migrations reached), no_worker (nothing "

@@ -49,6 +49,7 @@ class RoutePlan:
     prefill_tokens: int = 0                     # charged to the prefilling worker until the first token
     first_token: bool = False
     considered: tuple[Candidate, ...] = ()      # every worker weighed, with its costs (the request's trace)
+    fallback: str | None = None                 # why a disagg request prefills on D although it wanted P
 
     @property
     def prefill(self) -> worker_pb2.WorkerInfo | None:

@@ -13,6 +13,10 @@ from tandem.services.common.flags import Flag, Owner
 # tokens got its first token sooner from the decode worker's own mixed-chunk prefill than through a
 # prefill worker (the crossover lies beyond; Dynamo's max_local_prefill_length is 1,000).
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024
+# Decode-only fallback: with no prefill worker to take it, a prompt up to this long is prefilled on its
+# decode worker (as Dynamo does) rather than failed. A decode worker's mixed chunks prefill it at full
+# prompt speed; what bounds it is how long its running streams stall behind the chunks.
+DEFAULT_FALLBACK_LOCAL_PREFILL_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,8 @@ class RouteConfig:
     balance_abs_threshold: int = 32         # cache_aware: load gap (requests) that overrides the cache ...
     balance_rel_threshold: float = 1.5      # ... when the busiest also has this many times the idlest's
     prefix_cache_ttl_s: float = 300.0       # the router forgets a routed prefix this long after its last use
+    fallback: bool = True                   # no prefill worker can take a prompt: its decode worker prefills it
+    fallback_local_prefill_max_tokens: int = DEFAULT_FALLBACK_LOCAL_PREFILL_MAX_TOKENS   # -1: any length
 
     def validate(self) -> None:
         if self.local_prefill_max_tokens < -1:
@@ -30,6 +36,9 @@ class RouteConfig:
             raise ValueError(f"--max-prefill-queue-tokens must be >= 0, got {self.max_prefill_queue_tokens}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.fallback_local_prefill_max_tokens < -1 or self.fallback_local_prefill_max_tokens == 0:
+            raise ValueError("--fallback-local-prefill-max-tokens must be > 0 or -1 (any length); "
+                             f"got {self.fallback_local_prefill_max_tokens} (--no-fallback turns the fallback off)")
         if self.prefix_cache_ttl_s <= 0:
             raise ValueError(f"--prefix-cache-ttl must be > 0, got {self.prefix_cache_ttl_s}")
 
@@ -50,7 +59,17 @@ ROUTE_FLAGS = tuple(
          "cache_aware: ... and more than this many times the idlest's requests"),
         ("--prefix-cache-ttl", "prefix_cache_ttl_s", float,
          "seconds after its last use that the router stops counting a routed prefix as cached on a worker"),
-    ))
+        ("--fallback-local-prefill-max-tokens", "fallback_local_prefill_max_tokens", int,
+         "disagg, decode-only fallback: when no prefill worker can take a prompt (none registered, every one "
+         "failed or its circuit open), a prompt up to this many tokens is prefilled on its decode worker "
+         "instead of failing (-1: any length)"),
+    )) + (
+    Flag(("--fallback",), Owner.ROUTER, ROUTING,
+         "disagg: fall back to the decode worker's own prefill when no prefill worker can take a prompt "
+         "(counted in tandem_router_fallbacks_total, traced as tandem.route.fallback)",
+         field="route.fallback", action="on_off", off=("--no-fallback",),
+         off_help="fail a request with UNAVAILABLE when no prefill worker can take it (fail fast)"),
+)
 
 
 def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
@@ -60,6 +79,8 @@ def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         prefix_cache_ttl_s=args.prefix_cache_ttl,
+        fallback=RouteConfig.fallback if args.fallback is None else args.fallback,
+        fallback_local_prefill_max_tokens=args.fallback_local_prefill_max_tokens,
     )
     cfg.validate()
     return cfg

@@ -233,17 +233,52 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _pick(self, model: str, key: PromptKey, failed: set[str], avoid: set[str]) -> RoutePlan:
         """Workers for every role of the mode (planner.py), never a failed one, preferably not one in `avoid`."""
         usable = {}
+        fallback = None
         for role in self.config.roles:
             if role == worker_pb2.WORKER_ROLE_PREFILL and self.config.min_prefill_workers == 0:
                 usable[role] = self._optional_prefill(model, failed, avoid)
                 continue
-            candidates = self._candidates(role, model, failed | avoid) or self._candidates(role, model, failed)
-            if not candidates:
-                raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no other {ROLE_NAMES[role]} worker to retry on")
+            try:
+                candidates = self._candidates(role, model, failed | avoid) or self._candidates(role, model, failed)
+                if not candidates:
+                    raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no other {ROLE_NAMES[role]} worker to retry on")
+            except RouteError as e:
+                fallback = self._fallback(role, key, e.message)
+                usable[role] = []
+                continue
             if self.breakers is not None:
-                candidates = self.breakers.healthy(candidates)
+                healthy = [w for w in candidates if not self.breakers.is_open(w)]
+                if not healthy and role == worker_pb2.WORKER_ROLE_PREFILL and self._may_fall_back(key):
+                    fallback = self._fallback(role, key, "every prefill worker's circuit is open")
+                    usable[role] = []
+                    continue
+                candidates = healthy or candidates
             usable[role] = candidates
-        return self.planner.plan(key, usable)
+        plan = self.planner.plan(key, usable)
+        if fallback is not None:
+            plan.fallback = fallback
+            self.metrics.fallbacks.labels(fallback).inc()
+        return plan
+
+    def _may_fall_back(self, key: PromptKey) -> bool:
+        """A prompt no prefill worker can take may be prefilled by its decode worker (decode-only fallback)."""
+        route = self.config.route
+        limit = route.fallback_local_prefill_max_tokens
+        return self.config.mode != "colocated" and route.fallback and (limit < 0 or key.num_tokens <= limit)
+
+    def _fallback(self, role: int, key: PromptKey, why: str) -> str:
+        """The reason a plan falls back to the decode worker's own prefill, or raises why it cannot."""
+        route = self.config.route
+        if role != worker_pb2.WORKER_ROLE_PREFILL:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, why)
+        if not route.fallback:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, f"{why} (--no-fallback: decode workers do not prefill instead)")
+        if not self._may_fall_back(key):
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"{why}, and the prompt's {key.num_tokens} tokens exceed "
+                             f"--fallback-local-prefill-max-tokens {route.fallback_local_prefill_max_tokens} "
+                             "for a decode worker to prefill it")
+        return "no_prefill_worker" if "circuit" not in why else "circuits_open"
 
     def _optional_prefill(self, model: str, failed: set[str], avoid: set[str]) -> list[worker_pb2.WorkerInfo]:
         """--min-prefill-workers 0: the usable prefill workers, possibly none (the decode worker then
@@ -318,6 +353,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return None
         p = plan.prefill
         return {"tandem.route.policy": self.config.policy, "tandem.route": plan.route, "tandem.attempt": attempt,
+                "tandem.route.fallback": plan.fallback or "",
                 "tandem.route.prefill_worker": p.worker_id if p is not None else "",
                 "tandem.route.decode_worker": plan.decode.worker_id,
                 "tandem.route.prefill_tokens": plan.prefill_tokens,

@@ -1,6 +1,7 @@
 """--min-prefill-workers 0: a disaggregated router with no prefill worker registered serves every prompt
 on its decode worker (the local route) and says it is SERVING; once a prefill worker registers, prompts
-go to it again; when it leaves, local again. The default (1) still refuses without one."""
+go to it again; when it leaves, local again. With the default (1) the router is not SERVING without one,
+but a request that comes falls back to its decode worker's own prefill (--no-fallback: refused)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from tandem.services.common.registry import RedisRegistry
 from tandem.services.router.config import RouterConfig
+from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 from tests.services.common.conftest import arun, wait_until
 from tests.services.router.fakes import FakeDecode, FakePrefill
@@ -75,11 +77,14 @@ def test_with_no_prefill_worker_the_decode_worker_prefills_and_the_router_serves
     arun(body())
 
 
-def test_by_default_a_prefill_worker_is_needed(redis_url):
+def test_with_no_prefill_worker_the_decode_worker_prefills_unless_no_fallback(redis_url):
+    """Decode-only fallback (the default): no prefill worker registered, the router still serves the
+    prompt through its decode worker's local prefill, counted and bounded; --no-fallback fails fast."""
     async def body():
         d = FakeDecode(tokens=(5,))
         d_addr = await d.start()
-        async with cluster([], [], BASE, registry=RedisRegistry(redis_url, poll_s=0.05)) as (router, stub):
+        strict = replace(BASE, route=replace(BASE.route, fallback=False))
+        async with cluster([], [], strict, registry=RedisRegistry(redis_url, poll_s=0.05)) as (router, stub):
             dreg = await _announce(redis_url, worker_pb2.WorkerInfo(
                 worker_id="d0", role=worker_pb2.WORKER_ROLE_DECODE, grpc_addr=d_addr, model="tiny"))
             await wait_until(lambda: router.registry.workers(worker_pb2.WORKER_ROLE_DECODE))
@@ -88,9 +93,48 @@ def test_by_default_a_prefill_worker_is_needed(redis_url):
                 await _collect(stub, _long(6))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "no prefill workers are registered" in info.value.details()
+            assert "--no-fallback" in info.value.details()
             assert not d.requests
             await dreg.close()
+
+        bounded = replace(BASE, route=replace(BASE.route, fallback_local_prefill_max_tokens=100))
+        async with cluster([], [], bounded, registry=RedisRegistry(redis_url, poll_s=0.05)) as (router, stub):
+            dreg = await _announce(redis_url, worker_pb2.WorkerInfo(
+                worker_id="d0", role=worker_pb2.WORKER_ROLE_DECODE, grpc_addr=d_addr, model="tiny"))
+            await wait_until(lambda: router.registry.workers(worker_pb2.WORKER_ROLE_DECODE))
+            short = _req()
+            short.token_ids.ids.extend([3] * 50)
+            assert [t for m in await _collect(stub, short) for t in m.token_ids] == [5]
+            assert d.requests[-1].local_prefill and not d.requests[-1].prefill_worker_id
+            assert _metric(router, "tandem_router_fallbacks_total", reason="no_prefill_worker") == 1
+            with pytest.raises(grpc.aio.AioRpcError) as info:      # 200 tokens > 100
+                await _collect(stub, _long(6))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "--fallback-local-prefill-max-tokens 100" in info.value.details()
+            assert len(d.requests) == 1
+            assert not router.servicer.planner.inflight and not router.servicer.planner.inflight_tokens
+            await dreg.close()
         await d.stop()
+
+    arun(body())
+
+
+def test_the_only_prefill_worker_failing_falls_back_to_the_decode_worker():
+    """The only prefill worker answers UNAVAILABLE (dying, partitioned): the request is retried on its
+    decode worker's own prefill instead of failing (Dynamo's decode-only fallback)."""
+    async def body():
+        p, d = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE), FakeDecode(tokens=(7, 8))
+        async with cluster([p], [d]) as (router, stub):
+            assert [t for m in await _collect(stub, _long(6)) for t in m.token_ids] == [7, 8]
+            assert d.requests[-1].local_prefill
+            assert _metric(router, "tandem_router_fallbacks_total", reason="no_prefill_worker") == 1
+            assert _metric(router, "tandem_router_retries_total") == 1
+        strict = replace(BASE, route=replace(BASE.route, fallback=False))
+        p2, d2 = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE), FakeDecode(tokens=(7, 8))
+        async with cluster([p2], [d2], strict) as (router, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, _long(6))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
     arun(body())
 
@@ -98,3 +142,5 @@ def test_by_default_a_prefill_worker_is_needed(redis_url):
 def test_the_flag_is_validated():
     with pytest.raises(ValueError, match="--min-prefill-workers must be >= 0"):
         replace(RouterConfig(redis_url="redis://x"), min_prefill_workers=-1).validate()
+    with pytest.raises(ValueError, match="--fallback-local-prefill-max-tokens must be > 0 or -1"):
+        RouteConfig(fallback_local_prefill_max_tokens=0).validate()

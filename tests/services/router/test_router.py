@@ -100,7 +100,9 @@ def test_prefill_failure_cancels_decode_and_names_the_stage(behaviour, code):
     async def body():
         p, d = FakePrefill(behaviour, error="transfer timed out"), FakeDecode("hang")
         p.after = d.received  # fail while the decode call is in flight, as a real room failure would
-        async with cluster([p], [d]) as (router, stub):
+        # --no-fallback: the failure reaches the client (the fallback is test_min_prefill.py's).
+        strict = replace(BASE, route=replace(BASE.route, fallback=False))
+        async with cluster([p], [d], strict) as (router, stub):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _collect(stub, _req())
             assert info.value.code() == code
@@ -372,7 +374,8 @@ def test_health_follows_the_registry(redis_url):
             assert await status("tandem.v1.Generation") == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _collect(stub, _req())
-            assert info.value.code() == S.UNAVAILABLE and "no prefill workers" in info.value.details()
+            # No prefill worker would fall back to a decode worker's prefill: the missing role is decode.
+            assert info.value.code() == S.UNAVAILABLE and "no decode workers" in info.value.details()
 
             workers = []
             for info_ in (
