@@ -13,7 +13,7 @@ PROMPT  ?= What is the capital of France?
 # `kernels` distribution transformers imports (Tandem's own code is tandem.kernels).
 PYRUN   := $(BIN)/python -P
 
-.PHONY: install lock test-latest proto k8s-check test test-slow test-avx2 test-all run generate bench bench-kvtransfer bench-gateway bench-planner vllm-venv lint clean
+.PHONY: install lock test-latest proto k8s-check test test-cluster test-slow test-avx2 test-all run generate bench bench-kvtransfer bench-gateway bench-planner vllm-venv lint clean
 
 # Everything from the locks in locks/ (exact versions, sha256 hashes): the same set on any day. `uv pip
 # sync` makes .venv exactly the locks (it removes what they do not name), then Tandem and its SDK go in
@@ -64,11 +64,16 @@ k8s-check:
 	$(BIN)/python -m tests.k8s.check
 
 test:
-	$(PYRUN) -m pytest -q -m "not slow" tests
+	$(PYRUN) -m pytest -q -m "not slow and not cluster" tests
+
+# A cluster on one box (needs root): every service on a host of its own (network namespaces on a
+# bridge, tandem.bench.cluster), greedy text across hosts, a partitioned decode host.
+test-cluster:
+	$(PYRUN) -m pytest -q -m "cluster" tests/cluster
 
 # pytest exits 5 when a marker selects nothing; that is not a failure here.
 test-slow:
-	$(PYRUN) -m pytest -q -m "slow" tests || [ $$? -eq 5 ]
+	$(PYRUN) -m pytest -q -m "slow and not cluster" tests || [ $$? -eq 5 ]
 
 # The engine and kernel tests once more as on an AVX2-only CPU (no AVX-512, no native bf16), the
 # class of most cloud x86 CPUs before Zen 4 / Sapphire Rapids: torch, oneDNN, MKL and Tandem's own
