@@ -86,6 +86,16 @@ def _kill_namespace_processes(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
+def _free_octet(start: int) -> int:
+    """The first 10.213.k.0/24 from `start` that no interface of this namespace uses."""
+    used = _ip("-o", "-4", "addr", "show").stdout
+    for i in range(250):
+        k = 1 + (start - 1 + i) % 250
+        if f" 10.213.{k}." not in used:
+            return k
+    raise NetError("every 10.213.k.0/24 subnet is in use")
+
+
 @dataclass
 class Host:
     name: str
@@ -124,7 +134,7 @@ class Network:
             raise NetError("network namespaces need root")
         self.name = name
         self.bridge = f"{PREFIX}-{name}"
-        k = third_octet if third_octet is not None else 1 + (sum(map(ord, name)) * 7 + len(name)) % 250
+        k = third_octet if third_octet is not None else _free_octet(1 + (sum(map(ord, name)) * 7 + len(name)) % 250)
         self.subnet = ipaddress.ip_network(f"10.213.{k}.0/24")
         self.k = k
         self.gateway_ip = str(self.subnet.network_address + 1)
@@ -215,12 +225,17 @@ class Network:
             self.stop_processes(grace_s)
         for host in self.hosts.values():
             _kill_namespace_processes(host.ns)
+            _ip("link", "del", host.veth, check=False)    # both ends at once, whatever still holds the netns
             _ip("netns", "del", host.ns, check=False)
         _ip("link", "del", self.bridge, check=False)
-        left = self.leftovers()
+        deadline = time.monotonic() + 10.0   # the kernel tears a namespace down once its last user is gone
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if left and check:
             raise NetError(f"network {self.name} left {', '.join(left)} behind")
 
     def leftovers(self) -> list[str]:
-        return namespaces(self.bridge) + links(self.bridge) + [h.veth for h in self.hosts.values()
-                                                                if h.veth in links(h.veth)]
+        """This network's namespaces, bridge and veths that still exist."""
+        names = set(links(PREFIX))
+        return (namespaces(self.bridge) + [self.bridge] * (self.bridge in names)
+                + [h.veth for h in self.hosts.values() if h.veth in names])

@@ -286,8 +286,10 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     if wcfg.log_stats_interval_s > 0 and not step_stats.log.isEnabledFor(logging.INFO):
         step_stats.log.setLevel(logging.INFO)  # the busy line shows unless --log-stats-interval 0
     # Start-up lines a person waits on: the hardware-dependent settings and the model load
-    # (engine.runner.model_runner), the progress line while decode graphs are captured.
-    for name in ("tandem.engine.runner.model_runner", "tandem.engine.runner.graph_runner"):
+    # (engine.runner.model_runner), the progress line while decode graphs are captured; and the one
+    # line per KV peer saying which data path its link uses (shm, tcp, nixl, ucx) and why not another.
+    for name in ("tandem.engine.runner.model_runner", "tandem.engine.runner.graph_runner",
+                 "tandem.kvtransfer.protocol.sender"):
         start_log = logging.getLogger(name)
         if not start_log.isEnabledFor(logging.INFO):
             start_log.setLevel(logging.INFO)

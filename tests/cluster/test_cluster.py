@@ -66,18 +66,18 @@ def test_greedy_text_across_hosts_equals_colocated(colocated, backend, prefill, 
             for _ in range(max(prefill, decode)):     # every pair gets prompts (round robin by load)
                 got = {p: complete(c.gateway_url, p) for p in PROMPTS}
                 assert got == colocated
-            for name in c.worker_names("prefill"):
-                links = [line for line in c.logs[name] if "KV link to" in line]
-                assert links, f"{name} opened no KV link"
-                expected = "tcp" if backend in ("auto", "tcp") else backend
-                assert all(f" over {expected}" in line for line in links), links
-                if backend == "auto":   # it tried shm first and saw another host
-                    assert all("shm segment is on host" in line for line in links), links
+            links = [line for name in c.worker_names("prefill") for line in c.logs[name] if "KV link to" in line]
+            assert links, "no prefill worker opened a KV link"
+            expected = "tcp" if backend in ("auto", "tcp") else backend
+            assert all(f" over {expected}" in line for line in links), links
+            if backend == "auto":   # it tried shm first and saw another host
+                assert all("shm segment is on host" in line for line in links), links
     assert not namespaces(net.bridge)
 
 
-def stream(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> None:
-    """One streamed completion; records its text and the longest gap between chunks."""
+def stream(url: str, prompt: str, max_tokens: int, out: dict, key: str, progress: dict | None = None) -> None:
+    """One streamed completion; records its text and the longest gap between chunks (and, in
+    `progress[key]`, the chunks so far)."""
     text, last, gap = [], time.monotonic(), 0.0
     try:
         with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
@@ -93,6 +93,8 @@ def stream(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> None:
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"])
                 text.append(chunk["choices"][0]["text"])
+                if progress is not None:
+                    progress[key] = len(text)
         out[key] = {"text": "".join(text), "max_gap_s": gap}
     except Exception as e:  # noqa: BLE001 - the test reports it
         out[key] = {"error": f"{type(e).__name__}: {e}", "text": "".join(text)}
@@ -103,7 +105,7 @@ def test_partitioned_decode_host_streams_continue_elsewhere(tmp_path):
     with Network("part") as net:
         with Cluster(net, prefill=1, decode=2, worker_args=WORKER, router_args=REMOTE, log_dir=tmp_path) as c:
             undisturbed: dict = {}
-            threads = [threading.Thread(target=stream, args=(c.gateway_url, p, 48, undisturbed, p)) for p in prompts]
+            threads = [threading.Thread(target=stream, args=(c.gateway_url, p, 96, undisturbed, p)) for p in prompts]
             for t in threads:
                 t.start()
             for t in threads:
@@ -111,10 +113,17 @@ def test_partitioned_decode_host_streams_continue_elsewhere(tmp_path):
             assert all("error" not in v for v in undisturbed.values()), undisturbed
 
             disturbed: dict = {}
-            threads = [threading.Thread(target=stream, args=(c.gateway_url, p, 48, disturbed, p)) for p in prompts]
+            progress = dict.fromkeys(prompts, 0)
+            threads = [threading.Thread(target=stream, args=(c.gateway_url, p, 96, disturbed, p, progress))
+                       for p in prompts]
             for t in threads:
                 t.start()
-            time.sleep(3.0)     # streams are under way on both decode hosts
+            running = 'tandem_requests_running'
+            deadline = time.monotonic() + 60
+            # Every stream under way, and some of them on decode-0.
+            while min(progress.values()) < 2 or metric(c.worker_metrics_url("decode-0"), running) < 1:
+                assert time.monotonic() < deadline and max(progress.values()) < 80, progress
+                time.sleep(0.05)
             cut = time.monotonic()
             net.partition("decode-0")
             for t in threads:
