@@ -1,0 +1,51 @@
+"""tandem.bench.cluster.net on its own (root): hosts reach each other over the bridge and not once
+partitioned, a shaped link is limited, and close() leaves no namespace, veth or bridge behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+if os.geteuid() != 0:
+    pytest.skip("network namespaces need root", allow_module_level=True)
+
+from tandem.bench.cluster.net import Network, links, namespaces  # noqa: E402
+
+ECHO = ("import socket,sys; s=socket.create_server(('0.0.0.0', 7000)); c,_=s.accept(); "
+        "n=0\nwhile (b:=c.recv(1<<20)): n+=len(b)\nprint(n)")
+
+
+def reach(net: Network, src: str, dst: str) -> bool:
+    code = f"import socket; socket.create_connection(('{net.host(dst).ip}', 7001), timeout=1).close()"
+    return net.host(src).run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_partition_heal_shape_and_nothing_left_behind():
+    with Network("ntest") as net:
+        a, b = net.add_host("a"), net.add_host("b")
+        server = b.popen([sys.executable, "-c", "import socket,time; s=socket.create_server(('0.0.0.0', 7001)); "
+                          "[s.accept() for _ in range(9)]"])
+        time.sleep(0.5)
+        assert reach(net, "a", "b")
+        net.partition("b")
+        assert net.partitioned("b") and not reach(net, "a", "b")
+        net.heal("b")
+        assert not net.partitioned("b") and reach(net, "a", "b")
+
+        # 8 Mbit/s: 2 MB take about 2 s (a token bucket, not an exact rate).
+        net.shape("b", mbit=8)
+        sink = b.popen([sys.executable, "-c", ECHO.replace("7000", "7002")])
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        send = (f"import socket; c=socket.create_connection(('{b.ip}', 7002)); c.sendall(b'x' * 2_000_000); c.close()")
+        assert a.run([sys.executable, "-c", send], timeout=30).returncode == 0
+        assert time.monotonic() - t0 > 1.2
+        sink.wait(10)
+        server.kill()
+        bridge = net.bridge
+    assert not namespaces(bridge) and bridge not in links(bridge)
