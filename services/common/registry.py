@@ -197,6 +197,7 @@ class RedisRegistry(WorkerRegistry):
         self._read_log = _OutageLog(f"registry scan of {url}")
         self._run_id = ""               # the Redis instance last read (INFO run_id): a new one restarted
         self._rejoin_until = 0.0
+        self._unreachable = False       # the last read failed: on the next that succeeds, keep the known workers a TTL
 
     def key(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
@@ -260,8 +261,17 @@ class RedisRegistry(WorkerRegistry):
             server = await self._client.info("server")
         except Exception as e:
             self._read_log.failed(e)
+            self._unreachable = True
             return
         self._read_log.ok()
+        if self._unreachable:
+            # While this side could not reach Redis (partitioned, or Redis itself was), the workers may
+            # not have reached it either: their keys expired, and they come back with their next
+            # heartbeat. Keep the workers we knew until then, as after a Redis restart.
+            self._unreachable = False
+            log.warning("registry %s reachable again: keeping the last known workers for %.1fs while "
+                        "they re-announce", self.url, self.ttl_s)
+            self._rejoin_until = time.monotonic() + self.ttl_s
         infos = []
         for key, value in zip(keys, values, strict=True):
             if value is None:  # expired between SCAN and MGET

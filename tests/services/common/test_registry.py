@@ -267,3 +267,38 @@ def test_redis_restart_workers_reannounce_and_the_router_keeps_them_meanwhile(tm
         arun(body())
     finally:
         redis.close()
+
+
+def test_after_an_outage_the_router_keeps_known_workers_for_a_ttl_while_they_reannounce(redis_url):
+    """Redis unreachable from both sides (a partition) for longer than the TTL: the workers' keys
+    expired meanwhile. The router's first scan that works again must not drop every worker at once
+    (that failed requests in the network chaos drill); workers still gone after a TTL are dropped."""
+    async def body():
+        router = RedisRegistry(redis_url, ttl_s=1.0, heartbeat_s=0.1, watch=False)
+        await router.start()
+        live = RedisRegistry(redis_url, ttl_s=1.0, heartbeat_s=0.1, watch=False)
+        await live.start()
+        await live.announce(_info("p0"))
+        await router.announce(_info("p1"))   # the router's client also writes p1's key (a worker that will not come back)
+        await router.refresh()
+        assert [w.worker_id for w in router.workers(PREFILL)] == ["p0", "p1"]
+
+        real_scan = router._client.scan_iter
+
+        def down(*a, **kw):
+            raise ConnectionError("partitioned")
+
+        router._client.scan_iter = down
+        await router.refresh()                         # fails: the last known workers stay
+        await router.withdraw()                        # p1 is gone for good
+        await router._client.delete(live.key("p0"))   # p0's key expired during the outage ...
+        router._client.scan_iter = real_scan
+        await router.refresh()                         # ... reachable again, p0 not re-announced yet
+        assert [w.worker_id for w in router.workers(PREFILL)] == ["p0", "p1"]
+        await asyncio.sleep(1.1)                       # one TTL: p0's heartbeat wrote it again, p1 did not
+        await router.refresh()
+        assert [w.worker_id for w in router.workers(PREFILL)] == ["p0"]
+        await live.close()
+        await router.close()
+
+    arun(body())
