@@ -23,6 +23,15 @@ pools. Rows:
 - `auto`: what `auto` picks on one host (shm); `auto_remote`: what it picks when D's shared memory is on
   another host (the metadata says so: tcp). The targets compare each with the best backend for that
   situation.
+- `*_unchecked`: the backend with the sender's checksums off (no SUMS frames, no pieces, nothing
+  checked on D); `checksum_cost` is how much longer the checked row takes (target <= 5%). The plain
+  rows check with the best algorithm this process has (kvtransfer/protocol/checksum.py: xxh3 where
+  the xxhash package is installed, else crc32); `*_crc32` rows force crc32 where it is not the best.
+  `sums_<algorithm>_1thread` / `_pool`: the checksums of the moved pages alone, in the sender's pieces,
+  on one thread and on a `ChecksumPool` (what each side computes).
+
+`--backends shm,tcp` runs only those backends' rows (auto and the one-run, nixl_tcp and unchecked
+rows follow theirs), e.g. where nixl or ucxx are not installed.
 
 Receivers are shared where the data path is the same (the shm row's sender writes into the auto
 receiver's shared-memory pool), to keep the memory of the run at about 11 GB with the default pools.
@@ -49,7 +58,10 @@ from tandem.bench.results import write_result
 from tandem.kvtransfer import create_receiver, create_sender, merge_runs
 from tandem.kvtransfer.backends.ucx_env import UcxSettings
 from tandem.kvtransfer.base import PoolLayout, RoomState
+from tandem.kvtransfer.protocol import checksum
+from tandem.kvtransfer.protocol.checksum import ChecksumPool, available, page_view, pages_sum, piece_pages
 from tandem.kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
+from tandem.kvtransfer.protocol.runs import split_runs
 
 # The backends that work in each situation (auto's choice is compared with the best of them).
 SAME_HOST = ("shm", "tcp", "nixl", "ucx")
@@ -71,7 +83,8 @@ def _sg_iov(buf: torch.Tensor, layout: PoolLayout, starts: np.ndarray, lengths: 
 
 # ---- child processes -----------------------------------------------------------------------------------
 
-def receiver_child(conn, backend: str, layout: PoolLayout, options: dict) -> None:
+def receiver_child(conn, backend: str, layout: PoolLayout, options: dict, threads: int) -> None:
+    checksum.MAX_THREADS = threads                       # this run's --checksum-threads, in this process too
     rx = create_receiver(backend, layout, "127.0.0.1", f"D-{backend}", **options)
     rx.buffer.zero_()                                   # touch every page once, as a running D would have
     conn.send(rx.metadata())
@@ -152,13 +165,31 @@ class RawSocket:
         assert self.sock.recv(1) == b"k"
 
 
+class Checksums:
+    """The checksums of the moved pages alone, in the sender's pieces: on one thread, and on a pool."""
+
+    def __init__(self, pool: torch.Tensor, layout: PoolLayout, runs: np.ndarray):
+        self.pages = page_view(pool, layout)
+        self.pieces = [p[:, ::2] for p in split_runs(runs, piece_pages(layout))]
+        self.pool = ChecksumPool(pool, layout, "bench-sums")
+
+    def one_thread(self, algorithm: str) -> None:
+        for p in self.pieces:
+            pages_sum(self.pages, p, algorithm)
+
+    def in_pieces(self, algorithm: str) -> None:
+        for f in [self.pool.submit(p, algorithm) for p in self.pieces]:
+            f.result()
+
+
 class RxChild:
     """A receiver of one backend in its own process."""
 
     def __init__(self, name: str, layout: PoolLayout, **options):
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver_child, args=(child_conn, name, layout, options), daemon=True)
+        self.proc = ctx.Process(target=receiver_child, args=(child_conn, name, layout, options, checksum.MAX_THREADS),
+                                daemon=True)
         self.proc.start()
         self.meta = self.conn.recv()
         self.worker_id = f"D-{name}"
@@ -219,9 +250,20 @@ def main() -> None:
     ap.add_argument("--move", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backends", default=",".join(SAME_HOST),
+                    help="the backends whose rows run (default: all four)")
+    ap.add_argument("--piece-mib", type=float, default=checksum.PIECE_BYTES / 2**20,
+                    help="pieces a checked write is cut into, MiB (the senders of this run)")
+    ap.add_argument("--checksum-threads", type=int, default=checksum.MAX_THREADS,
+                    help="threads each sender and receiver of this run checksums on")
     add_out_flag(ap, type=Path)
     args = ap.parse_args()
+    chosen = {b.strip() for b in args.backends.split(",") if b.strip()}
+    if not chosen or chosen - set(SAME_HOST):
+        ap.error(f"--backends: choose from {', '.join(SAME_HOST)}")
 
+    checksum.PIECE_BYTES = int(args.piece_mib * 2**20)   # read by the senders made below (and Checksums)
+    checksum.MAX_THREADS = args.checksum_threads
     layout = smollm2_layout(args.pool_pages)
     rng = random.Random(args.seed)
     src = rng.sample(range(layout.num_pages), args.move)
@@ -240,21 +282,30 @@ def main() -> None:
     raw_proc = ctx.Process(target=raw_child, args=(raw_child_conn, layout, nbytes, runs_np[:, 1:]), daemon=True)
     raw_proc.start()
     raw = RawSocket(raw_conn.recv(), pool, layout, nbytes, runs_np[:, [0, 2]])
-    rxs = {name: RxChild(name, layout) for name in ("auto", "tcp", "nixl", "ucx")}
-    links = {
-        "tcp": Link("tcp", rxs["tcp"], "tcp", pool, layout, "tcp"),
-        "shm": Link("shm", rxs["auto"], "shm", pool, layout, "shm"),
-        "nixl": Link("nixl", rxs["nixl"], "nixl", pool, layout, "nixl"),
-        "nixl_tcp": Link("nixl_tcp", rxs["nixl"], "nixl", pool, layout, "nixl", ucx=UcxSettings.from_env(tls="tcp")),
-        "ucx": Link("ucx", rxs["ucx"], "ucx", pool, layout, "ucx"),
-        "auto": Link("auto", rxs["auto"], "auto", pool, layout, "shm"),
-        "auto_remote": Link("auto_remote", rxs["auto"], "auto", pool, layout, "tcp", meta=other_host(rxs["auto"].meta)),
+    rxs = {name: RxChild(name, layout) for name in ("auto", "tcp", "nixl", "ucx")
+           if name in chosen or (name == "auto" and chosen & {"shm", "tcp"})}
+    # row -> (its backend among --backends, receiver, sender backend, data path, options)
+    plan = {
+        "tcp": ("tcp", "tcp", "tcp", "tcp", {}),
+        "shm": ("shm", "auto", "shm", "shm", {}),
+        "nixl": ("nixl", "nixl", "nixl", "nixl", {}),
+        "nixl_tcp": ("nixl", "nixl", "nixl", "nixl", {"ucx": UcxSettings.from_env(tls="tcp")}),
+        "ucx": ("ucx", "ucx", "ucx", "ucx", {}),
+        "auto": ("shm", "auto", "auto", "shm", {}),
+        "auto_remote": ("tcp", "auto", "auto", "tcp", {}),
+        **{f"{b}_unchecked": (b, "auto" if b == "shm" else b, b, b, {"checksums": ()}) for b in SAME_HOST},
+        **({f"{b}_crc32": (b, "auto" if b == "shm" else b, b, b, {"checksums": ("crc32",)}) for b in SAME_HOST}
+           if available()[0] != "crc32" else {}),
     }
+    links = {row: Link(row, rxs[rx], backend, pool, layout, path,
+                       meta=other_host(rxs["auto"].meta) if row == "auto_remote" else None, **options)
+             for row, (needs, rx, backend, path, options) in plan.items() if needs in chosen}
     # The same byte count as one run of consecutive pages on both sides: the tcp protocol's own cost
     # against the contiguous raw socket, without the scattered-memory cost.
     one_run_src = list(range(args.move))
     one_run_dst = list(range(layout.num_pages - args.move, layout.num_pages))
     local = OneProcessCopy(pool, runs, src, dst)
+    sums = Checksums(pool, layout, runs_np)
 
     ops = {
         "copy_1proc": local.copy_loop,
@@ -262,8 +313,10 @@ def main() -> None:
         "copy_1proc_one_run": local.one_run,
         "raw_socket": raw.contiguous,
         "raw_socket_sg": raw.scatter_gather,
+        **{f"sums_{a}_1thread": functools.partial(sums.one_thread, a) for a in available()},
+        **{f"sums_{a}_pool": functools.partial(sums.in_pieces, a) for a in available()},
     }
-    one_run = {f"{name}_one_run": name for name in ("tcp", "nixl", "ucx")}
+    one_run = {f"{name}_one_run": name for name in ("tcp", "nixl", "ucx") if name in chosen}
     transfers = {name: (links[name], src, dst) for name in links}
     transfers.update({row: (links[name], one_run_src, one_run_dst) for row, name in one_run.items()})
     for row, (link, pages_from, pages_to) in transfers.items():
@@ -295,6 +348,7 @@ def main() -> None:
         link.tx.close()
     for rx in rxs.values():
         rx.close()
+    sums.pool.close()
     raw.sock.sendall(b"q")
     raw_proc.join(10)
 
@@ -305,41 +359,42 @@ def main() -> None:
                      "cold_ms": 1e3 * cold[name], "gb_s": nbytes / med / 1e9,
                      **({"d_side_ms": d_ms[name]} if name in d_ms else {})})
     by = {r["method"]: r for r in rows}
-    copy_best = max(by["copy_1proc"]["gb_s"], by["copy_1proc_index_put"]["gb_s"])
-    ratios = {
-        "shm_vs_copy_1proc": by["shm"]["gb_s"] / copy_best,
-        "tcp_vs_raw_socket": by["tcp"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "tcp_vs_raw_socket_sg": by["tcp"]["gb_s"] / by["raw_socket_sg"]["gb_s"],
-        "raw_socket_sg_vs_raw_socket": by["raw_socket_sg"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "tcp_one_run_vs_raw_socket": by["tcp_one_run"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "copy_1proc_vs_copy_1proc_one_run": by["copy_1proc"]["gb_s"] / by["copy_1proc_one_run"]["gb_s"],
-        "nixl_vs_raw_socket": by["nixl"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "nixl_vs_raw_socket_sg": by["nixl"]["gb_s"] / by["raw_socket_sg"]["gb_s"],
-        "nixl_one_run_vs_raw_socket": by["nixl_one_run"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "nixl_tcp_vs_raw_socket": by["nixl_tcp"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "ucx_vs_raw_socket": by["ucx"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "ucx_one_run_vs_raw_socket": by["ucx_one_run"]["gb_s"] / by["raw_socket"]["gb_s"],
-        "auto_vs_best_same_host": by["auto"]["gb_s"] / max(by[b]["gb_s"] for b in SAME_HOST),
-        "auto_remote_vs_best_remote": by["auto_remote"]["gb_s"] / max(by[b]["gb_s"] for b in REMOTE),
+    # ratio -> (row, the rows it is compared with: the best of them), where all of them ran
+    specs = {
+        "shm_vs_copy_1proc": ("shm", ("copy_1proc", "copy_1proc_index_put")),
+        "tcp_vs_raw_socket": ("tcp", ("raw_socket",)),
+        "tcp_vs_raw_socket_sg": ("tcp", ("raw_socket_sg",)),
+        "raw_socket_sg_vs_raw_socket": ("raw_socket_sg", ("raw_socket",)),
+        "tcp_one_run_vs_raw_socket": ("tcp_one_run", ("raw_socket",)),
+        "copy_1proc_vs_copy_1proc_one_run": ("copy_1proc", ("copy_1proc_one_run",)),
+        "nixl_vs_raw_socket": ("nixl", ("raw_socket",)),
+        "nixl_vs_raw_socket_sg": ("nixl", ("raw_socket_sg",)),
+        "nixl_one_run_vs_raw_socket": ("nixl_one_run", ("raw_socket",)),
+        "nixl_tcp_vs_raw_socket": ("nixl_tcp", ("raw_socket",)),
+        "ucx_vs_raw_socket": ("ucx", ("raw_socket",)),
+        "ucx_one_run_vs_raw_socket": ("ucx_one_run", ("raw_socket",)),
+        "auto_vs_best_same_host": ("auto", tuple(b for b in SAME_HOST if b in by)),
+        "auto_remote_vs_best_remote": ("auto_remote", tuple(b for b in REMOTE if b in by)),
     }
+    specs = {k: v for k, v in specs.items() if v[0] in by and v[1] and all(b in by for b in v[1])}
+
+    def gb_s(row: str, use: str) -> float:
+        return nbytes / by[row][use] * 1e3 / 1e9
+
+    ratios = {k: gb_s(a, "median_ms") / max(gb_s(b, "median_ms") for b in bs) for k, (a, bs) in specs.items()}
     # Best-of-repeats ratios: less sensitive to other work on shared cores than the medians.
-    best = {r["method"]: nbytes / r["min_ms"] * 1e3 / 1e9 for r in rows}
-    ratios_best = {
-        "shm_vs_copy_1proc": best["shm"] / max(best["copy_1proc"], best["copy_1proc_index_put"]),
-        "tcp_vs_raw_socket": best["tcp"] / best["raw_socket"],
-        "tcp_vs_raw_socket_sg": best["tcp"] / best["raw_socket_sg"],
-        "raw_socket_sg_vs_raw_socket": best["raw_socket_sg"] / best["raw_socket"],
-        "nixl_vs_raw_socket": best["nixl"] / best["raw_socket"],
-        "nixl_vs_raw_socket_sg": best["nixl"] / best["raw_socket_sg"],
-        "ucx_vs_raw_socket": best["ucx"] / best["raw_socket"],
-        "auto_vs_best_same_host": best["auto"] / max(best[b] for b in SAME_HOST),
-        "auto_remote_vs_best_remote": best["auto_remote"] / max(best[b] for b in REMOTE),
-    }
-    targets = {"shm_vs_copy_1proc>=0.8": ratios["shm_vs_copy_1proc"] >= 0.8,
-               "tcp_vs_raw_socket>=0.9": ratios["tcp_vs_raw_socket"] >= 0.9,
-               "nixl_vs_raw_socket>=1.0": ratios["nixl_vs_raw_socket"] >= 1.0,
-               "auto_vs_best_same_host>=0.9": ratios["auto_vs_best_same_host"] >= 0.9,
-               "auto_remote_vs_best_remote>=0.9": ratios["auto_remote_vs_best_remote"] >= 0.9}
+    ratios_best = {k: gb_s(a, "min_ms") / max(gb_s(b, "min_ms") for b in bs) for k, (a, bs) in specs.items()}
+    # What checking costs: the checked transfer's extra time over the same backend's unchecked one.
+    checked = {row: f"{row.split('_')[0]}_unchecked" for row in by
+               if row in SAME_HOST or (row.endswith("_crc32") and row.split("_")[0] in SAME_HOST)}
+    checked = {row: base for row, base in checked.items() if base in by}
+    checksum_cost = {row: by[row]["median_ms"] / by[base]["median_ms"] - 1 for row, base in checked.items()}
+    checksum_cost_best = {row: by[row]["min_ms"] / by[base]["min_ms"] - 1 for row, base in checked.items()}
+    checksum_gb_s = {row: by[row]["gb_s"] for row in by if row.startswith("sums_")}
+    bounds = {"shm_vs_copy_1proc": 0.8, "tcp_vs_raw_socket": 0.9, "nixl_vs_raw_socket": 1.0,
+              "auto_vs_best_same_host": 0.9, "auto_remote_vs_best_remote": 0.9}
+    targets = {f"{k}>={v}": ratios[k] >= v for k, v in bounds.items() if k in ratios}
+    targets.update({f"checksum_cost_{b}<=0.05": cost <= 0.05 for b, cost in checksum_cost.items()})
 
     print(f"\n{'method':<22}{'median ms':>10}{'GB/s':>8}{'min ms':>9}{'max ms':>9}{'cold ms':>9}{'D ms':>8}")
     for r in rows:
@@ -351,15 +406,23 @@ def main() -> None:
     for k, v in ratios.items():
         b = f"{ratios_best[k]:7.2f}" if k in ratios_best else ""
         print(f"{k:<34}{v:7.2f}{b}")
+    print(f"\n{'checksum cost (checked vs unchecked)':<38}{'median':>7}{'best':>7}")
+    for b, cost in checksum_cost.items():
+        print(f"{b:<38}{cost:+7.1%}{checksum_cost_best[b]:+7.1%}")
+    print(f"checked with {available()[0]} (plain rows); checksums of the moved pages alone: " +
+          ", ".join(f"{row} {v:.2f} GB/s" for row, v in checksum_gb_s.items()))
     for k, v in targets.items():
         print(f"target {k:<34}{'met' if v else 'NOT met'}")
 
     if args.out:
         write_result(args.out, {
-            "bench": "kvtransfer", "layout": layout.__dict__, "moved_pages": args.move, "runs": len(runs),
+            "bench": "kvtransfer", "backends": sorted(chosen), "checksum": available()[0],
+            "piece_bytes": checksum.PIECE_BYTES, "checksum_threads": checksum.MAX_THREADS, "layout": layout.__dict__,
+            "moved_pages": args.move, "runs": len(runs),
             "payload_mb": nbytes / 1e6, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "machine": {"cpu": platform.machine(), "cores": mp.cpu_count(), "torch": torch.__version__},
-            "rows": rows, "ratios": ratios, "ratios_best": ratios_best, "targets_met": targets,
+            "rows": rows, "ratios": ratios, "ratios_best": ratios_best, "checksum_cost": checksum_cost,
+            "checksum_cost_best": checksum_cost_best, "checksum_gb_s": checksum_gb_s, "targets_met": targets,
         }, tool="tandem.bench.kvtransfer")
         print(f"wrote {args.out}")
 

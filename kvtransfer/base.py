@@ -15,6 +15,8 @@ layer, K and V. Consecutive page ids on both sides are merged into runs, so a ru
 byte range per (layer, K|V) on each side.
 
 Room states (both sides): Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed.
+Integrity: a room succeeds only if D's pages match what P read from its pool (protocol/checksum.py;
+a mismatch fails it with `RoomStatus.corrupt`), unless the peer predates checksums.
 Thread-safety: every method may be called from any thread; writes for one peer are applied in the
 order they were issued.
 """
@@ -94,6 +96,9 @@ class RoomStatus:
     bytes_moved: int = 0
     seconds: float = 0.0             # first write -> aux received (D) / completed (P)
     progress: Progress | None = None  # D side: the sender's latest report (None: none arrived)
+    corrupt: bool = False            # D side: FAILED because its KV did not match the sender's checksums
+    path: str = ""                   # D side: the data path its KV came over ("" before any write)
+    landed_at: float = 0.0           # D side: when the last checked piece of its KV landed (D's monotonic; 0: none)
 
 
 class KVReceiver(ABC):

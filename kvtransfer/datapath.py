@@ -30,6 +30,7 @@ never ran: the protocol calls them on every path, whatever happened before.
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,10 +98,13 @@ class Link(ABC):
         self.ch = ch
 
     @abstractmethod
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
         """Move runs `[n, 3]` (src_start, dst_start, length) of every (layer, K|V), and tell D on the
         channel. May stop between pieces once `stop()` is true (the room failed). Returns the bytes
-        moved. Raises OSError or TransferError when the peer cannot be reached (the connection fails)."""
+        moved. Raises OSError or TransferError when the peer cannot be reached (the connection fails).
+
+        `corrupt` (fault injection, tests only): one byte of what lands in D's pool differs from P's pool
+        (`flip_byte` on the bytes in flight, or on D's memory after the copy); P's pool is never touched."""
 
     def transports(self) -> list:
         """The transports (kvtransfer.backends.ucx_transports.Transport) this link uses, where the
@@ -127,3 +131,9 @@ class SenderPath(ABC):
 
     def close(self) -> None:  # noqa: B027
         """After every link is closed (or abandoned): release what `attach` took."""
+
+
+def flip_byte(buf: np.ndarray) -> None:
+    """Fault injection (`Link.write(corrupt=True)`): XOR one byte of `buf` (uint8, in place) at a random
+    place with a random non-zero mask."""
+    buf[random.randrange(len(buf))] ^= random.randrange(1, 256)

@@ -14,7 +14,8 @@ libraries only when such a backend is created. `auto` does not pick them (see do
 one host shm is faster, and between CPU hosts without RDMA so is tcp.
 
 Options (`create_receiver(..., **options)`) go to every part whose constructor names them: the
-protocol's side (`timeouts`, `secret`; the sender's `boot_epoch`) and the data paths (`native_iov`:
+protocol's side (`timeouts`, `secret`; the sender's `boot_epoch`, `checksums` and the test-only
+`corrupt`) and the data paths (`native_iov`:
 tcp; `ucx`: nixl and ucx; `require_rdma`: the ucx sender; `timeouts` also to the paths that wait on
 their own connection). An option that no part takes is a TypeError.
 """

@@ -52,7 +52,7 @@ import torch
 
 from tandem.kvtransfer.backends.ucx_env import UcxSettings
 from tandem.kvtransfer.base import PoolLayout, TransferError
-from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol.iovec import page_iov
 from tandem.kvtransfer.protocol.liveness import connection_up
 from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, Timeouts, wrote_body
@@ -101,6 +101,7 @@ class _Agent:
         self._lock = threading.Lock()
         self._peers: dict[str, int] = {}          # remote agent -> connections using it
         self._abandoned: list[object] = []        # transfer handles NIXL could not release
+        self._scratch: tuple[torch.Tensor, object] | None = None   # fault injection's buffer, registered
         self._closed = False
         params = {"ucx_error_handling_mode": settings.error_handling}
         devices = settings.devices_for(host)
@@ -209,6 +210,21 @@ class _Agent:
             self.remove_peer(peer, force=True)
         raise TransferError(f"NIXL write to {peer}: {state}")
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least `nbytes` registered with the agent (fault injection writes from it);
+        registered once, on first use."""
+        with self._lock:
+            if self._scratch is None or self._scratch[0].numel() < nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                try:
+                    reg = self._agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], "DRAM")
+                except Exception as e:
+                    raise TransferError(f"NIXL agent {self.name}: cannot register a scratch buffer: {e}") from e
+                if self._scratch is not None:
+                    self._agent.deregister_memory(self._scratch[1])
+                self._scratch = (buf, reg)
+            return self._scratch[0]
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -218,10 +234,11 @@ class _Agent:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
-        try:
-            self._agent.deregister_memory(self._reg)
-        except Exception as e:
-            log.warning("NIXL agent %s: deregister failed: %s", self.name, e)
+        for reg in (self._reg, *(self._scratch[1:] if self._scratch is not None else ())):
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as e:
+                log.warning("NIXL agent %s: deregister failed: %s", self.name, e)
 
 
 @dataclass(frozen=True)
@@ -312,6 +329,7 @@ class NixlLink(Link):
                  dst_layout: PoolLayout, timeouts: Timeouts):
         self._agent = agent
         self._info = info
+        self._src = src
         self._src_base = src.data_ptr()
         self._page_bytes = layout.page_bytes
         self._src_regions = np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
@@ -319,7 +337,7 @@ class NixlLink(Link):
         self._timeouts = timeouts
         self._closed = False
 
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
         """WRITE runs `[n, 3]` (src_start, dst_start, length), stopping between transfers once `stop()`;
         then tell D with a WROTE note. Returns the bytes written."""
         started = time.monotonic()
@@ -336,10 +354,25 @@ class NixlLink(Link):
                               self._info.mem, lambda: connection_up(self.ch.sock), self._timeouts.send)
             pages += int(chunk[:, 2].sum())
             copied += len(chunk)
+        if corrupt and copied:
+            self._overwrite_flipped(runs[0])
         nbytes = pages * per_run * self._page_bytes
         # Same host: D times the room from here (CLOCK_MONOTONIC is shared); elsewhere D uses its own clock.
         self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
         return nbytes
+
+    def _overwrite_flipped(self, run: np.ndarray) -> None:
+        """Fault injection: once the write landed, WRITE the run's first page of region 0 again, from a
+        registered copy with a byte flipped (NIXL writes only from registered memory)."""
+        pb = self._page_bytes
+        start = (int(self._src_regions[0]) + int(run[0])) * pb
+        scratch = self._agent.scratch(pb)
+        scratch[:pb].copy_(self._src.view(-1).view(torch.uint8)[start:start + pb])
+        flip_byte(scratch[:pb].numpy())
+        local = np.array([[scratch.data_ptr(), pb]], dtype=np.uint64)
+        remote = page_iov(self._info.base, self._dst_regions[:1], run[1:2], np.ones(1, dtype=np.int64), pb)
+        self._agent.write(_descs(local, 0), _descs(remote, self._info.dev), self._info.agent, self._info.mem,
+                          lambda: connection_up(self.ch.sock), self._timeouts.send)
 
     def close(self) -> None:
         if not self._closed:

@@ -52,7 +52,7 @@ from tandem.kvtransfer.backends.ucx_node import Endpoints, Node, cancel, wait
 from tandem.kvtransfer.backends.ucx_plan import DIRECT_MIN, STAGE_BYTES, Msg, plan_messages, tag  # noqa: F401
 from tandem.kvtransfer.backends.ucx_transports import Transport, check_rdma, endpoint_transports
 from tandem.kvtransfer.base import PoolLayout, TransferError
-from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol.liveness import connection_up
 from tandem.kvtransfer.protocol.wire import Channel, Kind, ProtocolError, ReceiverMetadata, Timeouts
 
@@ -173,7 +173,10 @@ class UcxLink(Link):
             # The endpoint's error handling must match D's (UCX requires both ends to agree).
             ep = api.UCXEndpoint.create(self._node.worker, self._host, info.port, info.error_handling == "peer")
             token = secrets.token_bytes(16)
-            req = ep.stream_send(self._node.array(np.frombuffer(token, dtype=np.uint8).copy()))
+            # The request does not keep its buffer alive: `sent` must outlive it (a freed buffer was
+            # reused by the next small allocation before UCX read it, and D saw another token).
+            sent = np.frombuffer(token, dtype=np.uint8).copy()
+            req = ep.stream_send(self._node.array(sent))
             deadline = time.monotonic() + self._timeouts.connect
             while not req.completed and time.monotonic() < deadline:
                 time.sleep(0.001)
@@ -198,7 +201,7 @@ class UcxLink(Link):
     def transports(self) -> list[Transport]:
         return list(self._transports)
 
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
         """Send runs `[n, 3]` (src_start, dst_start, length) whole (D discards what it no longer wants,
         so `stop` is not consulted). Returns payload bytes."""
         lay, pb = self._layout, self._layout.page_bytes
@@ -235,6 +238,9 @@ class UcxLink(Link):
                     s, _, n = runs[m.run].tolist()
                     start = (m.region * lay.num_pages + s) * pb
                     data = self._src_bytes[start:start + n * pb]
+                if corrupt and i == 0:       # the first message goes out from a copy with a byte flipped
+                    data = data.copy()
+                    flip_byte(data)
                 req = self._ep.tag_send(self._node.array(data), self._node.api.UCXXTag(tag(self._token, first + i)))
                 if m.staged:
                     slot_req[k] = req

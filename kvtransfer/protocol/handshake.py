@@ -1,7 +1,7 @@
 """Opening of a control connection: challenge, hello, acknowledgement; proof of the shared secret.
 
     D (receiver) -> P: CHALLENGE   32 random bytes, fresh per connection
-    P (sender)   -> D: HELLO       JSON {version, worker_id, epoch, path, layout, nonce, proof}
+    P (sender)   -> D: HELLO       JSON {version, worker_id, epoch, path, layout, checksum, nonce, proof}
     D            -> P: HELLO_ACK   JSON {ok, error, aborted: [room...], proof}
 
 With a key (services/common/auth.py derives it from the deployment's secret), `proof` in HELLO is
@@ -60,6 +60,7 @@ class Hello:
     epoch: int
     path: str
     nonce: str
+    checksum: str = ""           # the checksum of the SUMS frames it sends ("": none, a sender from before them)
 
 
 class RefusalLog:
@@ -90,12 +91,12 @@ def send_challenge(ch: Channel) -> bytes:
 
 
 def check_hello(body: bytes, *, key: bytes | None, challenge: bytes, receiver_id: str, layout: PoolLayout,
-                backends: tuple[str, ...]) -> tuple[Hello | None, str]:
+                backends: tuple[str, ...], checksums: tuple[str, ...] = ()) -> tuple[Hello | None, str]:
     """(the sender's hello, "") if it may connect, else (what could be read of it, why not)."""
     d = loads(body)
     try:
         hello = Hello(peer_id=str(d["worker_id"]), epoch=int(d.get("epoch", 0)), path=str(d["path"]),
-                      nonce=str(d.get("nonce", "")))
+                      nonce=str(d.get("nonce", "")), checksum=str(d.get("checksum") or ""))
         their_layout = PoolLayout(**d["layout"])
     except (KeyError, TypeError, ValueError) as e:
         return None, f"bad hello: {e!r}"
@@ -111,6 +112,8 @@ def check_hello(body: bytes, *, key: bytes | None, challenge: bytes, receiver_id
         return hello, f"incompatible pool layouts: receiver {layout}, sender {their_layout}"
     if hello.path not in backends:
         return hello, f"receiver {receiver_id} accepts {list(backends)}, not {hello.path!r}"
+    if hello.checksum and hello.checksum not in checksums:
+        return hello, f"receiver {receiver_id} checks {list(checksums)}, not {hello.checksum!r}"
     return hello, ""
 
 
@@ -125,8 +128,9 @@ def ack_body(*, key: bytes | None, challenge: bytes, receiver_id: str, hello: He
 # ---- sender (P) --------------------------------------------------------------------------------------
 
 def open_connection(ch: Channel, *, key: bytes | None, sender_id: str, epoch: int, receiver_id: str, path: str,
-                    layout: PoolLayout, timeouts: Timeouts) -> list[int]:
-    """The sender's half on a fresh connection; returns the rooms D says it aborted already.
+                    layout: PoolLayout, timeouts: Timeouts, checksum: str = "") -> list[int]:
+    """The sender's half on a fresh connection; returns the rooms D says it aborted already. `checksum`:
+    the algorithm of the SUMS frames this sender will send ("": none).
     Raises TransferError (refused, or the receiver could not prove the key) or OSError."""
     ch.sock.settimeout(timeouts.connect)
     kind, _, challenge, _ = ch.recv_frame()
@@ -135,6 +139,8 @@ def open_connection(ch: Channel, *, key: bytes | None, sender_id: str, epoch: in
     nonce = secrets.token_hex(16)
     hello = {"version": VERSION, "worker_id": sender_id, "epoch": epoch, "path": path, "nonce": nonce,
              "layout": dataclasses.asdict(layout)}
+    if checksum:
+        hello["checksum"] = checksum
     if key is not None:
         hello["proof"] = _proof(key, "hello", challenge, nonce, receiver_id, sender_id, epoch, path)
     body = dumps(hello)

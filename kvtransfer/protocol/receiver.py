@@ -8,6 +8,15 @@ Data paths (kvtransfer/datapath.py): the receiver accepts those it was given, ad
 entries in its metadata, hands WRITE frames to the connection's path, and checks and accounts WROTE
 notes of one-sided paths itself.
 
+Integrity (protocol/checksum.py): from a sender that announced checksums, each write of a room is
+followed by a SUMS frame naming exactly the runs that write delivered, and their checksum; the reader
+hands the check to the checksum threads and reads on, so one piece is checked while the next lands. FINISH makes the
+room SUCCESS only once every check of it has finished, every page that landed was checked, and all
+matched; otherwise the room FAILS with "KV integrity check failed" (`RoomStatus.corrupt`), and P is
+told with an ABORT. Failing it only at FINISH, when P has sent its last write of the room, keeps the
+rule that no write lands in pages that may be reused. A sender from before checksums gets its rooms
+completed unchecked (a warning per connection).
+
 Progress: a PROGRESS frame from the room's own sender is kept as the room's latest report (`poll`
 returns it, stamped with its arrival time on this side's clock); D's worker decides what it means
 for the room's deadline. Every backend shares this control connection, so all of them deliver it.
@@ -36,6 +45,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +62,7 @@ from tandem.kvtransfer.base import (
     TransferError,
 )
 from tandem.kvtransfer.datapath import ReceiverPath
-from tandem.kvtransfer.protocol import handshake
+from tandem.kvtransfer.protocol import checksum, handshake
 from tandem.kvtransfer.protocol.wire import (
     HEADER,
     WROTE_BODY,
@@ -78,6 +88,7 @@ class _Conn:
         self.peer_id: str | None = None      # proven by the handshake when the receiver has a key
         self.epoch = 0                       # the sender's boot epoch (0: it did not say)
         self.path = ""                       # data path the sender announced (a key of Receiver._paths)
+        self.checksum = ""                   # checksum of the SUMS frames the sender announced ("": none)
         self.alive = True
         self.busy_room: int | None = None    # room whose WRITE payload is being received into the pool
         self.awaiting: set[int] = set()      # rooms of a one-sided path whose abort() waits for P's ack
@@ -94,9 +105,19 @@ class _Room(Room):
     aux: bytes | None = None
     conn: _Conn | None = None                # the connection that first wrote to it
     progress: Progress | None = None         # the sender's latest PROGRESS report
+    # Integrity (checked only for a sender that announced checksums):
+    landed_pages: int = 0                    # pages of writes that landed whole
+    summed_pages: int = 0                    # ... of them, named by the SUMS frame that followed
+    last_runs: np.ndarray | None = None      # (dst_start, length) of the last write, until its SUMS came
+    checking: int = 0                        # checks still running on the checksum threads
+    mismatch: str = ""                       # why a check failed (the room fails at FINISH)
+    finish: bytes | None = None              # the aux record of a FINISH that waits for the checks
+    corrupt: bool = False
+    landed_at: float = 0.0                   # when the last piece's SUMS came (its bytes had landed)
 
     def status(self) -> RoomStatus:
-        return dataclasses.replace(super().status(), aux=self.aux, progress=self.progress)
+        return dataclasses.replace(super().status(), aux=self.aux, progress=self.progress, corrupt=self.corrupt,
+                                   path=self.conn.path if self.conn is not None else "", landed_at=self.landed_at)
 
 
 class Receiver(RoomTable, KVReceiver):
@@ -120,6 +141,8 @@ class Receiver(RoomTable, KVReceiver):
         self._peer_conn: dict[str, _Conn] = {}
         self._tombstones: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.progress_reports = 0            # PROGRESS frames kept (an extra of this implementation)
+        self.integrity_failures = 0          # rooms failed by their checksums (an extra too)
+        self._sums: checksum.ChecksumPool | None = None
         try:
             self._buffer = next((m for p in self._paths.values() if (m := p.memory()) is not None), None)
             if self._buffer is None:
@@ -136,10 +159,12 @@ class Receiver(RoomTable, KVReceiver):
         except BaseException:
             self._close_paths()
             raise
+        self._sums = checksum.ChecksumPool(self._buffer, layout, f"kv-check-{worker_id}")
         port = self._listener.getsockname()[1]
         advertised = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self._meta = ReceiverMetadata(worker_id=worker_id, layout=layout, host=advertised, port=port,
-                                      backends=self._backends, progress=True, entries=entries)
+                                      backends=self._backends, progress=True, checksums=checksum.available(),
+                                      entries=entries)
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{worker_id}", daemon=True)
         self._accept_thread.start()
 
@@ -224,6 +249,8 @@ class Receiver(RoomTable, KVReceiver):
         for p in self._paths.values():
             p.shutdown()
             p.close()
+        if self._sums is not None:
+            self._sums.close()
 
     # ---- helpers ------------------------------------------------------------------------------------
 
@@ -263,6 +290,8 @@ class Receiver(RoomTable, KVReceiver):
                     self._on_finish(conn, room, body)
                 elif kind == Kind.PROGRESS:
                     self._on_progress(conn, room, body)
+                elif kind == Kind.SUMS:
+                    self._on_sums(conn, room, body)
                 elif kind == Kind.ABORT:
                     self._on_peer_abort(conn, room, body)
                 elif kind == Kind.ABORT_ACK:
@@ -286,7 +315,8 @@ class Receiver(RoomTable, KVReceiver):
         if kind != Kind.HELLO:
             raise ProtocolError(f"expected HELLO, got {kind.name}")
         hello, error = handshake.check_hello(body, key=self._key, challenge=challenge, receiver_id=self.worker_id,
-                                             layout=self.layout, backends=self._backends)
+                                             layout=self.layout, backends=self._backends,
+                                             checksums=checksum.available())
         aborted: list[int] = []
         # Registration and the ack are one step on this connection's send lock: an abort() that finds
         # the connection sends its ABORT only after the ack; one that ran before left a tombstone.
@@ -299,6 +329,7 @@ class Receiver(RoomTable, KVReceiver):
                     self.refusals.refused(f"kv receiver {self.worker_id}", f"sender {who}", error)
                 else:
                     conn.peer_id, conn.epoch, conn.path = hello.peer_id, hello.epoch, hello.path
+                    conn.checksum = hello.checksum
                     self._peer_conn[hello.peer_id] = conn
                     aborted = [room for (p, room) in self._tombstones if p == hello.peer_id]
                     for room in aborted:
@@ -308,6 +339,9 @@ class Receiver(RoomTable, KVReceiver):
             conn.ch.sock.sendall(HEADER.pack(Kind.HELLO_ACK, len(ack), 0, 0) + ack)
         if error:
             raise TransferError(f"rejected sender {who}: {error}")
+        if not conn.checksum:
+            log.warning("kv receiver %s: sender %s sends no KV checksums (it predates them or has them off): "
+                        "its transfers are not verified", self.worker_id, who)
         conn.ch.sock.settimeout(None)
 
     def _owner_error(self, conn: _Conn, r: _Room | None) -> str:
@@ -392,7 +426,16 @@ class Receiver(RoomTable, KVReceiver):
             with self._lock:
                 conn.busy_room = None
                 r.bytes += landed
+                self._landed(r, incoming.runs, landed)
                 self._cond.notify_all()
+
+    def _landed(self, r: _Room, runs: np.ndarray, nbytes: int) -> None:
+        """A write of runs `[n, 2]` (dst_start, length) put `nbytes` into the room's pages: a whole one
+        waits for its SUMS. Caller holds the lock."""
+        pages = int(runs[:, 1].sum())
+        if nbytes == pages * self.layout.num_layers * 2 * self.layout.page_bytes:
+            r.landed_pages += pages
+            r.last_runs = runs
 
     def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
         """A one-sided path copied pages itself: account for them, after checking they were the room's."""
@@ -417,25 +460,86 @@ class Receiver(RoomTable, KVReceiver):
                 r.state = RoomState.TRANSFERRING
                 r.bytes += payload_len
                 r.t_first = started if r.t_first is None else min(r.t_first, started)
+                self._landed(r, runs, payload_len)
         if why:
             conn.ch.try_send(Kind.ABORT, room, why.encode())
 
     def _on_finish(self, conn: _Conn, room: int, aux: bytes) -> None:
+        reply = None
         with self._lock:
             r = self._rooms.get(room)
             why = self._owner_error(conn, r) or ("" if not r.state.done else f"room already {r.state.value}: {r.error}")
+            if not why and r.finish is not None:
+                why = "room already finished"
             if not why:
-                now = time.monotonic()
-                r.state, r.aux, r.t_done, r.conn = RoomState.SUCCESS, aux, now, conn
-                if r.t_first is None:
-                    r.t_first = now
-                self._cond.notify_all()
+                r.conn, r.finish = conn, aux
+                if not r.checking:           # else the last check settles the room
+                    reply = self._settle(conn, room, r)
             else:
                 self._refuse(conn, room, why)
-        if not why:
-            conn.ch.try_send(Kind.DONE, room)
-        else:
+        if why:
             conn.ch.try_send(Kind.ABORT, room, why.encode())
+        elif reply is not None:
+            conn.ch.try_send(reply[0], room, reply[1])
+
+    def _on_sums(self, conn: _Conn, room: int, body: bytes) -> None:
+        """The checksums of the write before: hand their check to the checksum threads and read on."""
+        runs, sent = checksum.parse_sums(body)
+        if not conn.checksum:
+            raise ProtocolError("SUMS frame from a sender that announced no checksums")
+        with self._lock:
+            r = self._rooms.get(room)
+            if self._owner_error(conn, r) or r.state.done or r.finish is not None:
+                return                       # crossed an abort or a release on the wire
+            expected, r.last_runs = r.last_runs, None
+            if expected is None or not np.array_equal(expected, runs):
+                r.mismatch = r.mismatch or "checksums for other pages than the write before them"
+                return
+            r.summed_pages += int(runs[:, 1].sum())
+            r.landed_at = time.monotonic()   # bytes are arriving: a slow link is not a dead one
+            r.checking += 1
+        check = self._sums.submit(runs, conn.checksum)
+        check.add_done_callback(lambda f: self._checked(conn, room, r, runs, sent, f))
+
+    def _checked(self, conn: _Conn, room: int, r: _Room, runs: np.ndarray, sent: int, done: Future) -> None:
+        """A check finished (on a checksum thread): note a mismatch; the room's last check after its
+        FINISH settles it."""
+        try:
+            got = done.result()
+        except CancelledError:
+            got = None                       # the receiver is closing (its rooms fail)
+        reply = None
+        with self._lock:
+            r.checking -= 1
+            if got is not None and got != sent and not r.mismatch:
+                pages = int(runs[:, 1].sum())
+                r.mismatch = (f"the {pages} pages of a write (from page {int(runs[0, 0])}) differ from what the "
+                              f"sender read ({conn.checksum} {got:x} here, {sent:x} sent)")
+            if not r.checking and r.finish is not None and not r.state.done:
+                reply = self._settle(conn, room, r)
+        if reply is not None:
+            conn.ch.try_send(reply[0], room, reply[1])
+
+    def _settle(self, conn: _Conn, room: int, r: _Room) -> tuple[Kind, bytes]:
+        """FINISH arrived and every check of the room is done: SUCCESS, or FAILED if its KV is not what
+        the sender read. Returns the answer for the sender. Caller holds the lock."""
+        if conn.checksum and not r.mismatch and r.summed_pages != r.landed_pages:
+            missing = r.landed_pages - r.summed_pages
+            r.mismatch = f"{missing} of {r.landed_pages} pages arrived without a checksum"
+        if r.mismatch:
+            why = f"KV integrity check failed: {r.mismatch}"
+            r.corrupt = True
+            self._fail(r, why)
+            self.integrity_failures += 1
+            log.warning("kv receiver %s: room %d from sender %s at %s over %s: %s", self.worker_id, room,
+                        conn.peer_id, _address(conn.addr), conn.path, why)
+            return Kind.ABORT, why.encode()
+        now = time.monotonic()
+        r.state, r.aux, r.t_done = RoomState.SUCCESS, r.finish, now
+        if r.t_first is None:
+            r.t_first = now
+        self._cond.notify_all()
+        return Kind.DONE, b""
 
     def _on_progress(self, conn: _Conn, room: int, body: bytes) -> None:
         """Keep the report of a room this sender owns and that still waits; anything else is a report
@@ -469,3 +573,7 @@ class Receiver(RoomTable, KVReceiver):
             self._cond.notify_all()
         if conn.path:
             self._paths[conn.path].conn_lost(conn.ch)
+
+
+def _address(addr: object) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)

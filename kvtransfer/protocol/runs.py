@@ -1,9 +1,11 @@
 """Page-run merging: consecutive (src, dst) page pairs become one run, i.e. one contiguous byte range
-per (layer, K|V) on each side. Torch-free."""
+per (layer, K|V) on each side; and cutting runs into pieces of bounded size. Torch-free."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def merge_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -40,3 +42,23 @@ def expand_runs(runs: Sequence[tuple[int, int, int]]) -> tuple[list[int], list[i
         src.extend(range(s, s + n))
         dst.extend(range(d, d + n))
     return src, dst
+
+
+def split_runs(runs: np.ndarray, max_pages: int) -> list[np.ndarray]:
+    """Cut runs `[n, 3]` (src_start, dst_start, length) into pieces of at most `max_pages` pages each, in
+    order (a run that does not fit is cut too); the pieces together are the runs."""
+    assert max_pages >= 1
+    pieces: list[np.ndarray] = []
+    piece: list[tuple[int, int, int]] = []
+    room = max_pages
+    for s, d, n in np.asarray(runs, dtype=np.int64).reshape(-1, 3).tolist():
+        while n > 0:
+            k = min(n, room)
+            piece.append((s, d, k))
+            s, d, n, room = s + k, d + k, n - k, room - k
+            if room == 0:
+                pieces.append(np.array(piece, dtype=np.int64))
+                piece, room = [], max_pages
+    if piece:
+        pieces.append(np.array(piece, dtype=np.int64))
+    return pieces

@@ -13,6 +13,12 @@ most one report per room.
 Failure: when the connection fails every unfinished room of that peer becomes FAILED and its queue is
 dropped; `connect()` again makes a fresh connection.
 
+Checksums (protocol/checksum.py): to a receiver that checks them, a write is cut into pieces of at
+most PIECE_BYTES; `write()` queues each piece's checksum on the checksum threads at once
+(the source pages do not change until the room is released), and the sender thread follows each
+piece with its SUMS frame. Fault injection (`corrupt`, test-only) flips one byte of a drawn room's
+first piece on its way, after the checksum was taken.
+
 Abort: `abort(room)` fails the room, puts an ABORT frame at the head of the queue (so D fails the
 room too), and waits until the sender thread is not working on the room (queued jobs of a failed room
 are skipped; an shm copy stops at the next run; a tcp frame already started is sent whole). After it
@@ -31,7 +37,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +55,8 @@ from tandem.kvtransfer.base import (
     TransferError,
 )
 from tandem.kvtransfer.datapath import Link, SenderPath
-from tandem.kvtransfer.protocol import handshake
-from tandem.kvtransfer.protocol.runs import merge_runs
+from tandem.kvtransfer.protocol import checksum, handshake
+from tandem.kvtransfer.protocol.runs import merge_runs, split_runs
 from tandem.kvtransfer.protocol.wire import (
     MAX_BODY,
     Channel,
@@ -71,6 +78,8 @@ class _Job:
     room: int
     runs: np.ndarray | None = None           # WRITE: [n, 3] (src_start, dst_start, length)
     body: bytes = b""
+    sums: Future | None = None               # WRITE: its checksum, for the SUMS frame after it
+    corrupt: bool = False                    # WRITE: fault injection flips a byte of it in flight
 
 
 class _Peer:
@@ -81,6 +90,7 @@ class _Peer:
         self.meta = meta
         self.ch = channel
         self.link = link
+        self.checksum = ""                       # the algorithm of the SUMS sent to it ("": none)
         self.cond = threading.Condition(lock)
         self.queue: collections.deque[_Job] = collections.deque()
         self.reports: dict[int, _Job] = {}       # room -> its PROGRESS job still in `queue`
@@ -96,6 +106,7 @@ class _Room(Room):
     peer_id: str | None                      # None: aborted before any write named a peer
     state: RoomState = RoomState.TRANSFERRING
     finished: bool = False                   # finish() was called
+    tamper: bool | None = None               # fault injection's draw for the room (None: not drawn yet)
 
 
 class Sender(RoomTable, KVSender):
@@ -103,11 +114,16 @@ class Sender(RoomTable, KVSender):
 
     def __init__(self, buffer: torch.Tensor, layout: PoolLayout, worker_id: str, *, name: str,
                  paths: Sequence[SenderPath], timeouts: Timeouts = Timeouts(), secret: bytes | None = None,
-                 boot_epoch: int = 0):
+                 boot_epoch: int = 0, checksums: Sequence[str] | None = None,
+                 corrupt: Callable[[int], bool] | None = None):
         """`paths`: the data paths to try for each peer, in order (registry.py makes them); from here on
         the sender owns them. `secret`: the key this sender proves in each handshake and requires
         receivers to prove (None: no proof); `boot_epoch`: this process start, which receivers bind
-        rooms to (0: not told)."""
+        rooms to (0: not told). `checksums`: the algorithms this sender may use for the SUMS it sends
+        to receivers that check them (None: every one this process has; (): none, only to measure
+        what they cost). `corrupt`: fault injection for tests (services/worker/fault_sender.py),
+        never set from a request: a room for which it returns True has one byte of its first write
+        flipped on the way, after its checksum was taken."""
         if tuple(buffer.shape) != layout.shape or buffer.dtype != layout.torch_dtype:
             raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} does not match {layout}")
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
@@ -118,6 +134,7 @@ class Sender(RoomTable, KVSender):
         self.worker_id = worker_id
         self._buffer = buffer
         self._paths = tuple(paths)
+        self._sums: checksum.ChecksumPool | None = None
         try:
             for p in self._paths:
                 p.attach(buffer)
@@ -129,6 +146,11 @@ class Sender(RoomTable, KVSender):
         self.boot_epoch = boot_epoch
         self._connect_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
+        self._algorithms = checksum.available() if checksums is None else tuple(checksums)
+        if self._algorithms:
+            self._sums = checksum.ChecksumPool(buffer, layout, f"kv-sums-{worker_id}")
+        self._piece_pages = checksum.piece_pages(layout)
+        self._corrupt = corrupt
 
     # ---- KVSender -------------------------------------------------------------------------------------
 
@@ -192,7 +214,8 @@ class Sender(RoomTable, KVSender):
         if dst.size and (dst.min() < 0 or dst.max() >= peer.meta.layout.num_pages):
             raise ValueError(f"room {room}: destination pages outside [0, {peer.meta.layout.num_pages})")
         runs = np.asarray(merge_runs(src.tolist(), dst.tolist()), dtype=np.int64).reshape(-1, 3)
-        self._enqueue(peer_id, room, _Job(Kind.WRITE, room, runs=runs) if len(runs) else None)
+        pieces = split_runs(runs, self._piece_pages) if peer.checksum else [runs]
+        self._enqueue(peer_id, room, *(_Job(Kind.WRITE, room, runs=piece) for piece in pieces if len(piece)))
 
     def finish(self, peer_id: str, room: int, aux: bytes) -> None:
         if len(aux) > MAX_BODY:
@@ -258,6 +281,8 @@ class Sender(RoomTable, KVSender):
     def _close_paths(self) -> None:
         for p in self._paths:
             p.close()
+        if self._sums is not None:
+            self._sums.close()
 
     # ---- helpers --------------------------------------------------------------------------------------
 
@@ -269,7 +294,7 @@ class Sender(RoomTable, KVSender):
             raise TransferError(f"unknown peer {peer_id!r}: connect() it first")
         return peer
 
-    def _enqueue(self, peer_id: str, room: int, job: _Job | None, finish: bool = False) -> None:
+    def _enqueue(self, peer_id: str, room: int, *jobs: _Job, finish: bool = False) -> None:
         self._peer(peer_id)
         with self._lock:
             peer = self._peers[peer_id]
@@ -290,8 +315,13 @@ class Sender(RoomTable, KVSender):
                 return
             if r.t_first is None:
                 r.t_first = time.monotonic()
-            if job is not None:
-                peer.queue.append(job)
+            if jobs and jobs[0].kind == Kind.WRITE and r.tamper is None and self._corrupt is not None:
+                r.tamper = jobs[0].corrupt = bool(self._corrupt(room))
+            for job in jobs:
+                if job.kind == Kind.WRITE and peer.checksum:       # over (src_start, length): P's own pages
+                    job.sums = self._sums.submit(job.runs[:, ::2], peer.checksum)
+            if jobs:
+                peer.queue.extend(jobs)
                 peer.cond.notify_all()
 
     def _wait_idle(self, peer: _Peer, room: int, timeout: float) -> bool:
@@ -326,9 +356,10 @@ class Sender(RoomTable, KVSender):
         ch = Channel(sock)
         try:
             configure(sock, self._timeouts)
+            algorithm = checksum.choose(meta.checksums, self._algorithms)
             aborted = handshake.open_connection(
                 ch, key=self._key, sender_id=self.worker_id, epoch=self.boot_epoch, receiver_id=meta.worker_id,
-                path=link.kind, layout=self.layout, timeouts=self._timeouts)
+                path=link.kind, layout=self.layout, timeouts=self._timeouts, checksum=algorithm)
             link.start(ch)
         except BaseException as e:
             ch.close()
@@ -336,7 +367,14 @@ class Sender(RoomTable, KVSender):
             if isinstance(e, OSError):
                 raise TransferError(f"handshake with {peer_id} failed: {e}") from e
             raise
-        return _Peer(peer_id, metadata, meta, ch, link, self._lock), aborted
+        log.info("KV link to %s at %s:%d over %s%s", peer_id, meta.host, meta.port, link.kind,
+                 f" (skipped {'; '.join(reasons)})" if reasons else "")
+        if self._algorithms and not algorithm:
+            log.warning("KV receiver %s checks none of the checksums %s (it predates them): transfers to it "
+                        "are not verified", peer_id, list(self._algorithms))
+        peer = _Peer(peer_id, metadata, meta, ch, link, self._lock)
+        peer.checksum = algorithm
+        return peer, aborted
 
     def _write_loop(self, peer: _Peer) -> None:
         while True:
@@ -353,12 +391,16 @@ class Sender(RoomTable, KVSender):
                         continue
                 elif job.kind in (Kind.WRITE, Kind.FINISH):
                     if r is None or r.state.done or r.peer_id != peer.id:
+                        if job.sums is not None:
+                            job.sums.cancel()
                         continue                        # the room failed or was aborted: skip
                     peer.busy_room = job.room
             nbytes = 0
             try:
                 if job.kind == Kind.WRITE:
-                    nbytes = peer.link.write(job.room, job.runs, lambda r=r: r.state.done)
+                    nbytes = peer.link.write(job.room, job.runs, lambda r=r: r.state.done, corrupt=job.corrupt)
+                    if job.sums is not None:
+                        self._send_sums(peer, job, r, nbytes)
                 else:
                     peer.ch.send(job.kind, job.room, job.body)
             except Exception as e:
@@ -372,6 +414,14 @@ class Sender(RoomTable, KVSender):
                 peer.cond.notify_all()
                 if not peer.alive:
                     return
+
+    def _send_sums(self, peer: _Peer, job: _Job, r: _Room, nbytes: int) -> None:
+        """The SUMS frame of a write the link moved whole (one it cut short belongs to a failed room)."""
+        whole = int(job.runs[:, 2].sum()) * self.layout.num_layers * 2 * self.layout.page_bytes
+        if nbytes != whole or r.state.done:
+            job.sums.cancel()
+            return
+        peer.ch.send(Kind.SUMS, job.room, checksum.sums_body(job.runs[:, 1:], job.sums.result()))
 
     def _read_loop(self, peer: _Peer) -> None:
         def frames() -> None:
@@ -408,6 +458,9 @@ class Sender(RoomTable, KVSender):
                 return
             peer.alive = False
             peer.error = reason
+            for job in peer.queue:
+                if job.sums is not None:
+                    job.sums.cancel()
             peer.queue.clear()
             peer.reports.clear()
             if self._peers.get(peer.id) is peer:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from tandem.kvtransfer.base import PoolLayout, TransferError
-from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, wrote_body
 
 SHM_DIR = "/dev/shm"
@@ -247,7 +247,7 @@ class ShmLink(Link):
         self._dst = segment.tensor(dst_layout)
         self._bytes_per_page = dst_layout.page_bytes * dst_layout.num_layers * 2
 
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
         """One strided copy per run over all layers and K/V; stops between runs once `stop()` is true."""
         src, dst = self._src, self._dst
         started = time.monotonic()
@@ -258,6 +258,8 @@ class ShmLink(Link):
             dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
             pages += n
             copied += 1
+        if corrupt and copied:    # in D's memory, after the copy
+            flip_byte(dst[0, 0, int(runs[0, 1])].view(-1).view(torch.uint8).numpy())
         nbytes = pages * self._bytes_per_page
         # Same host, so CLOCK_MONOTONIC is shared: D times the room from the copy's start.
         self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tandem.kvtransfer.base import PoolLayout
-from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath
+from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
 from tandem.kvtransfer.protocol.wire import HEADER, Channel, Kind, ProtocolError, ReceiverMetadata
 
@@ -71,14 +71,20 @@ class TcpLink(Link):
         self._regions = _regions(layout)
         self._native = native
 
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool]) -> int:
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
         """Sends runs `[n, 3]` (src_start, dst_start, length) as one WRITE frame.
 
         A started frame is always sent whole (the receiver drains what it no longer wants), so `stop`
         is not consulted: the in-flight write of an aborted room takes at most one frame's time.
         """
         pb = self._layout.page_bytes
-        iov = page_iov(self._src.data_ptr(), self._regions, runs[:, 0], runs[:, 2], pb)
+        base = self._src.data_ptr()
+        iov = page_iov(base, self._regions, runs[:, 0], runs[:, 2], pb)
+        if corrupt:       # the first piece goes out from a copy with a byte flipped
+            start, n = int(iov[0, 0]) - base, int(iov[0, 1])
+            tampered = self._src.view(-1).view(torch.uint8).numpy()[start:start + n].copy()
+            flip_byte(tampered)
+            iov[0] = (tampered.ctypes.data, n)
         body = np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
         payload = int(runs[:, 2].sum()) * len(self._regions) * pb
         ch = self.ch

@@ -7,7 +7,7 @@ of body, then (WRITE only) `payload_len` bytes of page data:
 | kind      | dir  | body                                   | payload                          |
 |-----------|------|----------------------------------------|----------------------------------|
 | CHALLENGE | D->P | 32 random bytes (first frame)          | -                                |
-| HELLO     | P->D | JSON {version, worker_id, epoch, layout, path, nonce, proof} | -          |
+| HELLO     | P->D | JSON {version, worker_id, epoch, layout, path, checksum, nonce, proof} | - |
 | HELLO_ACK | D->P | JSON {ok, error, aborted: [room...], proof} | -                           |
 | WRITE     | P->D | int64 [n_runs, 2] (dst_start, length)  | pages, (layer, K|V)-major, run-minor |
 | WROTE     | P->D | `<d` monotonic time the copy began, then int64 (dst_start, length) runs (one-sided paths: P already copied payload_len bytes into those pages) | - |
@@ -16,19 +16,29 @@ of body, then (WRITE only) `payload_len` bytes of page data:
 | ABORT     | both | utf-8 reason                           | -                                |
 | ABORT_ACK | P->D | - (P will not touch the room's pages again)                            | - |
 | PROGRESS  | P->D | `<QQQd` tokens done, tokens of the prompt, tokens queued ahead, expected_s (base.Progress) | - |
+| SUMS      | P->D | int64 [n_runs, 2] (dst_start, length) of the write just before it, `<Q` its checksum | - |
 
 PROGRESS reports a room P is still computing (so D's transfer timeout can follow P's pace); it is
 sent only to receivers whose metadata has `"progress": true`. It needs no version bump: a receiver
 from before it never advertises the flag (an unknown frame kind would drop the connection), and a
 sender from before it never sends one, so D falls back to its fixed timeout.
 
+SUMS (protocol/checksum.py) follows each write of a room, on every data path: the checksum of its
+pages over what P read from its pool, which D checks against its own pool before the room may
+succeed. The same kind of capability: a receiver that checks advertises the algorithms it has
+(`"checksums": ["xxh3", "crc32"]`, preferred first), and only a sender that names one of them in its
+hello (`"checksum": "xxh3"`: the first of them it has too) sends SUMS and has its rooms checked. Old
+peers stay explicit: a sender from before it sends none, and D completes its rooms unchecked (warning
+once per connection); a receiver from before it advertises none, and P sends none (a warning too).
+
 Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON with sorted keys:
 `{"version": 2, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
   "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype}, "progress": bool,
-  "shm": null | {...}}` and one more entry for each data path that advertises one, under the path's
-name (what its `ReceiverPath.attach` returns; the protocol only carries it): "shm" (protocol/shm.py:
-path, size, offset, nonce, hostname; always written, null when the receiver offers no shm, as every
-v2 receiver did), "nixl" and "ucx" (kvtransfer/backends/). "progress" absent: false.
+  "checksums": [str], "shm": null | {...}}` and one more entry for each data path that advertises
+one, under the path's name (what its `ReceiverPath.attach` returns; the protocol only carries it):
+"shm" (protocol/shm.py: path, size, offset, nonce, hostname; always written, null when the receiver
+offers no shm, as every v2 receiver did), "nixl" and "ucx" (kvtransfer/backends/). "progress" absent:
+false; "checksums" absent: the receiver checks no checksums (written only when it does).
 `host:port` is the control socket (always present: even shm sends its control frames over it);
 `backends` lists the data paths the receiver accepts, in its order of preference.
 The opening exchange (CHALLENGE, HELLO, HELLO_ACK) and its proof of the shared secret: handshake.py.
@@ -69,6 +79,7 @@ class Kind(enum.IntEnum):
     ABORT_ACK = 8
     CHALLENGE = 9
     PROGRESS = 10
+    SUMS = 11
 
 
 class ProtocolError(TransferError):
@@ -80,12 +91,14 @@ class Timeouts:
     connect: float = 5.0        # TCP connect + hello round trip
     abort: float = 5.0          # abort waits this long for an in-flight write, then drops the connection
     send: float = 30.0          # a send that makes no progress this long fails the connection (SO_SNDTIMEO)
-    keepalive_idle: int = 5     # TCP keepalive: a silent dead host is noticed after idle + intvl * cnt seconds
-    keepalive_intvl: int = 2
+    keepalive_idle: int = 3     # TCP keepalive: an idle link to a silent host fails after idle + intvl * cnt
+    keepalive_intvl: int = 2    # seconds (9 s, within services/common/keepalive.py's 10 s bound) ...
     keepalive_cnt: int = 3
+    user_timeout: float = 9.0   # ... and one with data in flight once nothing was acknowledged this long
+                                # (TCP_USER_TIMEOUT; a slow link acknowledges all the time, so it stays up)
 
 
-_CORE_KEYS = frozenset({"version", "worker_id", "backends", "host", "port", "layout", "progress"})
+_CORE_KEYS = frozenset({"version", "worker_id", "backends", "host", "port", "layout", "progress", "checksums"})
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class ReceiverMetadata:
     port: int
     backends: tuple[str, ...]
     progress: bool = False              # takes PROGRESS frames
+    checksums: tuple[str, ...] = ()     # checks SUMS frames of these algorithms, preferred first
     entries: Mapping[str, dict] = dataclasses.field(default_factory=dict)   # data path name -> its entry
 
     def to_bytes(self) -> bytes:
@@ -104,6 +118,8 @@ class ReceiverMetadata:
             "host": self.host, "port": self.port, "layout": dataclasses.asdict(self.layout),
             "shm": None, "progress": self.progress, **self.entries,
         }
+        if self.checksums:
+            d["checksums"] = list(self.checksums)
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -115,10 +131,17 @@ class ReceiverMetadata:
             return cls(
                 worker_id=str(d["worker_id"]), layout=PoolLayout(**d["layout"]), host=str(d["host"]),
                 port=int(d["port"]), backends=tuple(d["backends"]), progress=d.get("progress") is True,
+                checksums=_names(d.get("checksums", [])),
                 entries={k: v for k, v in d.items() if k not in _CORE_KEYS and isinstance(v, dict)},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise TransferError(f"bad kvtransfer metadata: {e}") from e
+
+
+def _names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"checksums {value!r} is not a list of names")
+    return tuple(value)
 
 
 def configure(sock: socket.socket, timeouts: Timeouts) -> None:
@@ -131,6 +154,8 @@ def configure(sock: socket.socket, timeouts: Timeouts) -> None:
                         ("TCP_KEEPCNT", timeouts.keepalive_cnt)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT") and timeouts.user_timeout > 0:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeouts.user_timeout * 1000))
     sec = int(timeouts.send)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                     struct.pack("ll", sec, int((timeouts.send - sec) * 1e6)))

@@ -10,7 +10,7 @@ from tandem.kvtransfer import create_sender
 from tandem.services.prefill.servicer import BootstrapServicer, PrefillServicer
 from tandem.services.prefill.worker import PrefillTimeouts, PrefillWorker
 from tandem.services.worker.config import WorkerConfig
-from tandem.services.worker.fault_sender import wrap_sender
+from tandem.services.worker.fault_sender import sender_options, wrap_sender
 from tandem.services.worker.layout import layout_of
 from tandem.services.worker.rdma import transfer_options
 from tandem.services.worker.server import RoleParts, register_role
@@ -26,7 +26,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
                               speculative_algorithm=None)
     engine = LLMEngine(cfg)
     sender = create_sender(wcfg.transfer_backend, engine.runner.pool.buffer, layout_of(engine.runner.pool.spec),
-                           wcfg.id, **transfer_options(wcfg, "sender"))
+                           wcfg.id, **transfer_options(wcfg, "sender"), **sender_options(wcfg.faults, wcfg.id))
     sender = wrap_sender(sender, wcfg.faults, wcfg.id)
     worker = PrefillWorker(engine, sender, PrefillTimeouts(wcfg.bootstrap_timeout_s, wcfg.transfer_timeout_s),
                            max_rooms=wcfg.max_queue)

@@ -141,7 +141,8 @@ WORKER_FLAGS = (
          off_help="do not publish KV events (the router routes this worker by its approximate index)"),
     Flag(("--fault-inject",), _W, RESILIENCE,
          "inject faults for tests and chaos drills, e.g. transfer_fail=0.1,transfer_delay_ms=50,forward_delay_ms=20 "
-         "(also seed=N); refused without --enable-fault-injection or TANDEM_ALLOW_FAULTS=1 (default: none)",
+         "(also kv_corrupt=P: KV corrupted in flight; seed=N); refused without --enable-fault-injection or "
+         "TANDEM_ALLOW_FAULTS=1 (default: none)",
          default="", metavar="SPEC"),
     Flag(("--enable-fault-injection",), _W, RESILIENCE,
          "allow --fault-inject (off by default: it makes requests fail on purpose)", default=False,

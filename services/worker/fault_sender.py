@@ -1,4 +1,5 @@
-"""`--fault-inject transfer_fail=P,transfer_delay_ms=MS` on a prefill worker: a KVSender wrapper.
+"""`--fault-inject transfer_fail=P,transfer_delay_ms=MS,kv_corrupt=P` on a prefill worker: a KVSender
+wrapper for the first two, and the sender's own in-flight corruption hook for the third.
 
 Kept apart from services/worker/faults.py (torch-free, read by the command line) because every
 transfer backend's interface brings torch with it.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable
 
 from tandem.kvtransfer.base import KVSender, Progress, RoomState, RoomStatus
 from tandem.services.worker.faults import FaultConfig
@@ -114,3 +116,26 @@ class FaultySender(KVSender):
 def wrap_sender(sender: KVSender, cfg: FaultConfig, worker_id: str = "") -> KVSender:
     """The sender itself unless transfer faults are configured."""
     return FaultySender(sender, cfg, worker_id) if cfg.transfers else sender
+
+
+def sender_options(cfg: FaultConfig, worker_id: str = "") -> dict:
+    """create_sender options for `kv_corrupt`: the draw of the rooms whose KV is corrupted on its way
+    (the protocol's Sender flips a byte after the checksum; kvtransfer/protocol/sender.py). {} if off."""
+    if cfg.kv_corrupt <= 0:
+        return {}
+    rng = random.Random(None if cfg.seed is None else f"{cfg.seed}/{worker_id}/kv")
+    return {"corrupt": _corrupt_draw(cfg.kv_corrupt, rng)}
+
+
+def _corrupt_draw(p: float, rng: random.Random) -> Callable[[int], bool]:
+    lock = threading.Lock()
+
+    def corrupt(room: int) -> bool:
+        with lock:
+            hit = rng.random() < p
+        if hit:
+            log.warning("fault injection: corrupting the KV of room %d on its way (--fault-inject kv_corrupt=%g)",
+                        room, p)
+        return hit
+
+    return corrupt

@@ -6,6 +6,9 @@ environment has TANDEM_ALLOW_FAULTS=1, so that a copied command line cannot brea
     transfer_fail=P        each room's KV transfer fails with probability P (0..1): the prefill
                            worker aborts it after its first write, so both sides take the abort path
     transfer_delay_ms=MS   each room's completion (its aux record) is sent MS later
+    kv_corrupt=P           each room's KV is corrupted on its way with probability P (0..1): one byte of
+                           its first write is flipped after the prefill worker took its checksum, so the
+                           decode worker's integrity check must catch it (docs/resilience.md)
     forward_delay_ms=MS    every engine step (it contains the forward pass) starts MS later
     seed=N                 seed of the draws (default: random)
 
@@ -32,7 +35,8 @@ log = logging.getLogger(__name__)
 HANG_AT_ENV = "TANDEM_FAULT_STEP_HANG_AT"
 HANG_S_ENV = "TANDEM_FAULT_STEP_HANG_S"
 ALLOW_ENV = "TANDEM_ALLOW_FAULTS"
-_SPEC_KEYS = ("transfer_fail", "transfer_delay_ms", "forward_delay_ms", "seed")
+_SPEC_KEYS = ("transfer_fail", "transfer_delay_ms", "kv_corrupt", "forward_delay_ms", "seed")
+_PROBABILITIES = ("transfer_fail", "kv_corrupt")
 
 
 class FaultSpecError(ValueError):
@@ -45,12 +49,13 @@ class FaultConfig:
     step_hang_s: float = 3600.0
     transfer_fail: float = 0.0     # probability per room
     transfer_delay_ms: float = 0.0
+    kv_corrupt: float = 0.0        # probability per room
     forward_delay_ms: float = 0.0
     seed: int | None = None
 
     @property
     def any(self) -> bool:
-        return self.step_hang_at > 0 or self.forward_delay_ms > 0 or self.transfers
+        return self.step_hang_at > 0 or self.forward_delay_ms > 0 or self.transfers or self.kv_corrupt > 0
 
     @property
     def transfers(self) -> bool:
@@ -91,8 +96,8 @@ def parse_spec(spec: str) -> dict:
             out[key] = int(value) if key == "seed" else float(value)
         except ValueError:
             raise FaultSpecError(f"--fault-inject: {key}={value!r} is not a number") from None
-        if key == "transfer_fail" and not 0.0 <= out[key] <= 1.0:
-            raise FaultSpecError(f"--fault-inject: transfer_fail={value} is not a probability in [0, 1]")
+        if key in _PROBABILITIES and not 0.0 <= out[key] <= 1.0:
+            raise FaultSpecError(f"--fault-inject: {key}={value} is not a probability in [0, 1]")
         if key.endswith("_ms") and out[key] < 0:
             raise FaultSpecError(f"--fault-inject: {key}={value} is negative")
     assert set(out) <= set(types)

@@ -41,6 +41,11 @@ REQUESTS_WAITING = Gauge("tandem_requests_waiting", "Requests queued on this wor
 KV_TRANSFERS_OUTSTANDING = Gauge(
     "tandem_kv_transfers_outstanding",
     "Prefill: rooms whose decode worker reserved pages and still waits for their KV (a drain waits for 0)")
+KV_INTEGRITY_FAILURES = Counter(
+    "tandem_kv_integrity_failures_total",
+    "KV that did not match its checksum and was never used (fetched again or recomputed instead), by backend: "
+    "the data path a transfer came over (shm, tcp, nixl, ucx; decode workers) or the tier a block was loaded "
+    "from (tier_host, tier_disk)", ["backend"])
 TRANSFER_OUTLIVED_TIMEOUT = Counter(
     "tandem_kv_transfer_outlived_timeout_total",
     "Decode: rooms still waiting for their KV --transfer-timeout after the bootstrap, kept because the "
@@ -109,6 +114,10 @@ class KVTierExport:
                 if gained > 0:
                     counter.inc(gained)
                 self._last[(label, name)] = value
+            gained = t.corrupt - self._last.get((label, "corrupt"), 0)
+            if gained > 0:
+                KV_INTEGRITY_FAILURES.labels(f"tier_{label}").inc(gained)
+            self._last[(label, "corrupt")] = t.corrupt
 
 
 

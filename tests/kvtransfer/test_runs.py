@@ -1,7 +1,8 @@
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.kvtransfer.protocol.runs import expand_runs, merge_runs
+from tandem.kvtransfer.protocol.runs import expand_runs, merge_runs, split_runs
 
 
 def test_merges_where_both_sides_are_consecutive():
@@ -34,3 +35,12 @@ def test_expanding_runs_gives_back_the_pairs(ps):
 @given(st.integers(0, 100), st.integers(0, 100), st.integers(1, 50))
 def test_one_consecutive_stretch_is_one_run(s, d, n):
     assert merge_runs(list(range(s, s + n)), list(range(d, d + n))) == [(s, d, n)]
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.integers(1, 30)), max_size=20),
+       st.integers(1, 17))
+def test_split_pieces_hold_at_most_max_pages_and_cover_the_runs(runs, max_pages):
+    pieces = split_runs(np.array(runs, dtype=np.int64).reshape(-1, 3), max_pages)
+    assert all(1 <= int(p[:, 2].sum()) <= max_pages for p in pieces)
+    assert all(int(p[:, 2].sum()) == max_pages for p in pieces[:-1])     # only the last piece is short
+    assert expand_runs([tuple(r) for p in pieces for r in p.tolist()]) == expand_runs(runs)

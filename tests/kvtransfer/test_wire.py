@@ -44,6 +44,14 @@ def test_metadata_bytes_are_the_v2_format():
                                          '"progress":true,"shm":null,"version":2,"worker_id":"D-2"}')
     shm = ReceiverMetadata("D-1", LAYOUT, "h", 1, ("shm", "tcp"), entries={"shm": SHM_ENTRY})
     assert json.loads(shm.to_bytes())["shm"] == SHM_ENTRY
+    checked = ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",), progress=True, checksums=("xxh3", "crc32"))
+    assert checked.to_bytes().decode() == ('{"backends":["tcp"],"checksums":["xxh3","crc32"],"host":"h","layout":' +
+                                           layout + ',"port":1,"progress":true,"shm":null,"version":2,'
+                                           '"worker_id":"D-2"}')
+    assert ReceiverMetadata.from_bytes(checked.to_bytes()) == checked
+    assert ReceiverMetadata.from_bytes(plain.to_bytes()).checksums == ()      # a receiver from before checksums
+    with pytest.raises(TransferError, match="checksums"):
+        ReceiverMetadata.from_bytes(checked.to_bytes().replace(b'["xxh3","crc32"]', b'"crc32"'))
     nixl = ReceiverMetadata("D-3", LAYOUT, "h", 1, ("nixl",), entries={"nixl": {"agent": "a"}}).to_bytes()
     assert nixl.decode().startswith('{"backends":["nixl"],"host":"h","layout":' + layout + ',"nixl":{"agent":"a"},')
     assert json.loads(nixl)["shm"] is None

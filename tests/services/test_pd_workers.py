@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
@@ -43,7 +44,8 @@ class DirectPeers:
             self.prefill.abort_room(room.room, reason)
 
 
-def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeTimeouts, base: EngineConfig = BASE):
+def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeTimeouts, base: EngineConfig = BASE,
+              **sender_options):
     """A prefill worker "p" and a decode worker "d" over tcp, both engines built from `base`; close
     both transfer ends (and the engines, when `base` has KV tiers) when done."""
     engine_p = LLMEngine(dataclasses.replace(base, model=str(model), init_new_token_ratio=0, min_new_token_ratio=0))
@@ -55,7 +57,8 @@ def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeT
 
     engine_d = LLMEngine(dataclasses.replace(base, model=str(model)), kv_allocator=allocate)
     receiver = holder["rx"]
-    sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p")
+    sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p",
+                           **sender_options)
     prefill = PrefillWorker(engine_p, sender, prefill_timeouts)
     peers = DirectPeers(prefill, receiver)
     decode = DecodeWorker(engine_d, receiver, decode_timeouts, peers)
@@ -140,6 +143,40 @@ def test_decode_fails_and_frees_pages_when_the_kv_never_arrives(tiny_llama):
     assert peers.aborted == [9]  # P is told to drop the room
     engine_d.check_idle()
     holder["rx"].close()
+
+
+def test_kv_corrupted_on_its_way_is_never_decoded_and_everything_is_freed(tiny_llama):
+    """A byte flipped in flight (fault injection, after P's checksum): D's integrity check fails the room
+    before it decodes, UNAVAILABLE naming the prefill worker (the router retries without it), counted
+    in tandem_kv_integrity_failures_total{backend}; both sides free everything, the other request is
+    served exactly."""
+    prefill, decode, peers = make_pair(tiny_llama, PrefillTimeouts(bootstrap_s=2.0, transfer_s=2.0),
+                                       DecodeTimeouts(transfer_s=5.0), corrupt=lambda room: room == 41)
+    try:
+        def failures() -> float:
+            return REGISTRY.get_sample_value("tandem_kv_integrity_failures_total", {"backend": "tcp"}) or 0.0
+
+        before = failures()
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        prompt = list(range(3, 30))
+        results, responses = {}, []
+        for room in (41, 42):
+            submit(prefill, decode, room, prompt, params, results, responses)
+        drive(prefill, decode, lambda: len(responses) == 2 and not decode.streams)
+        [err] = results["r41"]
+        assert isinstance(err, TransferFailed) and "KV integrity check failed" in str(err), err
+        assert err.failed_worker == "p" and "at p:0 over tcp" in str(err)
+        assert failures() == before + 1
+        ref = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama))).generate([prompt], params)[0]
+        assert [t for o in results["r42"] for t in o.token_ids] == ref.token_ids
+        states = sorted(r.state for r in responses)
+        assert states == sorted([worker_pb2.TRANSFER_STATE_SUCCESS, worker_pb2.TRANSFER_STATE_FAILED])
+        assert not prefill.rooms and not decode.transfer
+        prefill.engine.check_idle()
+        decode.engine.check_idle()
+    finally:
+        prefill.sender.close()
+        peers.receiver.close()
 
 
 def test_client_cancel_during_transfer_frees_both_sides(pair):

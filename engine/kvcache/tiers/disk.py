@@ -55,7 +55,9 @@ GIB = 1 << 30
 
 
 class _Corrupt(Exception):
-    pass
+    def __init__(self, why: str, damaged: bool = False):
+        super().__init__(why)
+        self.damaged = damaged      # the block's own bytes are wrong (not: a foreign or older file)
 
 
 class _Entry:
@@ -99,6 +101,7 @@ class DiskTier(BlockStore):
         self.bytes_read = 0
         self.evictions = 0
         self.corrupt_removed = 0
+        self.damaged = 0            # ... of them, blocks whose bytes failed the checksum (or were cut short)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._probe_writable()
@@ -164,6 +167,7 @@ class DiskTier(BlockStore):
         except _Corrupt as e:
             log.debug("KV disk tier: dropping %s: %s", path, e)
             self.corrupt_removed += 1
+            self.damaged += e.damaged
             self._forget(key)
             self._unlink(path)
             return None
@@ -252,7 +256,7 @@ class DiskTier(BlockStore):
     def _verify(self, key: bytes, data: bytes) -> bytes | None:
         """The block's parent if `data` is a whole, intact block of `key` in this namespace."""
         if len(data) < HEADER_BYTES:
-            raise _Corrupt(f"truncated: {len(data)} bytes, less than a header")
+            raise _Corrupt(f"truncated: {len(data)} bytes, less than a header", damaged=True)
         magic, version, flags, ns, stored_key, parent, length, checksum = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise _Corrupt("not a KV block (bad magic)")
@@ -263,10 +267,10 @@ class DiskTier(BlockStore):
         if stored_key != key:
             raise _Corrupt("header names another key")
         if length != len(data) - HEADER_BYTES:
-            raise _Corrupt(f"payload is {len(data) - HEADER_BYTES} bytes, header says {length}")
+            raise _Corrupt(f"payload is {len(data) - HEADER_BYTES} bytes, header says {length}", damaged=True)
         view = memoryview(data)
         if _checksum(view[:_CHECKED], view[HEADER_BYTES:]) != checksum:
-            raise _Corrupt("checksum mismatch")
+            raise _Corrupt("checksum mismatch", damaged=True)
         return parent if flags & _HAS_PARENT else None
 
     def _publish(self, path: Path, header: bytes, payload: memoryview) -> bool:

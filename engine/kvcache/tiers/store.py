@@ -42,6 +42,7 @@ class TierStats:
     hits: int  # `load`s this tier answered
     bytes_read: int  # payload bytes `load` returned from it
     bytes_written: int  # payload bytes stored into it
+    corrupt: int = 0  # blocks a load found damaged (checksum) and dropped: recomputed instead
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,11 @@ class TieredStore:
             for tier in (self.host, self.disk):
                 if tier is None:
                     continue
-                written = self._host_written if tier.tier == Tier.HOST else self.disk.bytes_written
+                host = tier.tier == Tier.HOST
+                written = self._host_written if host else self.disk.bytes_written
+                corrupt = self.host.corrupt if host else self.disk.damaged
                 tiers.append(TierStats(tier.tier, tier.enabled, len(tier), tier.used_bytes, tier.capacity_bytes,
-                                       self._hits[tier.tier], self._read[tier.tier], written))
+                                       self._hits[tier.tier], self._read[tier.tier], written, corrupt))
             misses = self._misses
         w = self._writer
         return StoreStats(tuple(tiers), misses, w.queued if w else 0, w.dropped if w else 0)

@@ -11,7 +11,7 @@ from tandem.cli.up_cmd import worker_args
 from tandem.cli.worker_cmd import fault_config
 from tandem.kvtransfer import create_receiver, create_sender
 from tandem.kvtransfer.base import RoomState
-from tandem.services.worker.fault_sender import FaultySender, wrap_sender
+from tandem.services.worker.fault_sender import FaultySender, sender_options, wrap_sender
 from tandem.services.worker.faults import ALLOW_ENV, HANG_AT_ENV, FaultConfig, FaultInjector, FaultSpecError
 from tests.kvtransfer.helpers import SMALL, random_pool, uid, wait_done
 
@@ -29,7 +29,7 @@ def test_spec_is_refused_unless_enabled():
 
 
 @pytest.mark.parametrize("bad", ["transfer_fail=1.5", "transfer_fail", "nope=1", "forward_delay_ms=-1",
-                                 "transfer_delay_ms=fast"])
+                                 "transfer_delay_ms=fast", "kv_corrupt=-0.1"])
 def test_bad_specs_say_what_is_wrong(bad):
     with pytest.raises(FaultSpecError, match="--fault-inject"):
         FaultConfig.load(bad, enabled=True, environ={})
@@ -110,3 +110,27 @@ def test_same_seed_different_workers_draw_differently(pair):
     a, b, a2 = FaultySender(tx, cfg, "p0"), FaultySender(tx, cfg, "p1"), FaultySender(tx, cfg, "p0")
     draws = [[s._fails(room) for room in range(64)] for s in (a, b, a2)]
     assert draws[0] == draws[2] and draws[0] != draws[1]
+
+
+def test_kv_corrupt_becomes_the_senders_hook_and_drawn_rooms_are_caught():
+    """`kv_corrupt=P` reaches the sender only as its `corrupt` option (never through a request): the
+    drawn rooms arrive with a byte flipped and the receiver fails exactly those as corrupt."""
+    cfg = FaultConfig.load("kv_corrupt=0.5,seed=4", enabled=True, environ={})
+    assert cfg.kv_corrupt == 0.5 and cfg.any and not cfg.transfers
+    assert sender_options(FaultConfig(transfer_fail=0.5)) == {}
+    rx = create_receiver("tcp", SMALL, "127.0.0.1", uid("d"))
+    tx = create_sender("tcp", random_pool(SMALL, 1), SMALL, uid("p"), **sender_options(cfg, "p"))
+    try:
+        tx.connect(rx.worker_id, rx.metadata())
+        corrupt = []
+        for room in range(1, 41):
+            rx.expect(room, [room], tx.worker_id)
+            tx.write(rx.worker_id, room, [0], [room])
+            tx.finish(rx.worker_id, room, b"aux")
+            st = wait_done(lambda room=room: rx.poll(room))
+            assert st.state is (RoomState.FAILED if st.corrupt else RoomState.SUCCESS), st
+            corrupt.append(st.corrupt)
+        assert 5 < sum(corrupt) < 35
+    finally:
+        tx.close()
+        rx.close()

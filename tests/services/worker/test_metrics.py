@@ -49,3 +49,11 @@ def test_kv_tier_latencies_are_observed_once():
              sample("tandem_kv_tier_store_seconds_count", tier="host"),
              sample("tandem_kv_tier_load_wait_seconds_count"))
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 1, 1]
+
+
+def test_damaged_tier_blocks_count_as_integrity_failures_once():
+    before = sample("tandem_kv_integrity_failures_total", backend="tier_host")
+    export = metrics.KVTierExport()
+    for corrupt in (1, 1, 3):
+        export(StoreStats((TierStats(Tier.HOST, True, 1, 0, 1 << 20, 0, 0, 0, corrupt),), 0, 0, 0))
+    assert sample("tandem_kv_integrity_failures_total", backend="tier_host") - before == 3

@@ -105,3 +105,16 @@ def test_close_is_safe_twice_and_turns_the_tier_off():
     assert not h.enabled
     assert h.get(key(1)) is None and not h.put(key(2), None, block(2)) and h.keys() == []
     assert bytes(view) == block(1)  # a view handed out earlier stays readable
+
+
+def test_a_block_changed_in_memory_is_a_miss_dropped_and_counted():
+    arena = bytearray(96)
+    events = []
+    h = HostTier(96, 32, buffer=arena, listener=lambda kind, meta: events.append((kind, meta.key)))
+    h.put(key(1), None, block(1))
+    h.put(key(2), None, block(2))
+    arena[32 + 5] ^= 0x01                     # slot of key 2: one bit flipped behind the tier's back
+    assert bytes(h.get(key(1))) == block(1)
+    assert h.get(key(2)) is None and not h.contains(key(2)) and h.corrupt == 1
+    assert events[-1] == ("removed", key(2)) and h.used_bytes == 32
+    assert h.put(key(2), None, block(2)) and bytes(h.get(key(2))) == block(2)   # stored again, good again

@@ -234,3 +234,22 @@ def test_a_tier_belongs_to_one_store(tmp_path):
     TieredStore(host, None)
     with pytest.raises(AssertionError):
         TieredStore(host, None)
+
+
+def test_damaged_blocks_are_misses_counted_per_tier(tmp_path):
+    """A block changed in L2 falls through to its L3 copy; one damaged on disk is a miss: both counted."""
+    store, _ = make(tmp_path, host_blocks=2)
+    demote(store, 0, 1)
+    store.flush(5)
+    slot = store.host._lru[KEYS[0]].index
+    store.host._arena[slot * BLOCK] ^= 0xFF
+    got = []
+    assert store.load_into(KEYS[0], got.append) is Tier.DISK and bytes(got[0]) == payload(0)
+    with open(store.disk.path(KEYS[1]), "r+b") as f:
+        f.seek(HEADER_BYTES + 3)
+        f.write(b"\x00" if payload(1)[3] else b"\x01")
+    store.host.discard(KEYS[1])
+    assert store.load(KEYS[1]) is None
+    s = store.stats()
+    assert (s.tier(Tier.HOST).corrupt, s.tier(Tier.DISK).corrupt) == (1, 1)
+    store.close()
