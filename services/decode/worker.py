@@ -64,10 +64,12 @@ class DecodeTimeouts:
     progress_factor: float = 2.0
     max_expected_s: float = 3600.0  # a report keeps a room at most this much longer than transfer_s
 
-    def deadline(self, bootstrapped_at: float, progress: Progress | None) -> float:
+    def deadline(self, bootstrapped_at: float, progress: Progress | None, landed_at: float = 0.0) -> float:
         """When a room still waiting for its KV fails (time.monotonic()): `transfer_s` after the
-        bootstrap or after the prefill worker's last report plus the slack that report asked for."""
-        deadline = bootstrapped_at + self.transfer_s
+        bootstrap, after the prefill worker's last report plus the slack that report asked for, or
+        after the last piece of its KV landed (a computed prompt's KV crossing a slow link: P reports
+        no more progress, but its bytes keep arriving, and the room waits as long as they do)."""
+        deadline = max(bootstrapped_at, landed_at) + self.transfer_s
         if progress is not None:
             slack = self.progress_factor * min(progress.expected_s, self.max_expected_s)
             deadline = max(deadline, progress.at + self.transfer_s + slack)
@@ -246,18 +248,25 @@ class DecodeWorker:
             if status.state is RoomState.SUCCESS:
                 self._start_decoding(room, status)
             elif status.state is RoomState.FAILED:
-                self._drop(room, TransferFailed(
-                    f"KV transfer from prefill worker {room.prefill_id} failed: {status.error}", room.prefill_id))
-            elif now > self.timeouts.deadline(room.bootstrapped_at, status.progress):
-                self._drop(room, TransferFailed(self._timeout_message(room, status.progress, now), room.prefill_id),
+                if status.corrupt:      # never decoded from: the router retries it on another pair
+                    metrics.KV_INTEGRITY_FAILURES.labels(status.path).inc()
+                where = f" at {room.prefill_addr} over {status.path}" if status.corrupt else ""
+                self._drop(room, TransferFailed(f"KV transfer from prefill worker {room.prefill_id}{where} failed: "
+                                                f"{status.error}", room.prefill_id))
+            elif now > self.timeouts.deadline(room.bootstrapped_at, status.progress, status.landed_at):
+                self._drop(room, TransferFailed(self._timeout_message(room, status.progress, now, status.landed_at),
+                                                room.prefill_id),
                            reason="transfer timeout")
             elif not room.outlived_timeout and now - room.bootstrapped_at > self.timeouts.transfer_s:
                 room.outlived_timeout = True
                 metrics.TRANSFER_OUTLIVED_TIMEOUT.inc()
 
-    def _timeout_message(self, room: DecodeRoom, progress: Progress | None, now: float) -> str:
+    def _timeout_message(self, room: DecodeRoom, progress: Progress | None, now: float, landed_at: float = 0.0) -> str:
         head = f"KV transfer from prefill worker {room.prefill_id} timed out"
         limit = f"--transfer-timeout {self.timeouts.transfer_s:g}s"
+        if landed_at and (progress is None or self.timeouts.deadline(0.0, None, landed_at)
+                          >= self.timeouts.deadline(0.0, progress)):   # the pieces set the deadline
+            return f"{head}: none of its KV landed for {now - landed_at:.1f}s after the last piece ({limit})"
         if progress is None:
             return f"{head}: no progress report for {now - room.bootstrapped_at:.1f}s after the bootstrap ({limit})"
         return (f"{head}: no progress for {now - progress.at:.1f}s (last report: {progress.tokens_done} of "

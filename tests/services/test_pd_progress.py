@@ -63,6 +63,9 @@ def test_the_deadline_follows_the_reports():
     assert t.deadline(10.0, Progress(5, 100, 0, expected_s=4.0, at=50.0)) == 50.0 + 30.0 + 8.0
     assert t.deadline(10.0, Progress(5, 100, 0, expected_s=0.0, at=10.0)) == 40.0   # a report takes nothing away
     assert t.deadline(10.0, Progress(5, 100, 0, expected_s=1e9, at=50.0)) == 50.0 + 30.0 + 200.0
+    # A computed prompt's KV still crossing a slow link: each landed piece moves the deadline.
+    assert t.deadline(10.0, Progress(100, 100, 0, expected_s=1.0, at=20.0), landed_at=45.0) == 45.0 + 30.0
+    assert t.deadline(10.0, None, landed_at=5.0) == 40.0                               # nothing landed since
 
 
 def test_a_prefill_slower_than_the_transfer_timeout_is_waited_for_while_it_reports(pair, tiny_llama):
