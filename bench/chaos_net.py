@@ -17,6 +17,9 @@ happens `--event-at-s` into it):
   prompts: slow must not be mistaken for dead.
 - `only_prefill_killed`: a 1P1D deployment whose only prefill worker is SIGKILLed (nobody restarts it
   here): the decode worker prefills instead (decode-only fallback).
+- `corrupt`: a 1P1D deployment whose prefill worker corrupts one byte of a room's KV in flight with
+  probability `--corrupt` (`--fault-inject kv_corrupt=P`): every corrupted room must be caught by the
+  decode side's checksum before it decodes (0 wrong), and the request served another way.
 
 Not emulated: packet delay and loss (this kernel has no `netem`), and a cut between one prefill and
 one decode host only, with both still reaching the router (no iptables/nft here): a cut host here
@@ -43,10 +46,11 @@ from pathlib import Path
 from tandem.bench.chaos import recovery_s
 from tandem.bench.cluster.deploy import Cluster
 from tandem.bench.cluster.net import Network, links, namespaces
-from tandem.bench.flags import add_out_flag
+from tandem.bench.flags import add_load_flags, add_out_flag
 from tandem.bench.results import write_result
 
-SCENARIOS = ("baseline", "decode_isolated", "prefill_cut", "redis_partitioned", "slow_link", "only_prefill_killed")
+SCENARIOS = ("baseline", "decode_isolated", "prefill_cut", "redis_partitioned", "slow_link", "only_prefill_killed",
+             "corrupt")
 WORKER_ARGS = ("--dtype", "float32", "--kv-cache-gb", "0.5", "--transfer-backend", "auto")
 # The default router: prompts of up to 1,024 tokens may prefill on their decode worker when that is sooner.
 # The drill's short prompts go to prefill workers (-1), so that cutting one matters.
@@ -289,6 +293,36 @@ def drill_1p1d_prefill_killed(args: argparse.Namespace, log, log_dir: Path | Non
     return row
 
 
+def drill_1p1d_corrupt(args: argparse.Namespace, log, log_dir: Path | None) -> dict:
+    faults = ("--enable-fault-injection", "--fault-inject", f"kv_corrupt={args.corrupt:g},seed=1")
+    with Network("chaos2") as net, Cluster(net, prefill=1, decode=1, worker_args=(*WORKER_ARGS, *faults),
+                                           router_args=ROUTER_ARGS, log_dir=log_dir) as c:
+        texts = [f"Integrity request {i}: the largest planet is" for i in range(8)]
+        results, _ = run_load(c.gateway_url, texts, None, args.rate, args.phase_s, args.hang_s, args.max_tokens, [])
+        caught = worker_counter(c, "decode-0", "tandem_kv_integrity_failures_total")
+        # The references last, on the same deployment: greedy fp32 is the same answer whatever the path
+        # (a request whose KV was caught corrupt is served by the decode worker's own prefill).
+        ref = reference_answers(c, texts, args.max_tokens)
+        for r in results:
+            if r["kind"] == "ok":
+                r["wrong"] = r["text"] != ref[r["prompt"]]
+        row = summarize("corrupt", results, None, pages(c),
+                        {"kv_corrupt": args.corrupt, "integrity_failures_caught": caught,
+                         "router_retries": router_counter(c, "tandem_router_retries_total"),
+                         "router_fallbacks": router_counter(c, "tandem_router_fallbacks_total")})
+        log(json.dumps(row))
+    row["left_behind"] = net.leftovers()
+    return row
+
+
+def worker_counter(c: Cluster, name: str, metric: str) -> float:
+    try:
+        text = urllib.request.urlopen(c.worker_metrics_url(name), timeout=5).read().decode()
+    except OSError:
+        return float("nan")
+    return sum(float(v) for v in re.findall(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.chaos_net", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -301,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-outage-s", type=float, default=30.0, help="redis_partitioned: how long Redis is cut off")
     p.add_argument("--slow-mbit", type=float, default=100.0, help="slow_link: every prefill host's link rate")
     p.add_argument("--hang-s", type=float, default=90.0, help="a request with no answer after this long is hung")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
+    add_load_flags(p, max_tokens=16, helps={"max_tokens": "tokens per request"})
+    p.add_argument("--corrupt", type=float, default=0.2, help="corrupt: probability a room's KV is corrupted")
     p.add_argument("--log-dir", type=Path, default=None, help="keep every process's output here")
     add_out_flag(p, Path("bench/results/chaos_net.json"), help="JSON results", type=Path)
     args = p.parse_args(argv)
@@ -314,11 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
 
     rows = []
-    two = [s for s in chosen if s != "only_prefill_killed"]
+    two = [s for s in chosen if s not in ("only_prefill_killed", "corrupt")]
     if two:
         rows += drill_2p2d(args, two, log, args.log_dir)
     if "only_prefill_killed" in chosen:
         rows.append(drill_1p1d_prefill_killed(args, log, args.log_dir))
+    if "corrupt" in chosen:
+        rows.append(drill_1p1d_corrupt(args, log, args.log_dir))
     left = namespaces("tdm-chaos") + links("tdm-chaos")
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "phases": rows, "left_behind": left}
