@@ -299,7 +299,9 @@ def drill_1p1d_corrupt(args: argparse.Namespace, log, log_dir: Path | None) -> d
                                            router_args=ROUTER_ARGS, log_dir=log_dir) as c:
         texts = [f"Integrity request {i}: the largest planet is" for i in range(8)]
         results, _ = run_load(c.gateway_url, texts, None, args.rate, args.phase_s, args.hang_s, args.max_tokens, [])
-        caught = worker_counter(c, "decode-0", "tandem_kv_integrity_failures_total")
+        counters = {"integrity_failures_caught": worker_counter(c, "decode-0", "tandem_kv_integrity_failures_total"),
+                    "router_retries": router_counter(c, "tandem_router_retries_total"),
+                    "router_fallbacks": router_counter(c, "tandem_router_fallbacks_total")}
         # The references last, on the same deployment: greedy fp32 is the same answer whatever the path
         # (a request whose KV was caught corrupt is served by the decode worker's own prefill).
         ref = reference_answers(c, texts, args.max_tokens)
@@ -307,9 +309,7 @@ def drill_1p1d_corrupt(args: argparse.Namespace, log, log_dir: Path | None) -> d
             if r["kind"] == "ok":
                 r["wrong"] = r["text"] != ref[r["prompt"]]
         row = summarize("corrupt", results, None, pages(c),
-                        {"kv_corrupt": args.corrupt, "integrity_failures_caught": caught,
-                         "router_retries": router_counter(c, "tandem_router_retries_total"),
-                         "router_fallbacks": router_counter(c, "tandem_router_fallbacks_total")})
+                        {"kv_corrupt": args.corrupt, **counters})
         log(json.dumps(row))
     row["left_behind"] = net.leftovers()
     return row
