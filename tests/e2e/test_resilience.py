@@ -90,6 +90,35 @@ def test_decode_killed_mid_stream_ends_it_clearly_and_is_restarted(tiny_llama):
         stack.close()
 
 
+def _streams_through(stack: Stack, prompts: list[list[int]], max_tokens: int, fault) -> tuple[list[list[int]], list[float]]:
+    """Stream every prompt at once; run `fault()` once every stream has 3 tokens (and none is done).
+    Returns each stream's tokens and the longest gap between two of its chunks."""
+    progress = [0] * len(prompts)
+    gaps = [0.0] * len(prompts)
+
+    def stream(i: int) -> list[int]:
+        req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                                      temperature=0, ignore_eos=True))
+        req.token_ids.ids.extend(prompts[i])
+        got, last = [], time.monotonic()
+        for chunk in stack.stub.Generate(req, timeout=120):
+            now = time.monotonic()
+            gaps[i], last = max(gaps[i], now - last), now
+            got += chunk.token_ids
+            progress[i] = len(got)
+        return got
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, i) for i in range(len(prompts))]
+        t0 = time.monotonic()
+        while min(progress) < 3:
+            assert time.monotonic() - t0 < 60, progress
+            time.sleep(0.01)
+        fault()
+        assert max(progress) < max_tokens
+        return [f.result() for f in futures], gaps
+
+
 def test_decode_killed_mid_stream_every_stream_is_migrated_and_matches_an_undisturbed_run(tiny_llama):
     # Steps slowed so that every stream is surely mid-output when the worker dies.
     stack = Stack("--model", str(tiny_llama), *ENGINE, "--prefill", "1", "--decode", "2",
@@ -98,27 +127,7 @@ def test_decode_killed_mid_stream_every_stream_is_migrated_and_matches_an_undist
         prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(8)]
         want = [list(stack.generate(p, max_tokens=120, ignore_eos=True).token_ids) for p in prompts]
         victim = stack.workers("decode")[0]
-        progress = [0] * len(prompts)
-
-        def stream(i: int) -> list[int]:
-            req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=120, temperature=0,
-                                                                                          ignore_eos=True))
-            req.token_ids.ids.extend(prompts[i])
-            got = []
-            for chunk in stack.stub.Generate(req, timeout=120):
-                got += chunk.token_ids
-                progress[i] = len(got)
-            return got
-
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(stream, i) for i in range(len(prompts))]
-            t0 = time.monotonic()
-            while min(progress) < 3:
-                assert time.monotonic() - t0 < 60, progress
-                time.sleep(0.01)
-            os.kill(victim["pid"], signal.SIGKILL)
-            assert max(progress) < 120
-            got = [f.result() for f in futures]
+        got, _ = _streams_through(stack, prompts, 120, lambda: os.kill(victim["pid"], signal.SIGKILL))
         assert got == want  # every stream completed: no token twice, none missing, the same greedy tokens
         router = {"metrics_port": stack.info["router_metrics_port"]}
         assert stack.metric(router, 'tandem_router_migrations_total{outcome="migrated"}') >= 1
@@ -138,29 +147,7 @@ def test_frozen_decode_worker_is_noticed_within_the_keepalive_bound_and_its_stre
     try:
         prompts = [list(range(5 + i, 22 + 2 * i)) for i in range(6)]
         want = [list(stack.generate(p, max_tokens=100, ignore_eos=True).token_ids) for p in prompts]
-        progress = [0] * len(prompts)
-        gaps = [0.0] * len(prompts)
-
-        def stream(i: int) -> list[int]:
-            req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=100, temperature=0,
-                                                                                          ignore_eos=True))
-            req.token_ids.ids.extend(prompts[i])
-            got, last = [], time.monotonic()
-            for chunk in stack.stub.Generate(req, timeout=120):
-                now = time.monotonic()
-                gaps[i], last = max(gaps[i], now - last), now
-                got += chunk.token_ids
-                progress[i] = len(got)
-            return got
-
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(stream, i) for i in range(len(prompts))]
-            t0 = time.monotonic()
-            while min(progress) < 3:
-                assert time.monotonic() - t0 < 60, progress
-                time.sleep(0.01)
-            os.kill(victim["pid"], signal.SIGSTOP)
-            got = [f.result() for f in futures]
+        got, gaps = _streams_through(stack, prompts, 100, lambda: os.kill(victim["pid"], signal.SIGSTOP))
         assert got == want
         router = {"metrics_port": stack.info["router_metrics_port"]}
         assert stack.metric(router, 'tandem_router_migrations_total{outcome="migrated"}') >= 1
