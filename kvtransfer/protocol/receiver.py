@@ -1,39 +1,30 @@
 """D side of the protocol, for every backend: owns D's pool, the room table and the control connections.
 
-Threads: one accept thread, plus one reader thread per sender connection that handles every frame
-of that connection in order (a WRITE frame's bytes are received by the connection's data path,
-straight into the pool). Public methods only take the room-table lock and send small frames.
+Threads: one accept thread, plus one reader thread per sender connection that handles its frames in
+order (a WRITE's bytes go straight into the pool through the connection's data path). Public methods
+only take the room-table lock and send small frames.
 
 Data paths (kvtransfer/datapath.py): the receiver accepts those it was given, advertises their
 entries in its metadata, hands WRITE frames to the connection's path, and checks and accounts WROTE
 notes of one-sided paths itself.
 
-Integrity (protocol/checksum.py): from a sender that announced checksums, each write of a room is
-followed by a SUMS frame naming exactly the runs that write delivered, and their checksum; the reader
-hands the check to the checksum threads and reads on, so one piece is checked while the next lands. FINISH makes the
-room SUCCESS only once every check of it has finished, every page that landed was checked, and all
-matched; otherwise the room FAILS with "KV integrity check failed" (`RoomStatus.corrupt`), and P is
-told with an ABORT. Failing it only at FINISH, when P has sent its last write of the room, keeps the
-rule that no write lands in pages that may be reused. A sender from before checksums gets its rooms
-completed unchecked (a warning per connection).
+Integrity: from a sender that announced checksums, every landed write is checked before its room may
+succeed (room_checks.py).
 
-Progress: a PROGRESS frame from the room's own sender is kept as the room's latest report (`poll`
-returns it, stamped with its arrival time on this side's clock); D's worker decides what it means
-for the room's deadline. Every backend shares this control connection, so all of them deliver it.
+Progress: a PROGRESS frame from the room's own sender is its latest report (`poll` returns it, stamped
+with its arrival on this side's clock); D's worker decides what it means for the room's deadline.
 
-Failure: when a connection ends (EOF, reset, keepalive timeout) every unfinished room bound to it —
-or, if it was that sender's current connection, not yet bound to any — becomes FAILED.
+Failure: a connection that ends (EOF, reset, keepalive) fails its unfinished rooms (and, if it was its
+sender's current one, that sender's rooms not yet bound to any).
 
 Abort: `abort(room)` fails the room, then (two-sided paths: tcp, ucx) waits until the reader is not
-receiving into the room's pages (later writes of the room are drained and discarded) or (one-sided
-paths: shm, nixl, where P writes the pages itself) sends ABORT and waits for P's ABORT_ACK, which P
-sends once its sender thread is past any copy for that room. If the sender has not connected yet, the room is remembered and listed in the hello
-acknowledgement, so P learns before it can write. If an abort is not settled within
-`Timeouts.abort`, the connection is dropped (failing that sender's other rooms too).
+receiving into its pages (later writes are drained and discarded) or (one-sided: shm, nixl) sends
+ABORT and waits for P's ABORT_ACK, sent once P's sender thread is past any copy for it. A room of a
+sender not connected yet is listed in the hello acknowledgement, so P learns before it can write. An
+abort not settled within `Timeouts.abort` drops the connection (failing that sender's other rooms).
 
-Close (`RoomTable.close`, kvtransfer/base.py, once): every unfinished room fails, then `_shutdown`:
-the data paths stop being reachable (shm's file goes), the listener and every connection are shut
-down and their threads joined, and last the data paths release what they hold.
+Close (`RoomTable.close`, once): unfinished rooms fail; `_shutdown` makes the paths unreachable, shuts
+the listener and connections down (threads joined), then the paths release what they hold.
 """
 
 from __future__ import annotations
@@ -45,7 +36,6 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +53,7 @@ from tandem.kvtransfer.base import (
 )
 from tandem.kvtransfer.datapath import ReceiverPath
 from tandem.kvtransfer.protocol import checksum, handshake
+from tandem.kvtransfer.protocol.room_checks import RoomChecks
 from tandem.kvtransfer.protocol.wire import (
     HEADER,
     WROTE_BODY,
@@ -120,7 +111,7 @@ class _Room(Room):
                                    path=self.conn.path if self.conn is not None else "", landed_at=self.landed_at)
 
 
-class Receiver(RoomTable, KVReceiver):
+class Receiver(RoomChecks, RoomTable, KVReceiver):
     side = "receiver"
 
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, name: str,
@@ -429,14 +420,6 @@ class Receiver(RoomTable, KVReceiver):
                 self._landed(r, incoming.runs, landed)
                 self._cond.notify_all()
 
-    def _landed(self, r: _Room, runs: np.ndarray, nbytes: int) -> None:
-        """A write of runs `[n, 2]` (dst_start, length) put `nbytes` into the room's pages: a whole one
-        waits for its SUMS. Caller holds the lock."""
-        pages = int(runs[:, 1].sum())
-        if nbytes == pages * self.layout.num_layers * 2 * self.layout.page_bytes:
-            r.landed_pages += pages
-            r.last_runs = runs
-
     def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
         """A one-sided path copied pages itself: account for them, after checking they were the room's."""
         if len(body) < WROTE_BODY.size or (len(body) - WROTE_BODY.size) % 16:
@@ -482,65 +465,6 @@ class Receiver(RoomTable, KVReceiver):
         elif reply is not None:
             conn.ch.try_send(reply[0], room, reply[1])
 
-    def _on_sums(self, conn: _Conn, room: int, body: bytes) -> None:
-        """The checksums of the write before: hand their check to the checksum threads and read on."""
-        runs, sent = checksum.parse_sums(body)
-        if not conn.checksum:
-            raise ProtocolError("SUMS frame from a sender that announced no checksums")
-        with self._lock:
-            r = self._rooms.get(room)
-            if self._owner_error(conn, r) or r.state.done or r.finish is not None:
-                return                       # crossed an abort or a release on the wire
-            expected, r.last_runs = r.last_runs, None
-            if expected is None or not np.array_equal(expected, runs):
-                r.mismatch = r.mismatch or "checksums for other pages than the write before them"
-                return
-            r.summed_pages += int(runs[:, 1].sum())
-            r.landed_at = time.monotonic()   # bytes are arriving: a slow link is not a dead one
-            r.checking += 1
-        check = self._sums.submit(runs, conn.checksum)
-        check.add_done_callback(lambda f: self._checked(conn, room, r, runs, sent, f))
-
-    def _checked(self, conn: _Conn, room: int, r: _Room, runs: np.ndarray, sent: int, done: Future) -> None:
-        """A check finished (on a checksum thread): note a mismatch; the room's last check after its
-        FINISH settles it."""
-        try:
-            got = done.result()
-        except CancelledError:
-            got = None                       # the receiver is closing (its rooms fail)
-        reply = None
-        with self._lock:
-            r.checking -= 1
-            if got is not None and got != sent and not r.mismatch:
-                pages = int(runs[:, 1].sum())
-                r.mismatch = (f"the {pages} pages of a write (from page {int(runs[0, 0])}) differ from what the "
-                              f"sender read ({conn.checksum} {got:x} here, {sent:x} sent)")
-            if not r.checking and r.finish is not None and not r.state.done:
-                reply = self._settle(conn, room, r)
-        if reply is not None:
-            conn.ch.try_send(reply[0], room, reply[1])
-
-    def _settle(self, conn: _Conn, room: int, r: _Room) -> tuple[Kind, bytes]:
-        """FINISH arrived and every check of the room is done: SUCCESS, or FAILED if its KV is not what
-        the sender read. Returns the answer for the sender. Caller holds the lock."""
-        if conn.checksum and not r.mismatch and r.summed_pages != r.landed_pages:
-            missing = r.landed_pages - r.summed_pages
-            r.mismatch = f"{missing} of {r.landed_pages} pages arrived without a checksum"
-        if r.mismatch:
-            why = f"KV integrity check failed: {r.mismatch}"
-            r.corrupt = True
-            self._fail(r, why)
-            self.integrity_failures += 1
-            log.warning("kv receiver %s: room %d from sender %s at %s over %s: %s", self.worker_id, room,
-                        conn.peer_id, _address(conn.addr), conn.path, why)
-            return Kind.ABORT, why.encode()
-        now = time.monotonic()
-        r.state, r.aux, r.t_done = RoomState.SUCCESS, r.finish, now
-        if r.t_first is None:
-            r.t_first = now
-        self._cond.notify_all()
-        return Kind.DONE, b""
-
     def _on_progress(self, conn: _Conn, room: int, body: bytes) -> None:
         """Keep the report of a room this sender owns and that still waits; anything else is a report
         that crossed an abort or a release on the wire, and is dropped without an answer."""
@@ -574,6 +498,3 @@ class Receiver(RoomTable, KVReceiver):
         if conn.path:
             self._paths[conn.path].conn_lost(conn.ch)
 
-
-def _address(addr: object) -> str:
-    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
