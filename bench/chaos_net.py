@@ -37,6 +37,7 @@ import argparse
 import concurrent.futures as cf
 import http.client
 import json
+import math
 import re
 import threading
 import time
@@ -149,12 +150,17 @@ def _sample(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def router_counter(c: Cluster, name: str) -> float:
+def counter(url: str, name: str) -> float:
+    """The sum of a metric's samples, every label set, at a /metrics URL (NaN: unreachable)."""
     try:
-        text = urllib.request.urlopen(c.router_metrics_url(), timeout=5).read().decode()
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         return float("nan")
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def router_counter(c: Cluster, name: str) -> float:
+    return counter(c.router_metrics_url(), name)
 
 
 def transfer_ms(c: Cluster) -> tuple[float, float]:
@@ -263,12 +269,8 @@ def readmitted(c: Cluster, name: str, texts: list[str], args: argparse.Namespace
     t0 = time.monotonic()
     before = None
     while time.monotonic() - t0 < 60:
-        try:
-            text = urllib.request.urlopen(c.worker_metrics_url(name), timeout=3).read().decode()
-            now = sum(float(v) for v in re.findall(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
-        except OSError:
-            now = None
-        if now is not None:
+        now = worker_counter(c, name, metric)
+        if not math.isnan(now):              # its /metrics answered
             if before is None:
                 before = now
             elif now > before:
@@ -316,11 +318,7 @@ def drill_1p1d_corrupt(args: argparse.Namespace, log, log_dir: Path | None) -> d
 
 
 def worker_counter(c: Cluster, name: str, metric: str) -> float:
-    try:
-        text = urllib.request.urlopen(c.worker_metrics_url(name), timeout=5).read().decode()
-    except OSError:
-        return float("nan")
-    return sum(float(v) for v in re.findall(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+    return counter(c.worker_metrics_url(name), metric)
 
 
 def main(argv: list[str] | None = None) -> int:

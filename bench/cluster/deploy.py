@@ -21,13 +21,13 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.bench.cluster.net import Host, Network
 from tandem.services.launcher.procs import Child, stop_all
+from tandem.services.launcher.up import _gateway_healthy
 
 REDIS_PORT = 6379
 ROUTER_PORT = 50051
@@ -173,15 +173,10 @@ class Cluster:
 
     def _wait_gateway_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
+        while not _gateway_healthy(self.gateway_url):   # the probe `tandem up` waits on
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway at {self.gateway_url} did not become healthy within {timeout_s:.0f}s")
             time.sleep(0.3)
-        raise RuntimeError(f"the gateway at {self.gateway_url} did not become healthy within {timeout_s:.0f}s")
 
     def restart(self, name: str) -> None:
         """Start a stopped or killed worker again on its host, with the same command line."""
