@@ -32,6 +32,8 @@ install: $(BIN)/python
 	done
 	# Tandem's fused CPU kernels (kernels/cpu): a variant per ISA level this CPU runs, cached under ~/.cache/tandem.
 	$(PYRUN) -m tandem.kernels.cpu
+	# The KV checksums' native CRC-32C (kvtransfer/native), cached the same way.
+	$(PYRUN) -c "from tandem.kvtransfer.native import build; print('kv checksum library:', build())"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)

@@ -16,6 +16,7 @@ setup(
     package_dir={f"tandem.{folder}": folder for folder in FOLDERS},
     package_data={
         "tandem.kernels.cpu": ["*.cpp", "*.h"],          # compiled where they run, from these sources
+        "tandem.kvtransfer.native": ["*.c"],
         "tandem.bench.serve": ["isa_cap/*.py"],           # a sitecustomize put on a peer's PYTHONPATH
     },
 )

@@ -51,6 +51,10 @@ class Incoming:
     receive: Callable[[Callable[[], bool]], int]      # (stop) -> bytes that landed in the pool; once
                                                       # stop() is true the rest is read and dropped
     discard: Callable[[], None]                       # read all of it, land none
+    # `receive` that also computes a checksum (protocol/checksum.py) of the bytes as they land, while
+    # they are in cache: (stop, algorithm) -> (bytes landed, checksum, or None where the path does not
+    # compute that algorithm). None: the path computes none (the receiver's checksum threads read them).
+    receive_summed: Callable[[Callable[[], bool], str], tuple[int, int | None]] | None = None
 
 
 class ReceiverPath(ABC):
@@ -105,6 +109,17 @@ class Link(ABC):
 
         `corrupt` (fault injection, tests only): one byte of what lands in D's pool differs from P's pool
         (`flip_byte` on the bytes in flight, or on D's memory after the copy); P's pool is never touched."""
+
+    def sums_inline(self) -> tuple[str, ...]:
+        """The checksums `write_summed` computes while it moves the bytes (protocol/checksum.py); for
+        others the sender's checksum threads read the source pages once more."""
+        return ()
+
+    def write_summed(self, room: int, runs: np.ndarray, stop: Callable[[], bool], algorithm: str,
+                     corrupt: bool = False) -> tuple[int, int]:
+        """`write`, computing checksum `algorithm` (one of `sums_inline`) of the source bytes on the way:
+        (bytes moved, checksum). `corrupt` spoils what lands, never the checksum."""
+        raise NotImplementedError(f"the {self.kind} data path computes no checksum itself")
 
     def transports(self) -> list:
         """The transports (kvtransfer.backends.ucx_transports.Transport) this link uses, where the

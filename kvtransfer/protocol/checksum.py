@@ -4,21 +4,25 @@
 P checksums each piece of a write (a few page runs, at most PIECE_BYTES: the sender cuts writes into
 pieces) over the pages it reads from its own pool and sends the value in a SUMS frame after the
 piece; D recomputes it over the same pages in its own pool once they landed, before the room may
-succeed. A piece's checksum is the hash of its pages end to end, in the order of its runs, each
-page's bytes of every (layer, K|V) region in region order: a standard XXH3-64 or CRC-32 of that byte
-string, however the work is cut up.
+succeed.
 
 Algorithms, in order of preference (a receiver advertises those it has, the sender uses the first of
 them it has too, wire.py):
-- `xxh3`: XXH3-64, from the `xxhash` package where it is installed.
-- `crc32`: zlib's CRC-32 (standard library, always there); 2-3x slower than xxh3 where measured.
-The pages of a piece are copied a few MiB at a time into a staging buffer that stays in cache (a
-page's regions lie `num_pages` pages apart in the pool), one copy per run, and hashed from there; the
-copies and the hashing release the GIL, so a few threads (`ChecksumPool`) checksum beside the threads
-that move the bytes. P checksums a piece while it is sent; D checks one piece while the next one
-lands. What is left on the transfer's time is the last piece's check, two frames per piece, and the
-checks' competition with the copy for cores and memory (small over tcp, about half again for shm:
-docs/benchmarks.md, "What the KV checksums cost").
+- `crc32c`: the standard CRC-32C of the piece's pages region-major and run-minor (for each (layer,
+  K|V) region, each run's pages: the order a tcp WRITE puts them on the wire), computed by Tandem's
+  native helper (kvtransfer/native: the CPU's crc32 instruction on three lanes, straight from pool
+  memory, no copy) where it builds and the CPU has SSE4.2. The data paths that move bytes with the
+  CPU compute it on the way, while each chunk is in cache (`Link.sums_inline`,
+  `Incoming.receive_summed`): tcp on both sides (P hashes each chunk it just sent, D each chunk
+  just received), shm on P (hashes each chunk it just copied); D's shm check and every check on
+  nixl/ucx run on the checksum threads.
+- `xxh3`: XXH3-64 of the piece's pages end to end, page-major (each page's bytes of every region in
+  region order), from the `xxhash` package where it is installed; the pages are copied a few MiB at
+  a time into a staging buffer that stays in cache and hashed from there.
+- `crc32`: zlib's CRC-32 (standard library, always there), same order as xxh3, 2-3x slower.
+Checks not done on the way run on a few threads (`ChecksumPool`; ctypes, the copies and the hashing
+release the GIL): P checksums a piece while it is sent, D checks one piece while the next one lands.
+What the checks cost: docs/benchmarks.md, "What the KV checksums cost".
 
 SUMS frame body (wire.py): int64 `[n, 2]` (dst_start, length), the runs of the write just before it,
 then the checksum as a little-endian uint64.
@@ -65,9 +69,28 @@ class _Crc32:
 # name -> a new streaming hash (`update(bytes)`, `intdigest()`), preferred first. A factory may raise
 # ImportError: the algorithm is then not available in this process.
 _ALGORITHMS: dict[str, Callable[[], Callable[[], object]]] = {
+    "crc32c": lambda: _native_crc32c(),
     "xxh3": lambda: importlib.import_module("xxhash").xxh3_64,
     "crc32": lambda: _Crc32,
 }
+
+
+SUMMED_CHUNK_BYTES = 1 << 20
+
+
+def native_crc32c():
+    """The native CRC-32C (kvtransfer.native.Crc32c) where it is built and fast here, else None."""
+    from tandem.kvtransfer.native import crc32c
+
+    fn = crc32c()
+    return fn if fn is not None and fn.hw else None    # without the instruction a table is slower than xxh3
+
+
+def _native_crc32c():
+    fn = native_crc32c()
+    if fn is None:
+        raise ImportError("no hardware CRC-32C here")
+    return fn
 
 
 @functools.cache
@@ -111,8 +134,10 @@ def _stage(nbytes: int) -> np.ndarray:
 
 
 def pages_sum(pages: np.ndarray, runs: np.ndarray, algorithm: str) -> int:
-    """The checksum of the pages of runs `[n, 2]` (start, length), end to end in run order, of the pool
-    whose `page_view` is `pages`."""
+    """The checksum `algorithm` of the pages of runs `[n, 2]` (start, length) of the pool whose
+    `page_view` is `pages`, in that algorithm's order (above)."""
+    if algorithm == "crc32c":
+        return _new(algorithm).pages(pages, runs)
     _, regions, pb = pages.shape
     per_chunk = max(1, CHUNK_BYTES // (regions * pb))
     stage = _stage(per_chunk * regions * pb).reshape(per_chunk, regions, pb)

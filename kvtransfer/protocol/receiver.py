@@ -8,8 +8,7 @@ Data paths (kvtransfer/datapath.py): the receiver accepts those it was given, ad
 entries in its metadata, hands WRITE frames to the connection's path, and checks and accounts WROTE
 notes of one-sided paths itself.
 
-Integrity: from a sender that announced checksums, every landed write is checked before its room may
-succeed (room_checks.py).
+Integrity: from a sender that announced checksums, every landed write is checked (room_checks.py).
 
 Progress: a PROGRESS frame from the room's own sender is its latest report (`poll` returns it, stamped
 with its arrival on this side's clock); D's worker decides what it means for the room's deadline.
@@ -100,6 +99,7 @@ class _Room(Room):
     landed_pages: int = 0                    # pages of writes that landed whole
     summed_pages: int = 0                    # ... of them, named by the SUMS frame that followed
     last_runs: np.ndarray | None = None      # (dst_start, length) of the last write, until its SUMS came
+    last_sum: int | None = None              # ... its checksum, where the data path computed it on arrival
     checking: int = 0                        # checks still running on the checksum threads
     mismatch: str = ""                       # why a check failed (the room fails at FINISH)
     finish: bytes | None = None              # the aux record of a FINISH that waits for the checks
@@ -410,14 +410,14 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
             incoming.discard()
             conn.ch.try_send(Kind.ABORT, room, why.encode())
             return
-        landed = 0
+        landed, value = 0, None
         try:
-            landed = incoming.receive(lambda: r.state.done)
+            landed, value = self._receive(conn, incoming, lambda: r.state.done)
         finally:
             with self._lock:
                 conn.busy_room = None
                 r.bytes += landed
-                self._landed(r, incoming.runs, landed)
+                self._landed(r, incoming.runs, landed, value)
                 self._cond.notify_all()
 
     def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from tandem.kvtransfer.protocol import checksum
 from tandem.kvtransfer.protocol.wire import Kind, ProtocolError
 
 if TYPE_CHECKING:
+    from tandem.kvtransfer.datapath import Incoming
     from tandem.kvtransfer.protocol.receiver import _Conn, _Room
 
 log = logging.getLogger("tandem.kvtransfer.protocol.receiver")
@@ -33,13 +35,21 @@ log = logging.getLogger("tandem.kvtransfer.protocol.receiver")
 class RoomChecks:
     """Mixed into `Receiver`, whose lock, rooms, checksum pool (`_sums`) and failure path it uses."""
 
-    def _landed(self, r: _Room, runs: np.ndarray, nbytes: int) -> None:
+    def _receive(self, conn: _Conn, incoming: Incoming, stop: Callable[[], bool]) -> tuple[int, int | None]:
+        """A two-sided write's bytes into the pool: (bytes landed, their checksum where the data path
+        computes it as they land, else None)."""
+        if conn.checksum and incoming.receive_summed is not None:
+            return incoming.receive_summed(stop, conn.checksum)
+        return incoming.receive(stop), None
+
+    def _landed(self, r: _Room, runs: np.ndarray, nbytes: int, value: int | None = None) -> None:
         """A write of runs `[n, 2]` (dst_start, length) put `nbytes` into the room's pages: a whole one
-        waits for its SUMS. Caller holds the lock."""
+        waits for its SUMS. `value`: the checksum the data path computed of it as it landed (None: the
+        checksum threads compute it). Caller holds the lock."""
         pages = int(runs[:, 1].sum())
         if nbytes == pages * self.layout.num_layers * 2 * self.layout.page_bytes:
             r.landed_pages += pages
-            r.last_runs = runs
+            r.last_runs, r.last_sum = runs, value
 
     def _on_sums(self, conn: _Conn, room: int, body: bytes) -> None:
         """The checksums of the write before: hand their check to the checksum threads and read on."""
@@ -50,14 +60,18 @@ class RoomChecks:
             r = self._rooms.get(room)
             if self._owner_error(conn, r) or r.state.done or r.finish is not None:
                 return                       # crossed an abort or a release on the wire
-            expected, r.last_runs = r.last_runs, None
+            expected, r.last_runs, value, r.last_sum = r.last_runs, None, r.last_sum, None
             if expected is None or not np.array_equal(expected, runs):
                 r.mismatch = r.mismatch or "checksums for other pages than the write before them"
                 return
             r.summed_pages += int(runs[:, 1].sum())
             r.landed_at = time.monotonic()   # bytes are arriving: a slow link is not a dead one
             r.checking += 1
-        check = self._sums.submit(runs, conn.checksum)
+        if value is None:
+            check = self._sums.submit(runs, conn.checksum)
+        else:                                # computed as the bytes landed
+            check = Future()
+            check.set_result(value)
         check.add_done_callback(lambda f: self._checked(conn, room, r, runs, sent, f))
 
     def _checked(self, conn: _Conn, room: int, r: _Room, runs: np.ndarray, sent: int, done: Future) -> None:

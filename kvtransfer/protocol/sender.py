@@ -91,6 +91,7 @@ class _Peer:
         self.ch = channel
         self.link = link
         self.checksum = ""                       # the algorithm of the SUMS sent to it ("": none)
+        self.inline = link.sums_inline()         # ... those its link computes on the way
         self.cond = threading.Condition(lock)
         self.queue: collections.deque[_Job] = collections.deque()
         self.reports: dict[int, _Job] = {}       # room -> its PROGRESS job still in `queue`
@@ -317,8 +318,8 @@ class Sender(RoomTable, KVSender):
                 r.t_first = time.monotonic()
             if jobs and jobs[0].kind == Kind.WRITE and r.tamper is None and self._corrupt is not None:
                 r.tamper = jobs[0].corrupt = bool(self._corrupt(room))
-            for job in jobs:
-                if job.kind == Kind.WRITE and peer.checksum:       # over (src_start, length): P's own pages
+            for job in jobs:        # over (src_start, length): P's own pages, unless the link hashes them
+                if job.kind == Kind.WRITE and peer.checksum and peer.checksum not in peer.inline:
                     job.sums = self._sums.submit(job.runs[:, ::2], peer.checksum)
             if jobs:
                 peer.queue.extend(jobs)
@@ -397,10 +398,14 @@ class Sender(RoomTable, KVSender):
                     peer.busy_room = job.room
             nbytes = 0
             try:
-                if job.kind == Kind.WRITE:
+                if job.kind == Kind.WRITE and peer.checksum in peer.inline:
+                    nbytes, value = peer.link.write_summed(job.room, job.runs, lambda r=r: r.state.done,
+                                                           peer.checksum, corrupt=job.corrupt)
+                    self._send_sums(peer, job, r, nbytes, value)
+                elif job.kind == Kind.WRITE:
                     nbytes = peer.link.write(job.room, job.runs, lambda r=r: r.state.done, corrupt=job.corrupt)
                     if job.sums is not None:
-                        self._send_sums(peer, job, r, nbytes)
+                        self._send_sums(peer, job, r, nbytes, None)
                 else:
                     peer.ch.send(job.kind, job.room, job.body)
             except Exception as e:
@@ -415,13 +420,16 @@ class Sender(RoomTable, KVSender):
                 if not peer.alive:
                     return
 
-    def _send_sums(self, peer: _Peer, job: _Job, r: _Room, nbytes: int) -> None:
-        """The SUMS frame of a write the link moved whole (one it cut short belongs to a failed room)."""
+    def _send_sums(self, peer: _Peer, job: _Job, r: _Room, nbytes: int, value: int | None) -> None:
+        """The SUMS frame of a write the link moved whole (one it cut short belongs to a failed room):
+        `value`, the link's own checksum of it, or the checksum threads'."""
         whole = int(job.runs[:, 2].sum()) * self.layout.num_layers * 2 * self.layout.page_bytes
         if nbytes != whole or r.state.done:
-            job.sums.cancel()
+            if job.sums is not None:
+                job.sums.cancel()
             return
-        peer.ch.send(Kind.SUMS, job.room, checksum.sums_body(job.runs[:, 1:], job.sums.result()))
+        value = job.sums.result() if value is None else value
+        peer.ch.send(Kind.SUMS, job.room, checksum.sums_body(job.runs[:, 1:], value))
 
     def _read_loop(self, peer: _Peer) -> None:
         def frames() -> None:

@@ -3,6 +3,8 @@
 A WRITE frame's payload is the source pages of every (layer, K|V) region, region-major and run-minor,
 sent with one gather `sendmsg` per IOV_MAX pages straight from P's pool and received with one scatter
 `recvmsg` per IOV_MAX pages straight into D's pool: no staging buffer, no copy besides the kernel's.
+With crc32c checksums (protocol/checksum.py) both sides move ~256 KiB at a time instead and hash each
+chunk right after the kernel copied it, while it is in cache.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from tandem.kvtransfer.base import PoolLayout
 from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath, flip_byte
+from tandem.kvtransfer.protocol import checksum
 from tandem.kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
 from tandem.kvtransfer.protocol.wire import HEADER, Channel, Kind, ProtocolError, ReceiverMetadata
 
@@ -39,8 +42,10 @@ class TcpReceiverPath(ReceiverPath):
         if len(body) % 16:
             raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
         runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
-        return Incoming(runs, lambda stop: recv_pages(ch, self._pool, self._layout, runs, stop, self._native),
-                        lambda: ch.drain(payload_len))
+        return Incoming(runs, lambda stop: recv_pages(ch, self._pool, self._layout, runs, stop, self._native)[0],
+                        lambda: ch.drain(payload_len),
+                        lambda stop, algorithm: recv_pages(ch, self._pool, self._layout, runs, stop, self._native,
+                                                           algorithm))
 
 
 class TcpSenderPath(SenderPath):
@@ -77,41 +82,73 @@ class TcpLink(Link):
         A started frame is always sent whole (the receiver drains what it no longer wants), so `stop`
         is not consulted: the in-flight write of an aborted room takes at most one frame's time.
         """
+        return self._send(room, runs, corrupt, "")[0]
+
+    def sums_inline(self) -> tuple[str, ...]:
+        return ("crc32c",) if checksum.native_crc32c() else ()
+
+    def write_summed(self, room: int, runs: np.ndarray, stop: Callable[[], bool], algorithm: str,
+                     corrupt: bool = False) -> tuple[int, int]:
+        """`write`, with the CRC-32C of the source bytes in wire order, each chunk hashed right after
+        the socket took it (still in cache)."""
+        return self._send(room, runs, corrupt, algorithm)
+
+    def _send(self, room: int, runs: np.ndarray, corrupt: bool, algorithm: str) -> tuple[int, int]:
         pb = self._layout.page_bytes
         base = self._src.data_ptr()
         iov = page_iov(base, self._regions, runs[:, 0], runs[:, 2], pb)
-        if corrupt:       # the first piece goes out from a copy with a byte flipped
+        wire = iov
+        if corrupt:       # the first piece goes out from a copy with a byte flipped (the checksum is P's)
             start, n = int(iov[0, 0]) - base, int(iov[0, 1])
             tampered = self._src.view(-1).view(torch.uint8).numpy()[start:start + n].copy()
             flip_byte(tampered)
-            iov[0] = (tampered.ctypes.data, n)
+            wire = iov.copy()
+            wire[0] = (tampered.ctypes.data, n)
         body = np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
         payload = int(runs[:, 2].sum()) * len(self._regions) * pb
+        crc = checksum.native_crc32c() if algorithm else None
+        value = 0
         ch = self.ch
         with ch.send_lock:
             if ch.closed:
                 raise ConnectionError("channel closed")
             ch.sock.sendall(HEADER.pack(Kind.WRITE, len(body), room, payload) + body)
-            send_iov(ch.sock, iov, self._native)
-        return payload
+            if crc is None:
+                send_iov(ch.sock, wire, self._native)
+            else:
+                for lo, hi in _chunks(iov):
+                    send_iov(ch.sock, wire[lo:hi], self._native)
+                    value = crc.iov(iov[lo:hi], value)
+        return payload, value
+
+
+def _chunks(iov: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) slices of `iov` of about SUMMED_CHUNK_BYTES each (at least one entry, at most IOV_MAX)."""
+    per = max(1, min(IOV_MAX, checksum.SUMMED_CHUNK_BYTES // max(1, int(iov[0, 1]) if len(iov) else 1)))
+    return [(lo, min(lo + per, len(iov))) for lo in range(0, len(iov), per)]
 
 
 def recv_pages(channel: Channel, buffer: torch.Tensor, layout: PoolLayout, runs: np.ndarray,
-               stop: Callable[[], bool], native: bool = True) -> int:
+               stop: Callable[[], bool], native: bool = True, algorithm: str = "") -> tuple[int, int | None]:
     """D side: receive a WRITE payload for runs `[n, 2]` (dst_start, length) straight into `buffer`.
 
-    `stop` is checked before every IOV_MAX pages; once it is true the rest of the payload is drained
-    and discarded. Returns the bytes that landed in the pool.
+    `stop` is checked before every chunk; once it is true the rest of the payload is drained and
+    discarded. Returns the bytes that landed in the pool and, for `algorithm` "crc32c" (where the native
+    one is here), the CRC-32C of what landed, each chunk hashed right after it arrived; else None.
     """
     assert runs.size == 0 or int((runs[:, 0] + runs[:, 1]).max()) <= layout.num_pages
     iov = page_iov(buffer.data_ptr(), _regions(layout), runs[:, 0], runs[:, 1], layout.page_bytes)
+    crc = checksum.native_crc32c() if algorithm == "crc32c" else None
+    chunks = _chunks(iov) if crc is not None else [(lo, min(lo + IOV_MAX, len(iov))) for lo in range(0, len(iov), IOV_MAX)]
     total = int(iov[:, 1].sum())
-    landed = 0
-    for i in range(0, len(iov), IOV_MAX):
+    landed, value = 0, 0
+    for lo, hi in chunks:
         if stop():
             channel.drain(total - landed)
             break
-        chunk = iov[i:i + IOV_MAX]
+        chunk = iov[lo:hi]
         recv_iov(channel.sock, chunk, native)
         landed += int(chunk[:, 1].sum())
-    return landed
+        if crc is not None:
+            value = crc.iov(chunk, value)
+    return landed, (value if crc is not None else None)

@@ -24,15 +24,19 @@ TRANSFERS = 1500             # about 1,050 of them corrupted, 450 clean
 IN_FLIGHT = 16               # rooms at once, 4 destination pages each (SMALL has 64)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
-def test_every_corrupted_transfer_is_caught_and_no_clean_one_is_flagged(backend):
+@pytest.mark.parametrize("backend, checksums", [("tcp", None), ("shm", None), ("nixl", None), ("ucx", None),
+                                                ("tcp", ("xxh3", "crc32")), ("shm", ("xxh3", "crc32"))],
+                         ids=["tcp", "shm", "nixl", "ucx", "tcp-threads", "shm-threads"])
+def test_every_corrupted_transfer_is_caught_and_no_clean_one_is_flagged(backend, checksums):
     """1,500 rooms, 70% of them drawn to have a byte flipped on the way (after P took its checksum):
-    every drawn room FAILS as corrupt on both sides, every other one SUCCEEDS with exact bytes."""
+    every drawn room FAILS as corrupt on both sides, every other one SUCCEEDS with exact bytes. With
+    the best checksum (crc32c where native: tcp and shm compute it on the way) and with the ones
+    computed on the checksum threads."""
     rng = random.Random(11)
     drawn = {room for room in range(1, TRANSFERS + 1) if rng.random() < 0.7}
     rx = create_receiver(backend, SMALL, "127.0.0.1", uid("D"))
     pool = random_pool(SMALL, 3)
-    tx = create_sender(backend, pool, SMALL, uid("P"), corrupt=drawn.__contains__)
+    tx = create_sender(backend, pool, SMALL, uid("P"), corrupt=drawn.__contains__, checksums=checksums)
     detected, false_alarms, clean = set(), set(), 0
     try:
         tx.connect(rx.worker_id, rx.metadata())

@@ -1,0 +1,125 @@
+"""Native helpers of the transfer layer: plain C compiled where it runs (like kernels/cpu, cached by
+content under `$TANDEM_CACHE_DIR/cpu_ops` and built by `make install`), loaded with ctypes (no
+Python or torch headers; ctypes releases the GIL for each call). `crc32c()` is None where it cannot be
+built (no C compiler): the transfer layer then offers only the checksums it has without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.kernels.cpu.build import Artifact, cached, compiler_id, digest, run
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCE = "crc32c.c"
+FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fvisibility=default"]
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    return Path(root) / "cpu_ops"
+
+
+def build(verbose: bool = False) -> Path:
+    """The shared library's path, compiled first if no process has yet. Raises what went wrong."""
+    cc = os.environ.get("CC") or "cc"
+    source = (HERE / SOURCE).read_bytes()
+    key = digest([SOURCE, source, *FLAGS, compiler_id(cc), platform.machine()])
+
+    def compile_lib(tmp: Path) -> None:
+        (tmp / SOURCE).write_bytes(source)
+        run([cc, *FLAGS, SOURCE, "-o", "libtandem_crc32c.so"], tmp, verbose)
+
+    return cached(_cache_root(), Artifact("crc32c", key, "libtandem_crc32c.so", compile_lib,
+                                          "the KV checksums' CRC-32C", 1.0, announce=False))
+
+
+class Crc32c:
+    """CRC-32C (Castagnoli) from the compiled library: `hw` says whether the CPU's crc32 instruction
+    computes it (else a table does, same results, ~10x slower)."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        u32, size, i64, ptr = ctypes.c_uint32, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
+        lib.tandem_crc32c_init.restype = ctypes.c_int
+        lib.tandem_crc32c_update.argtypes = [u32, ptr, size]
+        lib.tandem_crc32c_runs.argtypes = [u32, ptr, i64, i64, i64, ptr, i64]
+        lib.tandem_crc32c_iov.argtypes = [u32, ptr, i64]
+        lib.tandem_copy_runs.argtypes = [u32, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, i64]
+        for fn in (lib.tandem_crc32c_update, lib.tandem_crc32c_runs, lib.tandem_crc32c_iov, lib.tandem_copy_runs):
+            fn.restype = u32
+        self._lib = lib
+        self.hw = bool(lib.tandem_crc32c_init())     # the library's tables, filled before any thread calls in
+
+    def __call__(self, data, value: int = 0) -> int:
+        """The CRC-32C of `data` (a contiguous buffer), continuing from `value` (zlib.crc32's convention:
+        crc(a + b) == crc(b, crc(a)))."""
+        buf = np.frombuffer(data, dtype=np.uint8)
+        return ~self._lib.tandem_crc32c_update(~value & _MASK, buf.ctypes.data, buf.nbytes) & _MASK
+
+    def pages(self, pages: np.ndarray, runs: np.ndarray) -> int:
+        """The CRC-32C of the pages of `runs` `[n, 2]` (start, length) of `pages`, a `[page, region,
+        byte]` view of a pool (checksum.page_view), region-major and run-minor: for each region, each
+        run's pages (the order a tcp WRITE sends them), without copying them anywhere."""
+        n_pages, regions, block = pages.shape
+        if pages.strides[2] != 1 or pages.strides[0] != block:
+            raise ValueError("not a page view of a contiguous pool")
+        runs = _runs(runs, 2, n_pages, n_pages)
+        raw = self._lib.tandem_crc32c_runs(_MASK, pages.ctypes.data, regions, pages.strides[1], block,
+                                           runs.ctypes.data, len(runs))
+        return ~raw & _MASK
+
+    def iov(self, iov: np.ndarray, value: int = 0) -> int:
+        """The CRC-32C of the bytes iovecs `[n, 2]` (address, length) point at, in order, continuing from
+        `value`. The caller guarantees the memory (as for send_iov)."""
+        iov = np.ascontiguousarray(iov, dtype=np.uint64)
+        return ~self._lib.tandem_crc32c_iov(~value & _MASK, iov.ctypes.data, len(iov)) & _MASK
+
+    def copy_runs(self, dst: torch.Tensor, src: torch.Tensor, regions: int, page_bytes: int, runs: np.ndarray,
+                  sum: bool) -> int | None:
+        """Copies runs `[n, 3]` (src_start, dst_start, length) of every region from pool `src` to pool
+        `dst` (both contiguous, `regions` regions of pages of `page_bytes`); with `sum`, returns the
+        CRC-32C of the source bytes region-major and run-minor (what `pages` gives on either pool after
+        the copy), hashed while they are in cache."""
+        src_pages = src.numel() * src.element_size() // (regions * page_bytes)
+        dst_pages = dst.numel() * dst.element_size() // (regions * page_bytes)
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("pools must be contiguous")
+        runs = _runs(runs, 3, src_pages, dst_pages)
+        raw = self._lib.tandem_copy_runs(_MASK, int(sum), dst.data_ptr(), src.data_ptr(), regions,
+                                         dst_pages * page_bytes, src_pages * page_bytes, page_bytes,
+                                         runs.ctypes.data, len(runs))
+        return ~raw & _MASK if sum else None
+
+
+_MASK = 0xFFFFFFFF
+
+
+def _runs(runs: np.ndarray, width: int, *limits: int) -> np.ndarray:
+    """`runs` as contiguous int64 `[n, width]`, every run inside its pool (start columns then length)."""
+    runs = np.ascontiguousarray(runs, dtype=np.int64).reshape(-1, width)
+    if len(runs):
+        n = runs[:, -1]
+        if n.min() < 0 or any(runs[:, k].min() < 0 or (runs[:, k] + n).max() > lim for k, lim in enumerate(limits)):
+            raise ValueError("runs outside the pool")
+    return runs
+
+
+@functools.cache
+def crc32c() -> Crc32c | None:
+    """The compiled CRC-32C, built on first use; None (logged once) where it cannot be built."""
+    try:
+        return Crc32c(build())
+    except Exception as exc:     # no C compiler, a read-only cache: the other checksums remain
+        log.warning("the native CRC-32C is unavailable (KV checksums use xxh3/crc32): %s", str(exc).strip()[-800:])
+        return None
