@@ -21,9 +21,10 @@ first piece on its way, after the checksum was taken.
 
 Abort: `abort(room)` fails the room, puts an ABORT frame at the head of the queue (so D fails the
 room too), and waits until the sender thread is not working on the room (queued jobs of a failed room
-are skipped; an shm copy stops at the next run; a tcp frame already started is sent whole). After it
-returns P never reads the room's source pages again, so they may be reused; bytes already handed to the
-socket reach D before the ABORT frame, and D's own state decides what lands (see receiver.py).
+are skipped; an shm copy stops at the next run, or piece where it checksums on the way; a tcp frame
+already started is sent whole). After it returns P never reads the room's source pages again, so they
+may be reused; bytes already handed to the socket reach D before the ABORT frame, and D's own state
+decides what lands (see receiver.py).
 
 Close (`RoomTable.close`, kvtransfer/base.py, once): every unfinished room fails, then `_shutdown`:
 every peer's connection is dropped and its threads joined (each link is closed as its reader ends),
