@@ -422,10 +422,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         prefill_done = asyncio.ensure_future(self._await_prefill(prefill_call, p, room))
         read: asyncio.Future | None = None
+        streaming = False        # D relayed a token: the KV reached it, P's answer no longer decides
         try:
             while True:
                 try:
-                    if prefill_done.done():  # the common case once the KV arrived: a plain read
+                    if streaming or prefill_done.done():  # the common case once the KV arrived: a plain read
                         msg = await decode_call.read()
                     else:  # race the next chunk against P's answer, so a failed prefill fails fast
                         read = asyncio.ensure_future(decode_call.read())
@@ -438,6 +439,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if msg is grpc.aio.EOF:
                     break
                 await relay.send(msg)
+                streaming = True
             # D finished: the KV reached it, so P's answer is due any moment. The client already has
             # every token; a late or failed answer is only worth a log line.
             done, _ = await asyncio.wait((prefill_done,), timeout=PREFILL_GRACE_S)

@@ -61,10 +61,11 @@ class FakePrefill(_Fake, worker_pb2_grpc.PrefillWorkerServicer):
     """behaviour: "ok" (SUCCESS at once), "hang" (until released or cancelled, then SUCCESS),
     "failed" (a FAILED response), or a grpc.StatusCode to abort with."""
 
-    def __init__(self, behaviour="ok", error: str = "boom") -> None:
+    def __init__(self, behaviour="ok", error: str = "boom", delay_s: float = 0.0) -> None:
         super().__init__()
         self.behaviour = behaviour
         self.error = error
+        self.delay_s = delay_s           # answers this much later
 
     def _add(self, server) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
@@ -77,6 +78,8 @@ class FakePrefill(_Fake, worker_pb2_grpc.PrefillWorkerServicer):
             request_id=request.request_id, bootstrap_room=request.bootstrap_room,
             state=worker_pb2.TRANSFER_STATE_SUCCESS,
         )
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.behaviour == "ok":
             return ok
         if self.behaviour == "hang":
@@ -92,11 +95,15 @@ class FakePrefill(_Fake, worker_pb2_grpc.PrefillWorkerServicer):
 
 class FakeDecode(_Fake, worker_pb2_grpc.DecodeWorkerServicer):
     """Streams `tokens` one chunk each. behaviour: "ok", "hang" (never starts until released),
-    "stall" (sends the first chunk, then waits until released), or a grpc.StatusCode to abort with."""
+    "stall" (sends the first chunk, then waits until released), or a grpc.StatusCode to abort with.
+    `kv_delay_s`: a request with a prefill worker starts that much later (its KV is on the way), as a
+    real decode worker cannot stream before the KV arrived; a local prefill starts at once."""
 
-    def __init__(self, behaviour="ok", tokens=(11, 12, 13), error: str = "bad request", param: str = "") -> None:
+    def __init__(self, behaviour="ok", tokens=(11, 12, 13), error: str = "bad request", param: str = "",
+                 kv_delay_s: float = 0.0) -> None:
         super().__init__()
         self.behaviour = behaviour
+        self.kv_delay_s = kv_delay_s
         self.tokens = tokens
         self.error = error
         self.param = param
@@ -113,6 +120,8 @@ class FakeDecode(_Fake, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(self.behaviour, self.error, trailing)
         if self.behaviour == "hang":
             await self.release.wait()
+        if self.kv_delay_s and not request.local_prefill:
+            await asyncio.sleep(self.kv_delay_s)
         for i, tok in enumerate(self.tokens):
             last = i == len(self.tokens) - 1
             await context.write(

@@ -5,6 +5,7 @@ but a request that comes falls back to its decode worker's own prefill (--no-fal
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import grpc
@@ -123,7 +124,7 @@ def test_the_only_prefill_worker_failing_falls_back_to_the_decode_worker():
     """The only prefill worker answers UNAVAILABLE (dying, partitioned): the request is retried on its
     decode worker's own prefill instead of failing (Dynamo's decode-only fallback)."""
     async def body():
-        p, d = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE), FakeDecode(tokens=(7, 8))
+        p, d = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE), FakeDecode(tokens=(7, 8), kv_delay_s=1.0)
         async with cluster([p], [d]) as (router, stub):
             assert [t for m in await _collect(stub, _long(6)) for t in m.token_ids] == [7, 8]
             assert d.requests[-1].local_prefill
@@ -144,3 +145,20 @@ def test_the_flag_is_validated():
         replace(RouterConfig(redis_url="redis://x"), min_prefill_workers=-1).validate()
     with pytest.raises(ValueError, match="--fallback-local-prefill-max-tokens must be > 0 or -1"):
         RouteConfig(fallback_local_prefill_max_tokens=0).validate()
+
+
+def test_a_prefill_failure_after_decode_streamed_does_not_break_the_stream():
+    """D streamed a token, so the KV reached it: P's late UNAVAILABLE (it died after the hand-off) is a
+    log line, not a retry that would send the client its tokens twice."""
+    async def body():
+        p = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE, delay_s=0.3)
+        d = FakeDecode(behaviour="stall", tokens=(7, 8))
+        async with cluster([p], [d]) as (router, stub):
+            collect = asyncio.ensure_future(_collect(stub, _long(6)))
+            await asyncio.sleep(0.8)                      # P has failed meanwhile, D holds its 2nd token
+            d.release.set()
+            assert [t for m in await collect for t in m.token_ids] == [7, 8]
+            assert len(d.requests) == 1 and not d.requests[0].local_prefill
+            assert _metric(router, "tandem_router_retries_total") == 0
+
+    arun(body())
