@@ -11,6 +11,9 @@ happens `--event-at-s` into it):
   hosts alike) and put back `--heal-after-s` later: its streams must continue on the other decode
   worker, and it must serve again after healing, without a restart.
 - `prefill_cut`: a prefill host cut and healed the same way.
+- `pd_cut`: one prefill and one decode host cut off each other only (both still reach the router and
+  Redis), during transfers, and mended `--heal-after-s` later: their pairings must fail over to the
+  other hosts, nothing hangs until the mend.
 - `redis_partitioned`: the Redis host cut off for `--redis-outage-s` (30 s): the router keeps routing
   from what it knew, the workers' heartbeats fail and come back.
 - `slow_link`: every prefill host's link shaped to `--slow-mbit` (100 Mbit/s) and ~2,000-token
@@ -21,9 +24,8 @@ happens `--event-at-s` into it):
   probability `--corrupt` (`--fault-inject kv_corrupt=P`): every corrupted room must be caught by the
   decode side's checksum before it decodes (0 wrong), and the request served another way.
 
-Not emulated: packet delay and loss (this kernel has no `netem`), and a cut between one prefill and
-one decode host only, with both still reaching the router (no iptables/nft here): a cut host here
-loses every peer at once.
+Not emulated: packet delay and loss (this kernel has no `netem`). A P-D cut is a blackhole route on
+each side: open connections go silent, but a new connect fails at once instead of timing out.
 
 Per phase: sent / ok / failed (clear error) / hung (no answer within `--hang-s`) / wrong (a greedy
 fp32 answer that differs from the same prompt's answer on the undisturbed deployment), recovery
@@ -50,8 +52,8 @@ from tandem.bench.cluster.net import Network, links, namespaces
 from tandem.bench.flags import add_load_flags, add_out_flag
 from tandem.bench.results import write_result
 
-SCENARIOS = ("baseline", "decode_isolated", "prefill_cut", "redis_partitioned", "slow_link", "only_prefill_killed",
-             "corrupt")
+SCENARIOS = ("baseline", "decode_isolated", "prefill_cut", "pd_cut", "redis_partitioned", "slow_link",
+             "only_prefill_killed", "corrupt")
 WORKER_ARGS = ("--dtype", "float32", "--kv-cache-gb", "0.5", "--transfer-backend", "auto")
 # The default router: prompts of up to 1,024 tokens may prefill on their decode worker when that is sooner.
 # The drill's short prompts go to prefill workers (-1), so that cutting one matters.
@@ -227,6 +229,9 @@ def drill_2p2d(args: argparse.Namespace, phases: list[str], log, log_dir: Path |
             elif phase == "prefill_cut":
                 events = [(args.event_at_s, lambda: net.partition("prefill-0")),
                           (args.event_at_s + args.heal_after_s, lambda: net.heal("prefill-0"))]
+            elif phase == "pd_cut":
+                events = [(args.event_at_s, lambda: net.cut("prefill-0", "decode-0")),
+                          (args.event_at_s + args.heal_after_s, lambda: net.mend("prefill-0", "decode-0"))]
             elif phase == "redis_partitioned":
                 dur = max(dur, args.event_at_s + args.redis_outage_s + 10)
                 events = [(args.event_at_s, lambda: net.partition("redis")),

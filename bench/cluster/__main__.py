@@ -3,6 +3,7 @@ network namespace on a bridge), and the link operations the tests and the chaos 
 
     python -m tandem.bench.cluster up --prefill 1 --decode 2 [--worker-args "--transfer-backend tcp"]
     python -m tandem.bench.cluster partition --host decode-1      # from another shell; heal, shape too
+    python -m tandem.bench.cluster cut --host prefill-0 --peer decode-0   # those two only; mend
     python -m tandem.bench.cluster cleanup                        # what a killed run left behind
 
 `up` prints the hosts and addresses (JSON), serves until Ctrl-C, then removes everything it made.
@@ -18,7 +19,7 @@ import sys
 import threading
 
 from tandem.bench.cluster.deploy import Cluster, dump
-from tandem.bench.cluster.net import PREFIX, Network, _ip, cleanup
+from tandem.bench.cluster.net import PREFIX, Network, _ip, burst_for, cleanup, host_ip
 
 
 def _veth(name: str, host: str) -> str:
@@ -43,11 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--router-args", default="", help="more flags for the router")
     up.add_argument("--mbit", type=float, default=None, help="shape every worker host's link to this rate")
     for cmd, text in (("partition", "cut a host off the bridge"), ("heal", "put a host back on the bridge"),
-                      ("shape", "limit a host's link rate (--mbit; 0 lifts it)")):
+                      ("shape", "limit a host's link rate (--mbit; 0 lifts it)"),
+                      ("cut", "cut two hosts off each other only (--host, --peer)"), ("mend", "undo cut")):
         q = sub.add_parser(cmd, help=text)
         q.add_argument("--host", required=True, help="e.g. decode-1, prefill-0, router, redis")
         if cmd == "shape":
             q.add_argument("--mbit", type=float, required=True)
+        if cmd in ("cut", "mend"):
+            q.add_argument("--peer", required=True, help="the other host, e.g. decode-0")
     sub.add_parser("cleanup", help="remove the namespaces and links of a run that was killed")
     for q in sub.choices.values():
         q.add_argument("--name", default="cl", help="the network's name (default: cl)")
@@ -60,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         veth = _veth(args.name, args.host)
         _ip("link", "set", veth, *(["nomaster"] if args.cmd == "partition" else ["master", f"{PREFIX}-{args.name}"]))
         return 0
+    if args.cmd in ("cut", "mend"):
+        a, b = (f"{PREFIX}-{args.name}-{h}" for h in (args.host, args.peer))
+        for x, y in ((a, b), (b, a)):
+            verb = "replace" if args.cmd == "cut" else "del"
+            _ip("-n", x, "route", verb, "blackhole", f"{host_ip(y)}/32", check=args.cmd == "cut")
+        return 0
     if args.cmd == "shape":
         import subprocess
 
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["tc", *pre, "qdisc", "del", "dev", dev, "root"], capture_output=True)
             else:
                 subprocess.run(["tc", *pre, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                                f"{args.mbit}mbit", "burst", "64kb", "latency", "50ms"], check=True)
+                                f"{args.mbit}mbit", "burst", f"{burst_for(args.mbit)}kb", "latency", "50ms"], check=True)
         return 0
 
     stop = threading.Event()

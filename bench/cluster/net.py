@@ -6,6 +6,7 @@ hostname and /dev/shm (torch-free; needs root and `ip`/`tc` from iproute2).
         proc = redis.popen(["redis-server", ...])
         net.shape("decode-0", mbit=100)           # tc tbf on both directions of that host's link
         net.partition("decode-0"); net.heal("decode-0")
+        net.cut("prefill-0", "decode-0"); net.mend("prefill-0", "decode-0")   # only between those two
     # every process killed, every namespace, veth and the bridge deleted, and checked
 
 A host is `ip netns exec <ns> unshare --uts --mount`: its own network stack, hostname (so the shm
@@ -13,7 +14,9 @@ data path's same-host check sees different hosts) and a private tmpfs on /dev/sh
 memory does not cross hosts). The bridge itself has .1, so this namespace (the test, the load
 generator) reaches every host like a client on the same network. Partitioning takes a host's veth off
 the bridge (`ip link set ... nomaster`): the host keeps its address but reaches nobody and nobody
-reaches it, as when its switch port goes dark; healing puts it back. There is no delay or loss
+reaches it, as when its switch port goes dark; healing puts it back. Cutting two hosts off each
+other only (`cut`) gives each a blackhole route to the other (this kernel has no packet filter
+modules: no iptables/nft, no tc filters). There is no delay or loss
 emulation: this kernel has no `netem` (docs/resilience.md).
 
 Names are short (Linux interface names are at most 15 bytes): bridge `tdm-<name>`, namespaces
@@ -84,6 +87,18 @@ def _kill_namespace_processes(ns: str) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def burst_for(mbit: float) -> int:
+    """A tbf bucket (KiB) for `mbit`: 64 KiB, or a millisecond of the rate where that is more (a
+    smaller bucket caps the rate below what was asked: 10 Gbit with 64 KiB gave well under 10)."""
+    return max(64, int(mbit // 8))
+
+
+def host_ip(ns: str) -> str:
+    """The IPv4 address of namespace `ns`'s eth0 (for the CLI, which has no Network object)."""
+    out = _ip("-n", ns, "-4", "-o", "addr", "show", "dev", "eth0").stdout.split()
+    return out[out.index("inet") + 1].split("/")[0]
 
 
 def _free_octet(start: int) -> int:
@@ -179,8 +194,9 @@ class Network:
         return self.hosts[name]
 
     # ---- links ------------------------------------------------------------------------------
-    def shape(self, name: str, mbit: float | None, burst_kb: int = 64) -> None:
-        """Limit `name`'s link to `mbit` in each direction (token bucket); None lifts the limit."""
+    def shape(self, name: str, mbit: float | None, burst_kb: int | None = None) -> None:
+        """Limit `name`'s link to `mbit` in each direction (token bucket); None lifts the limit.
+        `burst_kb`: the bucket (default `burst_for(mbit)`)."""
         host = self.host(name)
         for args in (["dev", host.veth], ["-n", host.ns, "dev", "eth0"]):
             netns = args[:2] if args[0] == "-n" else []
@@ -189,7 +205,7 @@ class Network:
                 subprocess.run(["tc", *netns, "qdisc", "del", *dev, "root"], capture_output=True)
             else:
                 _tc(*netns, "qdisc", "replace", *dev, "root", "tbf", "rate", f"{mbit}mbit",
-                    "burst", f"{burst_kb}kb", "latency", "50ms")
+                    "burst", f"{burst_kb or burst_for(mbit)}kb", "latency", "50ms")
 
     def partition(self, name: str) -> None:
         """Cut `name` off the network (its veth leaves the bridge)."""
@@ -197,6 +213,18 @@ class Network:
 
     def heal(self, name: str) -> None:
         _ip("link", "set", self.host(name).veth, "master", self.bridge)
+
+    def cut(self, a: str, b: str) -> None:
+        """Cut hosts `a` and `b` off each other only (each drops what it would send the other: a
+        blackhole route); both still reach everyone else. Their open connections go silent, as across a
+        failed path; a new connect between them fails at once (EINVAL) rather than timing out."""
+        for x, y in ((a, b), (b, a)):
+            _ip("-n", self.host(x).ns, "route", "replace", "blackhole", f"{self.host(y).ip}/32")
+
+    def mend(self, a: str, b: str) -> None:
+        """Undo `cut(a, b)`."""
+        for x, y in ((a, b), (b, a)):
+            _ip("-n", self.host(x).ns, "route", "del", "blackhole", f"{self.host(y).ip}/32", check=False)
 
     def partitioned(self, name: str) -> bool:
         return f"master {self.bridge}" not in _ip("-o", "link", "show", self.host(name).veth).stdout

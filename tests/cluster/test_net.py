@@ -50,3 +50,20 @@ def test_partition_heal_shape_and_nothing_left_behind():
         server.kill()
         bridge = net.bridge
     assert not namespaces(bridge) and bridge not in links(bridge)
+
+
+def test_cut_separates_two_hosts_only_and_mend_joins_them():
+    with Network("ncut") as net:
+        for name in ("a", "b", "c"):
+            net.add_host(name)
+        servers = [net.host(h).popen([sys.executable, "-c", "import socket; s=socket.create_server(('0.0.0.0', 7001)); "
+                                      "[s.accept() for _ in range(9)]"]) for h in ("a", "b")]
+        time.sleep(0.5)
+        assert reach(net, "a", "b") and reach(net, "b", "a")
+        net.cut("a", "b")
+        assert not reach(net, "a", "b") and not reach(net, "b", "a")
+        assert reach(net, "c", "a") and reach(net, "c", "b")       # both still reach everyone else
+        net.mend("a", "b")
+        assert reach(net, "a", "b") and reach(net, "b", "a")
+        for s in servers:
+            s.kill()
