@@ -132,7 +132,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
         self._peer_conn: dict[str, _Conn] = {}
         self._tombstones: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.progress_reports = 0            # PROGRESS frames kept (an extra of this implementation)
-        self.integrity_failures = 0          # rooms failed by their checksums (an extra too)
+        self.integrity_by_path: collections.Counter[str] = collections.Counter()   # rooms failed by their checksums
         self._sums: checksum.ChecksumPool | None = None
         try:
             self._buffer = next((m for p in self._paths.values() if (m := p.memory()) is not None), None)

@@ -35,6 +35,12 @@ log = logging.getLogger("tandem.kvtransfer.protocol.receiver")
 class RoomChecks:
     """Mixed into `Receiver`, whose lock, rooms, checksum pool (`_sums`) and failure path it uses."""
 
+    @property
+    def integrity_failures(self) -> int:
+        """Rooms failed by their checksums so far (`integrity_by_path`: per data path), whether or not
+        anyone polled them before they were aborted or released."""
+        return sum(self.integrity_by_path.values())
+
     def _receive(self, conn: _Conn, incoming: Incoming, stop: Callable[[], bool]) -> tuple[int, int | None]:
         """A two-sided write's bytes into the pool: (bytes landed, their checksum where the data path
         computes it as they land, else None)."""
@@ -103,7 +109,7 @@ class RoomChecks:
             why = f"KV integrity check failed: {r.mismatch}"
             r.corrupt = True
             self._fail(r, why)
-            self.integrity_failures += 1
+            self.integrity_by_path[conn.path] += 1
             log.warning("kv receiver %s: room %d from sender %s at %s over %s: %s", self.worker_id, room,
                         conn.peer_id, _address(conn.addr), conn.path, why)
             return Kind.ABORT, why.encode()

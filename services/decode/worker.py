@@ -106,6 +106,7 @@ class DecodeWorker:
         self.engine = engine
         self.sched = engine.scheduler
         self._export_tiers = metrics.kv_tier_exporter(engine)
+        self._integrity_seen: dict[str, int] = {}   # receiver's integrity failures per path already counted
         self.receiver = receiver
         self.timeouts = timeouts
         self.peers = peers                     # sends Bootstrap / AbortRoom on the asyncio side
@@ -242,14 +243,18 @@ class DecodeWorker:
         ))
 
     def _poll_transfers(self) -> None:
+        # Rooms failed by their checksums (never decoded from: the router retries them on another pair),
+        # counted from the receiver, which sees every one: a room the router aborted first is never polled.
+        for path, n in dict(getattr(self.receiver, "integrity_by_path", {})).items():   # a copy in one step
+            if (gained := n - self._integrity_seen.get(path, 0)) > 0:
+                metrics.KV_INTEGRITY_FAILURES.labels(path).inc(gained)
+                self._integrity_seen[path] = n
         now = time.monotonic()
         for room in list(self.transfer.values()):
             status = self.receiver.poll(room.room)
             if status.state is RoomState.SUCCESS:
                 self._start_decoding(room, status)
             elif status.state is RoomState.FAILED:
-                if status.corrupt:      # never decoded from: the router retries it on another pair
-                    metrics.KV_INTEGRITY_FAILURES.labels(status.path).inc()
                 where = f" at {room.prefill_addr} over {status.path}" if status.corrupt else ""
                 self._drop(room, TransferFailed(f"KV transfer from prefill worker {room.prefill_id}{where} failed: "
                                                 f"{status.error}", room.prefill_id))
