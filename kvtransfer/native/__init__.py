@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.kernels.cpu import cache_dir
 from tandem.kernels.cpu.build import Artifact, cached, compiler_id, digest, run
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,6 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCE = "crc32c.c"
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fvisibility=default"]
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    return Path(root) / "cpu_ops"
 
 
 def build(verbose: bool = False) -> Path:
@@ -40,7 +36,7 @@ def build(verbose: bool = False) -> Path:
         (tmp / SOURCE).write_bytes(source)
         run([cc, *FLAGS, SOURCE, "-o", "libtandem_crc32c.so"], tmp, verbose)
 
-    return cached(_cache_root(), Artifact("crc32c", key, "libtandem_crc32c.so", compile_lib,
+    return cached(cache_dir(), Artifact("crc32c", key, "libtandem_crc32c.so", compile_lib,
                                           "the KV checksums' CRC-32C", 1.0, announce=False))
 
 

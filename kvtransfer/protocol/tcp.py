@@ -3,7 +3,7 @@
 A WRITE frame's payload is the source pages of every (layer, K|V) region, region-major and run-minor,
 sent with one gather `sendmsg` per IOV_MAX pages straight from P's pool and received with one scatter
 `recvmsg` per IOV_MAX pages straight into D's pool: no staging buffer, no copy besides the kernel's.
-With crc32c checksums (protocol/checksum.py) both sides move ~256 KiB at a time instead and hash each
+With crc32c checksums (protocol/checksum.py) both sides move ~1 MiB at a time instead and hash each
 chunk right after the kernel copied it, while it is in cache.
 """
 
@@ -106,7 +106,7 @@ class TcpLink(Link):
             wire[0] = (tampered.ctypes.data, n)
         body = np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
         payload = int(runs[:, 2].sum()) * len(self._regions) * pb
-        crc = checksum.native_crc32c() if algorithm else None
+        crc = checksum.native_crc32c() if algorithm == "crc32c" else None
         value = 0
         ch = self.ch
         with ch.send_lock:
