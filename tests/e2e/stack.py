@@ -143,7 +143,8 @@ class Stack:
         for path in leaked:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        assert killed or not leaked, f"`tandem up` stopped but left shared memory behind: {leaked}"
+        tail = "\n".join(list(self.log)[-60:])     # whose stop was slow, or killed: the launcher logs it
+        assert killed or not leaked, f"`tandem up` stopped but left shared memory behind: {leaked}\n{tail}"
 
 
 def shm_segments_of(launcher_pid: int) -> list[str]:
