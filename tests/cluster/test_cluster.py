@@ -129,7 +129,10 @@ def test_partitioned_decode_host_streams_continue_elsewhere(tmp_path):
             for t in threads:
                 t.join(120)
             took = time.monotonic() - cut
-            assert all(not t.is_alive() for t in threads), "a stream hung"
+            hung = {p: progress[p] for p, t in zip(prompts, threads, strict=True) if t.is_alive()}
+            if hung:
+                moved = metric(c.router_metrics_url(), "tandem_router_migrations_total", 'outcome="migrated"')
+                pytest.fail(f"streams hung (chunks received so far): {hung}; migrated: {moved}")
             errors = {k: v for k, v in disturbed.items() if "error" in v}
             assert not errors, errors
             assert {k: v["text"] for k, v in disturbed.items()} == {k: v["text"] for k, v in undisturbed.items()}
