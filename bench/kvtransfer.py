@@ -40,9 +40,11 @@ receiver's shared-memory pool), to keep the memory of the run at about 11 GB wit
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import multiprocessing as mp
+import os
 import platform
 import random
 import socket
@@ -83,9 +85,26 @@ def _sg_iov(buf: torch.Tensor, layout: PoolLayout, starts: np.ndarray, lengths: 
 
 # ---- child processes -----------------------------------------------------------------------------------
 
-def receiver_child(conn, backend: str, layout: PoolLayout, options: dict, threads: int) -> None:
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(ns: str) -> None:
+    """Move this (single-threaded, socket-less) process into network namespace `ns`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+    finally:
+        os.close(fd)
+
+
+def receiver_child(conn, backend: str, layout: PoolLayout, options: dict, threads: int,
+                   host: str = "127.0.0.1", netns: str | None = None) -> None:
+    if netns:
+        enter_netns(netns)                               # before any socket or thread exists
     checksum.MAX_THREADS = threads                       # this run's --checksum-threads, in this process too
-    rx = create_receiver(backend, layout, "127.0.0.1", f"D-{backend}", **options)
+    rx = create_receiver(backend, layout, host, f"D-{backend}", **options)
     rx.buffer.zero_()                                   # touch every page once, as a running D would have
     conn.send(rx.metadata())
     while True:
@@ -185,12 +204,15 @@ class Checksums:
 class RxChild:
     """A receiver of one backend in its own process."""
 
-    def __init__(self, name: str, layout: PoolLayout, **options):
+    def __init__(self, name: str, layout: PoolLayout, host: str = "127.0.0.1", netns: str | None = None, **options):
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver_child, args=(child_conn, name, layout, options, checksum.MAX_THREADS),
-                                daemon=True)
+        self.proc = ctx.Process(target=receiver_child, daemon=True,
+                                args=(child_conn, name, layout, options, checksum.MAX_THREADS, host, netns))
         self.proc.start()
+        if not self.conn.poll(120):
+            self.proc.kill()
+            raise RuntimeError(f"the {name} receiver did not start (its traceback is above)")
         self.meta = self.conn.recv()
         self.worker_id = f"D-{name}"
 

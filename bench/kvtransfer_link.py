@@ -16,68 +16,17 @@ on the way), `unchecked` sends none. Rows are interleaved in a shuffled order, r
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing as mp
-import os
 import random
 import statistics
-import time
 
 import torch
 
 from tandem.bench.cluster.net import Network
 from tandem.bench.flags import add_load_flags, add_out_flag
-from tandem.bench.kvtransfer import smollm2_layout
+from tandem.bench.kvtransfer import Link, RxChild, smollm2_layout
 from tandem.bench.results import write_result
-from tandem.kvtransfer import create_receiver, create_sender
-from tandem.kvtransfer.base import RoomState
 from tandem.kvtransfer.protocol.checksum import available
-
-CLONE_NEWNET = 0x40000000
-
-
-def receiver_child(conn, ns: str, ip: str, layout) -> None:
-    """D: a tcp receiver inside namespace `ns` (entered before any socket or thread exists)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), f"setns into {ns}")
-    os.close(fd)
-    rx = create_receiver("tcp", layout, ip, "D-link")
-    rx.buffer.zero_()
-    conn.send(rx.metadata())
-    while True:
-        cmd, *args = conn.recv()
-        if cmd == "expect":
-            rx.expect(*args)
-        elif cmd == "poll":
-            conn.send(rx.poll(args[0]))
-            continue
-        elif cmd == "release":
-            rx.release(args[0])
-        else:
-            rx.close()
-            conn.send(None)
-            return
-        conn.send(None)
-
-
-def transfer(tx, peer: str, conn, src: list[int], dst: list[int], sender_id: str) -> float:
-    room = random.getrandbits(63)
-    conn.send(("expect", room, dst, sender_id))
-    conn.recv()
-    t0 = time.perf_counter()
-    tx.write(peer, room, src, dst)
-    tx.finish(peer, room, b"x")
-    st = tx.wait(room, timeout=120)
-    elapsed = time.perf_counter() - t0
-    assert st.state == RoomState.SUCCESS, st
-    conn.send(("poll", room))
-    assert conn.recv().state == RoomState.SUCCESS
-    conn.send(("release", room))
-    conn.recv()
-    tx.release(room)
-    return elapsed
 
 
 def main() -> None:
@@ -103,35 +52,24 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     with Network("kvlink") as net:
         host = net.add_host("d")
-        ctx = mp.get_context("spawn")
-        conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=receiver_child, args=(child_conn, host.ns, host.ip, layout), daemon=True)
-        proc.start()
-        if not conn.poll(60):
-            proc.kill()
-            raise RuntimeError("the receiver in the namespace did not start (its traceback is above)")
-        meta = conn.recv()
-        senders = {kind: create_sender("tcp", pool, layout, f"P-{kind}", **opts)
-                   for kind, opts in (("checked", {}), ("unchecked", {"checksums": ()}))}
+        rx = RxChild("tcp", layout, host=host.ip, netns=host.ns)
+        links = {}
         try:
-            for tx in senders.values():
-                tx.connect("D-link", meta)
+            links = {kind: Link(kind, rx, "tcp", pool, layout, "tcp", **opts)
+                     for kind, opts in (("checked", {}), ("unchecked", {"checksums": ()}))}
             for mbit in rates:
-                # tbf needs a bucket of at least a timer tick's worth of bytes at high rates.
-                net.shape("d", mbit or None, burst_kb=max(64, mbit // 8))
-                order = list(senders)
+                net.shape("d", mbit or None)
+                order = list(links)
                 for rep in range(args.repeats + 1):
                     rng.shuffle(order)
                     for kind in order:
-                        t = transfer(senders[kind], "D-link", conn, src, dst, f"P-{kind}")
+                        t = links[kind].transfer(src, dst)
                         if rep:
                             rows.setdefault(f"{kind}@{mbit}", []).append(t)
         finally:
-            for tx in senders.values():
-                tx.close()
-            conn.send(("exit",))
-            conn.recv()
-            proc.join(10)
+            for link in links.values():
+                link.tx.close()
+            rx.close()
 
     results, cost = [], {}
     print(f"\n{'link':<10}{'row':<11}{'median ms':>10}{'min ms':>9}{'Gbit/s':>8}")
