@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -189,6 +190,30 @@ class Cluster:
     def kill(self, name: str) -> None:
         self.children[name].kill()
         self.children[name].wait(10)
+
+    def diagnose(self, out: Path) -> Path:
+        """What a hang looks like from outside, written under `out`: every host's TCP sockets (queues,
+        timers, owners), every process's Python stacks (py-spy, when installed) and every /metrics."""
+        import httpx
+
+        out.mkdir(parents=True, exist_ok=True)
+        for name, host in self.net.hosts.items():
+            r = host.run(["ss", "-tnpoi"])
+            (out / f"{name}.ss.txt").write_text(r.stdout + r.stderr)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        for name, child in self.children.items():
+            if child.alive and name != "redis" and Path(spy).exists():
+                r = subprocess.run([spy, "dump", "--pid", str(child.proc.pid)], capture_output=True, text=True,
+                                   timeout=60)
+                (out / f"{name}.py-spy.txt").write_text(r.stdout + r.stderr)
+        urls = {"router": self.router_metrics_url(), **{n: self.worker_metrics_url(n) for n in self.worker_names()}}
+        for name, url in urls.items():
+            try:
+                text = httpx.get(url, timeout=5).text
+            except httpx.HTTPError as e:
+                text = f"{type(e).__name__}: {e}"
+            (out / f"{name}.metrics.txt").write_text(text)
+        return out
 
     def summary(self) -> dict:
         return {"network": self.net.name, "subnet": str(self.net.subnet), "redis": self.redis_url,

@@ -153,13 +153,18 @@ class Network:
         self.subnet = ipaddress.ip_network(f"10.213.{k}.0/24")
         self.k = k
         self.gateway_ip = str(self.subnet.network_address + 1)
+        self.bridge_mac = f"02:54:d5:{k:02x}:00:01"
         self.hosts: dict[str, Host] = {}
         self._closed = False
         if self.bridge in links(self.bridge):
             raise NetError(f"network {name!r} exists (bridge {self.bridge}); `python -m tandem.bench.cluster "
                            f"cleanup --name {name}` removes what a killed run left")
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
+            # A bridge takes the lowest MAC of its ports unless given one: a partitioned port that had
+            # it would change the bridge's address under the hosts' ARP caches, and traffic to the root
+            # namespace (the clients) would vanish until they expire (~1 min). A fixed, locally
+            # administered address keeps partitions from cutting anything but the host partitioned.
+            _ip("link", "add", self.bridge, "address", self.bridge_mac, "type", "bridge")
             _ip("addr", "add", f"{self.gateway_ip}/{self.subnet.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
         except Exception:

@@ -127,12 +127,18 @@ def test_partitioned_decode_host_streams_continue_elsewhere(tmp_path):
             cut = time.monotonic()
             net.partition("decode-0")
             for t in threads:
-                t.join(120)
+                t.join(max(0.0, cut + 45 - time.monotonic()))
             took = time.monotonic() - cut
             hung = {p: progress[p] for p, t in zip(prompts, threads, strict=True) if t.is_alive()}
             if hung:
                 moved = metric(c.router_metrics_url(), "tandem_router_migrations_total", 'outcome="migrated"')
-                pytest.fail(f"streams hung (chunks received so far): {hung}; migrated: {moved}")
+                where = c.diagnose(tmp_path / "hung")
+                for t in threads:
+                    t.join(max(0.0, cut + 120 - time.monotonic()))
+                late = {p: round(disturbed[p].get("max_gap_s", -1), 1) if p in disturbed else "never"
+                        for p in hung}
+                pytest.fail(f"streams hung 45 s after the cut (chunks received then): {hung}; migrated: {moved}; "
+                            f"their longest gap, if they ended within 120 s: {late}; diagnostics in {where}")
             errors = {k: v for k, v in disturbed.items() if "error" in v}
             assert not errors, errors
             assert {k: v["text"] for k, v in disturbed.items()} == {k: v["text"] for k, v in undisturbed.items()}

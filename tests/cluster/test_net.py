@@ -4,6 +4,7 @@ partitioned, a shaped link is limited, and close() leaves no namespace, veth or 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 if os.geteuid() != 0:
     pytest.skip("network namespaces need root", allow_module_level=True)
 
-from tandem.bench.cluster.net import Network, links, namespaces  # noqa: E402
+from tandem.bench.cluster.net import Network, _ip, links, namespaces  # noqa: E402
 
 ECHO = ("import socket,sys; s=socket.create_server(('0.0.0.0', 7000)); c,_=s.accept(); "
         "n=0\nwhile (b:=c.recv(1<<20)): n+=len(b)\nprint(n)")
@@ -50,6 +51,30 @@ def test_partition_heal_shape_and_nothing_left_behind():
         server.kill()
         bridge = net.bridge
     assert not namespaces(bridge) and bridge not in links(bridge)
+
+
+def test_partitioning_any_host_leaves_the_others_and_the_root_namespace_connected():
+    """The bridge keeps its address whichever port leaves it: before it was fixed, cutting off the host
+    whose veth had the lowest MAC changed the bridge's MAC, and every other host lost the root namespace
+    (where clients run) until its ARP entry expired."""
+    with Network("nmac") as net:
+        for name in ("a", "b", "c", "d"):
+            net.add_host(name)
+        root = socket.create_server((net.gateway_ip, 7003), backlog=64)   # a client's side of the bridge
+        code = f"import socket; socket.create_connection(('{net.gateway_ip}', 7003), timeout=1).close()"
+
+        def reach_root(host: str) -> bool:
+            return net.host(host).run([sys.executable, "-c", code]).returncode == 0
+
+        mac = _ip("-br", "link", "show", net.bridge).stdout.split()[2]
+        assert all(reach_root(h) for h in net.hosts)       # every host now has the bridge in its ARP cache
+        for name in net.hosts:
+            net.partition(name)
+            assert _ip("-br", "link", "show", net.bridge).stdout.split()[2] == mac, f"partitioning {name}"
+            assert all(reach_root(h) for h in net.hosts if h != name), f"partitioning {name}"
+            net.heal(name)
+            assert _ip("-br", "link", "show", net.bridge).stdout.split()[2] == mac, f"healing {name}"
+        root.close()
 
 
 def test_cut_separates_two_hosts_only_and_mend_joins_them():
