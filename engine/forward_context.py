@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,9 @@ class ForwardContext:
     is_decode: bool                # every sequence runs exactly one new token
     attn: AttentionBackend
     attn_metadata: Any = None      # backend-specific tensors, built by `attn.prepare(ctx)`
+    # Called with each layer's index right after it ran, its KV in the pool on a CPU device (on CUDA
+    # only queued): a prefill worker sends that layer's pages while the next layers compute.
+    after_layer: Callable[[int], None] | None = None
 
     @property
     def batch_size(self) -> int:

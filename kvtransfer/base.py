@@ -160,11 +160,18 @@ class KVSender(ABC):
         return []
 
     @abstractmethod
-    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
-        """Queue a write of P's `src_pages` into the peer's `dst_pages` (same length), all layers, K and V.
+    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int],
+              layers: tuple[int, int] | None = None) -> None:
+        """Queue a write of P's `src_pages` into the peer's `dst_pages` (same length), all layers (or
+        `layers` (first, end), where `writes_layers`), K and V.
 
         Returns at once; the copy happens in the background. The room becomes TRANSFERRING.
         """
+
+    def writes_layers(self, peer_id: str) -> bool:
+        """Whether `write(..., layers=(first, end))` reaches this connected peer: only those layers of
+        the pages, so a room can be sent a few layers at a time while its prefill runs."""
+        return False
 
     @abstractmethod
     def finish(self, peer_id: str, room: int, aux: bytes) -> None:

@@ -62,6 +62,7 @@ class ReceiverPath(ABC):
 
     kind: ClassVar[str]          # its name in the metadata's `backends`, in a sender's hello, in registry.py
     one_sided: ClassVar[bool] = False
+    layer_writes: ClassVar[bool] = False   # `incoming` takes WRITE_LAYERS frames (`layers` set)
 
     def memory(self) -> torch.Tensor | None:
         """D's pool (`layout.shape`, zero-filled) if this path must provide it (shm: in a shared-memory
@@ -74,9 +75,10 @@ class ReceiverPath(ABC):
         Raises TransferError."""
         return None
 
-    def incoming(self, ch: Channel, body: bytes, payload_len: int) -> Incoming:
-        """Two-sided paths: a WRITE frame arrived on control channel `ch` (one per connection). Raises
-        ProtocolError for a body it cannot parse (the connection is dropped)."""
+    def incoming(self, ch: Channel, body: bytes, payload_len: int, layers: tuple[int, int] | None = None) -> Incoming:
+        """Two-sided paths: a WRITE frame arrived on control channel `ch` (one per connection); with
+        `layers` (first, end), a WRITE_LAYERS frame of those layers only (paths with `layer_writes`).
+        Raises ProtocolError for a body it cannot parse (the connection is dropped)."""
         raise ProtocolError(f"the {self.kind} data path sends no WRITE frames")
 
     def conn_lost(self, ch: Channel) -> None:  # noqa: B027
@@ -95,6 +97,9 @@ class Link(ABC):
 
     kind: ClassVar[str]
     ch: Channel | None = None
+    # `write` and `write_summed` also take `layers=(first, end)`: the runs' pages of those layers only
+    # (a WRITE_LAYERS frame), for streaming a room while its prefill runs.
+    layer_writes: ClassVar[bool] = False
 
     def start(self, ch: Channel) -> None:
         """After the handshake: `ch` is the control channel to report on (WRITE frames, WROTE notes);

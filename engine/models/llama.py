@@ -99,8 +99,10 @@ class LlamaForCausalLM(torch.nn.Module):
         x = self.embed_tokens(ctx.input_ids)
         residual = None
         cos_sin = self.rope.lookup(ctx.positions)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, ctx, cos_sin)
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         # Only the last position of each sampling sequence needs the (large) vocab projection.
         h = self.norm.forward_fp32((x + residual).index_select(0, ctx.logits_indices))
         return compute_logits(h, self._vocab_weight(), self.vocab_projection)

@@ -96,6 +96,8 @@ class ModelRunner:
         self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)
         self._generators: dict[str, torch.Generator] = {}
         self._masks: ThreadPoolExecutor | None = None   # grammar masks beside a synchronous forward pass
+        # batch -> its forward pass's ForwardContext.after_layer, or None (a prefill worker's KV streaming)
+        self.layer_hook: Callable[[StepBatch], Callable[[int], None] | None] | None = None
         # Sampled tokens by future slot (engine/scheduler/future.py): written after each step's
         # sampling, read by the next step's inputs when overlap scheduling planned it early.
         self.future_map = torch.zeros(FutureSlots(cfg.max_running_requests).size, dtype=torch.int64,
@@ -225,6 +227,7 @@ class ModelRunner:
             kv_lens=kv_lens,
             is_decode=batch.is_decode,
             attn=self.attn,
+            after_layer=self.layer_hook(batch) if self.layer_hook is not None else None,
         )
         self.attn.prepare(ctx)
         return ctx

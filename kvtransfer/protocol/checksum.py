@@ -17,7 +17,7 @@ them it has too, wire.py):
   just received), shm on P (hashes each chunk it just copied); D's shm check and every check on
   nixl/ucx run on the checksum threads.
 - `xxh3`: XXH3-64 of the piece's pages end to end, page-major (each page's bytes of every region in
-  region order), from the `xxhash` package where it is installed; the pages are copied a few MiB at
+  region order; a WRITE_LAYERS piece: of its layers' regions only, as for crc32c), from the `xxhash` package where it is installed; the pages are copied a few MiB at
   a time into a staging buffer that stays in cache and hashed from there.
 - `crc32`: zlib's CRC-32 (standard library, always there), same order as xxh3, 2-3x slower.
 Checks not done on the way run on a few threads (`ChecksumPool`; ctypes, the copies and the hashing
@@ -156,9 +156,9 @@ def pages_sum(pages: np.ndarray, runs: np.ndarray, algorithm: str) -> int:
     return h.intdigest()
 
 
-def piece_pages(layout: PoolLayout) -> int:
-    """Pages per piece of a checked write (at least one)."""
-    return max(1, PIECE_BYTES // (layout.page_bytes * layout.num_layers * 2))
+def piece_pages(layout: PoolLayout, layers: int | None = None) -> int:
+    """Pages per piece of a checked write of `layers` layers (default: all; at least one page)."""
+    return max(1, PIECE_BYTES // (layout.page_bytes * (layers or layout.num_layers) * 2))
 
 
 class ChecksumPool:
@@ -170,9 +170,10 @@ class ChecksumPool:
         threads = threads or min(MAX_THREADS, os.cpu_count() or 1)
         self._ex = ThreadPoolExecutor(threads, thread_name_prefix=name)
 
-    def submit(self, runs: np.ndarray, algorithm: str) -> Future:
-        """The future `pages_sum` of runs `[n, 2]` (start, length)."""
-        return self._ex.submit(pages_sum, self._pages, np.array(runs, dtype=np.int64), algorithm)
+    def submit(self, runs: np.ndarray, algorithm: str, layers: tuple[int, int] | None = None) -> Future:
+        """The future `pages_sum` of runs `[n, 2]` (start, length), of `layers` (first, end) only if given."""
+        pages = self._pages if layers is None else self._pages[:, layers[0] * 2:layers[1] * 2]
+        return self._ex.submit(pages_sum, pages, np.array(runs, dtype=np.int64), algorithm)
 
     def close(self) -> None:
         self._ex.shutdown(wait=False, cancel_futures=True)

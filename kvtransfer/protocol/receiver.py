@@ -53,6 +53,7 @@ from tandem.kvtransfer.base import (
 from tandem.kvtransfer.datapath import ReceiverPath
 from tandem.kvtransfer.protocol import checksum, handshake
 from tandem.kvtransfer.protocol.room_checks import RoomChecks
+from tandem.kvtransfer.protocol.runs import pages_error
 from tandem.kvtransfer.protocol.wire import (
     HEADER,
     WROTE_BODY,
@@ -64,6 +65,7 @@ from tandem.kvtransfer.protocol.wire import (
     configure,
     parse_progress,
     serve_until_lost,
+    split_layers,
 )
 
 log = logging.getLogger(__name__)
@@ -95,10 +97,11 @@ class _Room(Room):
     aux: bytes | None = None
     conn: _Conn | None = None                # the connection that first wrote to it
     progress: Progress | None = None         # the sender's latest PROGRESS report
-    # Integrity (checked only for a sender that announced checksums):
-    landed_pages: int = 0                    # pages of writes that landed whole
+    # Integrity (checked only for a sender that announced checksums), counted in (page, layer) units:
+    landed_pages: int = 0                    # page-layers of writes that landed whole
     summed_pages: int = 0                    # ... of them, named by the SUMS frame that followed
     last_runs: np.ndarray | None = None      # (dst_start, length) of the last write, until its SUMS came
+    last_layers: tuple[int, int] | None = None   # ... its layers (first, end); None: all
     last_sum: int | None = None              # ... its checksum, where the data path computed it on arrival
     checking: int = 0                        # checks still running on the checksum threads
     mismatch: str = ""                       # why a check failed (the room fails at FINISH)
@@ -155,6 +158,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
         advertised = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
         self._meta = ReceiverMetadata(worker_id=worker_id, layout=layout, host=advertised, port=port,
                                       backends=self._backends, progress=True, checksums=checksum.available(),
+                                      layer_writes=tuple(k for k, p in self._paths.items() if p.layer_writes),
                                       entries=entries)
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{worker_id}", daemon=True)
         self._accept_thread.start()
@@ -273,8 +277,8 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
             while True:
                 kind, body_len, room, payload_len = conn.ch.recv_header()
                 body = conn.ch.recv_exact(body_len) if body_len else b""
-                if kind == Kind.WRITE:
-                    self._on_write(conn, room, body, payload_len)
+                if kind in (Kind.WRITE, Kind.WRITE_LAYERS):
+                    self._on_write(conn, room, body, payload_len, kind == Kind.WRITE_LAYERS)
                 elif kind == Kind.WROTE:
                     self._on_wrote(conn, room, body, payload_len)
                 elif kind == Kind.FINISH:
@@ -353,20 +357,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
         else:
             self.refusals.refused(f"kv receiver {self.worker_id}", f"a write of room {room} from {conn.peer_id}", why)
 
-    def _pages_error(self, r: _Room, runs: np.ndarray) -> str:
-        """Why page runs `[n, 2]` (dst_start, length) are not all the room's own pages."""
-        if runs.size == 0:
-            return ""
-        starts, lengths = runs[:, 0], runs[:, 1]
-        if (lengths <= 0).any():
-            return "empty run"
-        total = int(lengths.sum())
-        pages = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(total)
-        if not np.isin(pages, r.pages, assume_unique=False).all():
-            return "write outside the room's destination pages"
-        return ""
-
-    def _check_write(self, conn: _Conn, r: _Room | None, runs: np.ndarray, payload_len: int) -> str:
+    def _check_write(self, conn: _Conn, r: _Room | None, runs: np.ndarray, payload_len: int, layers: int) -> str:
         """Why a WRITE must be discarded ("" if it may land). Caller holds the lock."""
         why = self._owner_error(conn, r)
         if why:
@@ -375,21 +366,22 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
             return f"room already {r.state.value}"
         if runs.size == 0:
             return "empty run"
-        why = self._pages_error(r, runs)
+        why = pages_error(r.pages, runs)
         if why:
             return why
         total = int(runs[:, 1].sum())
-        if payload_len != total * self.layout.num_layers * 2 * self.layout.page_bytes:
-            return f"payload of {payload_len} bytes for {total} pages"
+        if payload_len != total * layers * 2 * self.layout.page_bytes:
+            return f"payload of {payload_len} bytes for {total} pages of {layers} layers"
         return ""
 
-    def _admit_write(self, conn: _Conn, room: int, runs: np.ndarray, payload_len: int) -> tuple[_Room | None, str]:
+    def _admit_write(self, conn: _Conn, room: int, runs: np.ndarray, payload_len: int,
+                     layers: int) -> tuple[_Room | None, str]:
         """Whether a WRITE may land: (room, "") with the room TRANSFERRING and `conn` busy on it, or
         (room, why not), logged. A refused write fails the room only when it came from the room's own
         sender: a stranger's write never hurts someone else's room."""
         with self._lock:
             r = self._rooms.get(room)
-            why = self._check_write(conn, r, runs, payload_len)
+            why = self._check_write(conn, r, runs, payload_len, layers)
             if why:
                 self._refuse(conn, room, why)
                 if not self._owner_error(conn, r) and not r.state.done:
@@ -402,10 +394,17 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
                     r.t_first = time.monotonic()
         return r, why
 
-    def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
-        """A two-sided path's write: its path reads the bytes; this side decides whether they may land."""
-        incoming = self._paths[conn.path].incoming(conn.ch, body, payload_len)
-        r, why = self._admit_write(conn, room, incoming.runs, payload_len)
+    def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int, ranged: bool) -> None:
+        """A two-sided path's write (`ranged`: of a few layers only): its path reads the bytes; this side
+        decides whether they may land."""
+        path, layers = self._paths[conn.path], None
+        if ranged and not path.layer_writes:
+            raise ProtocolError(f"WRITE_LAYERS over {conn.path}, which takes none")
+        if ranged:
+            layers, body = split_layers(body, self.layout.num_layers)
+        incoming = path.incoming(conn.ch, body, payload_len, layers) if ranged else path.incoming(conn.ch, body, payload_len)
+        r, why = self._admit_write(conn, room, incoming.runs, payload_len,
+                                   layers[1] - layers[0] if layers else self.layout.num_layers)
         if why:
             incoming.discard()
             conn.ch.try_send(Kind.ABORT, room, why.encode())
@@ -417,7 +416,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
             with self._lock:
                 conn.busy_room = None
                 r.bytes += landed
-                self._landed(r, incoming.runs, landed, value)
+                self._landed(r, incoming.runs, landed, value, layers)
                 self._cond.notify_all()
 
     def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
@@ -432,7 +431,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
         with self._lock:
             r = self._rooms.get(room)
             why = self._owner_error(conn, r) or ("" if not r.state.done else f"room already {r.state.value}")
-            outside = "" if why else self._pages_error(r, runs)
+            outside = "" if why else pages_error(r.pages, runs)
             why = why or outside
             if why:
                 self._refuse(conn, room, why)

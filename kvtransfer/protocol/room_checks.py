@@ -48,14 +48,15 @@ class RoomChecks:
             return incoming.receive_summed(stop, conn.checksum)
         return incoming.receive(stop), None
 
-    def _landed(self, r: _Room, runs: np.ndarray, nbytes: int, value: int | None = None) -> None:
-        """A write of runs `[n, 2]` (dst_start, length) put `nbytes` into the room's pages: a whole one
-        waits for its SUMS. `value`: the checksum the data path computed of it as it landed (None: the
-        checksum threads compute it). Caller holds the lock."""
-        pages = int(runs[:, 1].sum())
-        if nbytes == pages * self.layout.num_layers * 2 * self.layout.page_bytes:
-            r.landed_pages += pages
-            r.last_runs, r.last_sum = runs, value
+    def _landed(self, r: _Room, runs: np.ndarray, nbytes: int, value: int | None = None,
+                layers: tuple[int, int] | None = None) -> None:
+        """A write of runs `[n, 2]` (dst_start, length), of `layers` (first, end; None: all), put `nbytes`
+        into the room's pages: a whole one waits for its SUMS. `value`: the checksum the data path
+        computed of it as it landed (None: the checksum threads compute it). Caller holds the lock."""
+        units = int(runs[:, 1].sum()) * (layers[1] - layers[0] if layers else self.layout.num_layers)
+        if nbytes == units * 2 * self.layout.page_bytes:
+            r.landed_pages += units
+            r.last_runs, r.last_sum, r.last_layers = runs, value, layers
 
     def _on_sums(self, conn: _Conn, room: int, body: bytes) -> None:
         """The checksums of the write before: hand their check to the checksum threads and read on."""
@@ -70,11 +71,12 @@ class RoomChecks:
             if expected is None or not np.array_equal(expected, runs):
                 r.mismatch = r.mismatch or "checksums for other pages than the write before them"
                 return
-            r.summed_pages += int(runs[:, 1].sum())
+            layers = r.last_layers
+            r.summed_pages += int(runs[:, 1].sum()) * (layers[1] - layers[0] if layers else self.layout.num_layers)
             r.landed_at = time.monotonic()   # bytes are arriving: a slow link is not a dead one
             r.checking += 1
         if value is None:
-            check = self._sums.submit(runs, conn.checksum)
+            check = self._sums.submit(runs, conn.checksum, layers)
         else:                                # computed as the bytes landed
             check = Future()
             check.set_result(value)
@@ -104,7 +106,10 @@ class RoomChecks:
         the sender read. Returns the answer for the sender. Caller holds the lock."""
         if conn.checksum and not r.mismatch and r.summed_pages != r.landed_pages:
             missing = r.landed_pages - r.summed_pages
-            r.mismatch = f"{missing} of {r.landed_pages} pages arrived without a checksum"
+            per = self.layout.num_layers   # whole pages where they add up to them, else page-layers
+            unit = "pages" if not (missing % per or r.landed_pages % per) else "page-layers"
+            missing, landed = (missing // per, r.landed_pages // per) if unit == "pages" else (missing, r.landed_pages)
+            r.mismatch = f"{missing} of {landed} {unit} arrived without a checksum"
         if r.mismatch:
             why = f"KV integrity check failed: {r.mismatch}"
             r.corrupt = True

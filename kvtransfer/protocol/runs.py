@@ -62,3 +62,17 @@ def split_runs(runs: np.ndarray, max_pages: int) -> list[np.ndarray]:
     if piece:
         pieces.append(np.array(piece, dtype=np.int64))
     return pieces
+
+
+def pages_error(allowed: np.ndarray, runs: np.ndarray) -> str:
+    """Why page runs `[n, 2]` (start, length) do not all lie in `allowed` ("" if they do)."""
+    if runs.size == 0:
+        return ""
+    starts, lengths = runs[:, 0], runs[:, 1]
+    if (lengths <= 0).any():
+        return "empty run"
+    total = int(lengths.sum())
+    pages = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(total)
+    if not np.isin(pages, allowed, assume_unique=False).all():
+        return "write outside the room's destination pages"
+    return ""

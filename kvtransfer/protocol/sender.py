@@ -19,6 +19,9 @@ most PIECE_BYTES; `write()` queues each piece's checksum on the checksum threads
 piece with its SUMS frame. Fault injection (`corrupt`, test-only) flips one byte of a drawn room's
 first piece on its way, after the checksum was taken.
 
+Layer writes (`writes_layers`: the receiver takes them over this path): `write(..., layers=(first, end))`
+sends those layers only (WRITE_LAYERS), so P can stream a room while its forward pass runs.
+
 Abort: `abort(room)` fails the room, puts an ABORT frame at the head of the queue (so D fails the
 room too), and waits until the sender thread is not working on the room (queued jobs of a failed room
 are skipped; an shm copy stops at the next run, or piece where it checksums on the way; a tcp frame
@@ -80,6 +83,7 @@ class _Job:
     runs: np.ndarray | None = None           # WRITE: [n, 3] (src_start, dst_start, length)
     body: bytes = b""
     sums: Future | None = None               # WRITE: its checksum, for the SUMS frame after it
+    layers: tuple[int, int] | None = None    # WRITE: of these layers (first, end) only (WRITE_LAYERS)
     corrupt: bool = False                    # WRITE: fault injection flips a byte of it in flight
 
 
@@ -93,6 +97,7 @@ class _Peer:
         self.link = link
         self.checksum = ""                       # the algorithm of the SUMS sent to it ("": none)
         self.inline = link.sums_inline()         # ... those its link computes on the way
+        self.layer_writes = link.layer_writes and link.kind in meta.layer_writes   # WRITE_LAYERS reach it
         self.cond = threading.Condition(lock)
         self.queue: collections.deque[_Job] = collections.deque()
         self.reports: dict[int, _Job] = {}       # room -> its PROGRESS job still in `queue`
@@ -205,10 +210,20 @@ class Sender(RoomTable, KVSender):
             peer = self._peers.get(peer_id)
         return peer.link.transports() if peer is not None else []
 
-    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
+    def writes_layers(self, peer_id: str) -> bool:
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            return peer is not None and peer.alive and peer.layer_writes
+
+    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int],
+              layers: tuple[int, int] | None = None) -> None:
         if len(src_pages) != len(dst_pages):
             raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
         peer = self._peer(peer_id)
+        if layers is not None and not 0 <= layers[0] < layers[1] <= self.layout.num_layers:
+            raise ValueError(f"room {room}: layers {layers} of a {self.layout.num_layers}-layer pool")
+        if layers is not None and not peer.layer_writes:
+            raise TransferError(f"{peer_id} takes no layer writes over {peer.link.kind}")
         src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
         dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
         if src.size and (src.min() < 0 or src.max() >= self.layout.num_pages):
@@ -216,8 +231,10 @@ class Sender(RoomTable, KVSender):
         if dst.size and (dst.min() < 0 or dst.max() >= peer.meta.layout.num_pages):
             raise ValueError(f"room {room}: destination pages outside [0, {peer.meta.layout.num_pages})")
         runs = np.asarray(merge_runs(src.tolist(), dst.tolist()), dtype=np.int64).reshape(-1, 3)
-        pieces = split_runs(runs, self._piece_pages) if peer.checksum else [runs]
-        self._enqueue(peer_id, room, *(_Job(Kind.WRITE, room, runs=piece) for piece in pieces if len(piece)))
+        per = checksum.piece_pages(self.layout, layers[1] - layers[0]) if layers else self._piece_pages
+        pieces = split_runs(runs, per) if peer.checksum else [runs]
+        self._enqueue(peer_id, room, *(_Job(Kind.WRITE, room, runs=piece, layers=layers)
+                                       for piece in pieces if len(piece)))
 
     def finish(self, peer_id: str, room: int, aux: bytes) -> None:
         if len(aux) > MAX_BODY:
@@ -321,7 +338,7 @@ class Sender(RoomTable, KVSender):
                 r.tamper = jobs[0].corrupt = bool(self._corrupt(room))
             for job in jobs:        # over (src_start, length): P's own pages, unless the link hashes them
                 if job.kind == Kind.WRITE and peer.checksum and peer.checksum not in peer.inline:
-                    job.sums = self._sums.submit(job.runs[:, ::2], peer.checksum)
+                    job.sums = self._sums.submit(job.runs[:, ::2], peer.checksum, job.layers)
             if jobs:
                 peer.queue.extend(jobs)
                 peer.cond.notify_all()
@@ -399,12 +416,14 @@ class Sender(RoomTable, KVSender):
                     peer.busy_room = job.room
             nbytes = 0
             try:
+                ranged = {"layers": job.layers} if job.layers is not None else {}
                 if job.kind == Kind.WRITE and peer.checksum in peer.inline:
                     nbytes, value = peer.link.write_summed(job.room, job.runs, lambda r=r: r.state.done,
-                                                           peer.checksum, corrupt=job.corrupt)
+                                                           peer.checksum, corrupt=job.corrupt, **ranged)
                     self._send_sums(peer, job, r, nbytes, value)
                 elif job.kind == Kind.WRITE:
-                    nbytes = peer.link.write(job.room, job.runs, lambda r=r: r.state.done, corrupt=job.corrupt)
+                    nbytes = peer.link.write(job.room, job.runs, lambda r=r: r.state.done, corrupt=job.corrupt,
+                                             **ranged)
                     if job.sums is not None:
                         self._send_sums(peer, job, r, nbytes, None)
                 else:
@@ -424,7 +443,8 @@ class Sender(RoomTable, KVSender):
     def _send_sums(self, peer: _Peer, job: _Job, r: _Room, nbytes: int, value: int | None) -> None:
         """The SUMS frame of a write the link moved whole (one it cut short belongs to a failed room):
         `value`, the link's own checksum of it, or the checksum threads'."""
-        whole = int(job.runs[:, 2].sum()) * self.layout.num_layers * 2 * self.layout.page_bytes
+        first, end = job.layers or (0, self.layout.num_layers)
+        whole = int(job.runs[:, 2].sum()) * (end - first) * 2 * self.layout.page_bytes
         if nbytes != whole or r.state.done:
             if job.sums is not None:
                 job.sums.cancel()

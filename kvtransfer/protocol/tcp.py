@@ -1,8 +1,9 @@
 """tcp data path: page bytes travel on the control connection itself, so it works between any two hosts.
 
-A WRITE frame's payload is the source pages of every (layer, K|V) region, region-major and run-minor,
-sent with one gather `sendmsg` per IOV_MAX pages straight from P's pool and received with one scatter
-`recvmsg` per IOV_MAX pages straight into D's pool: no staging buffer, no copy besides the kernel's.
+A WRITE frame's payload is the source pages of every (layer, K|V) region (a WRITE_LAYERS frame's: of
+its layers' regions), region-major and run-minor, sent with one gather `sendmsg` per IOV_MAX pages
+straight from P's pool and received with one scatter `recvmsg` per IOV_MAX pages straight into D's
+pool: no staging buffer, no copy besides the kernel's.
 With crc32c checksums (protocol/checksum.py) both sides move ~1 MiB at a time instead and hash each
 chunk right after the kernel copied it, while it is in cache.
 """
@@ -18,17 +19,27 @@ from tandem.kvtransfer.base import PoolLayout
 from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol import checksum
 from tandem.kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
-from tandem.kvtransfer.protocol.wire import HEADER, Channel, Kind, ProtocolError, ReceiverMetadata
+from tandem.kvtransfer.protocol.wire import (
+    HEADER,
+    Channel,
+    Kind,
+    ProtocolError,
+    ReceiverMetadata,
+    layers_body,
+)
 
 
-def _regions(layout: PoolLayout) -> np.ndarray:
-    return np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
+def _regions(layout: PoolLayout, layers: tuple[int, int] | None = None) -> np.ndarray:
+    """The first page of each (layer, K|V) region the pages travel in (of `layers` (first, end) only)."""
+    first, end = layers or (0, layout.num_layers)
+    return np.arange(first * 2, end * 2, dtype=np.int64) * layout.num_pages
 
 
 class TcpReceiverPath(ReceiverPath):
     """D side: reads a WRITE frame's pages from the control connection straight into the pool."""
 
     kind = "tcp"
+    layer_writes = True
 
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, native_iov: bool = True):
         self._layout = layout
@@ -38,14 +49,15 @@ class TcpReceiverPath(ReceiverPath):
     def attach(self, pool: torch.Tensor, busy: Callable[[], bool]) -> None:
         self._pool = pool
 
-    def incoming(self, ch: Channel, body: bytes, payload_len: int) -> Incoming:
+    def incoming(self, ch: Channel, body: bytes, payload_len: int, layers: tuple[int, int] | None = None) -> Incoming:
         if len(body) % 16:
             raise ProtocolError("WRITE body is not int64 (dst_start, length) pairs")
         runs = np.frombuffer(body, dtype="<i8").reshape(-1, 2)
-        return Incoming(runs, lambda stop: recv_pages(ch, self._pool, self._layout, runs, stop, self._native)[0],
+        return Incoming(runs, lambda stop: recv_pages(ch, self._pool, self._layout, runs, stop, self._native,
+                                                      layers=layers)[0],
                         lambda: ch.drain(payload_len),
                         lambda stop, algorithm: recv_pages(ch, self._pool, self._layout, runs, stop, self._native,
-                                                           algorithm))
+                                                           algorithm, layers))
 
 
 class TcpSenderPath(SenderPath):
@@ -69,6 +81,7 @@ class TcpLink(Link):
     """P side: sends a room's page runs on the control channel (called from the peer's sender thread)."""
 
     kind = "tcp"
+    layer_writes = True
 
     def __init__(self, src: torch.Tensor, layout: PoolLayout, native: bool = True):
         self._src = src
@@ -76,27 +89,31 @@ class TcpLink(Link):
         self._regions = _regions(layout)
         self._native = native
 
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
-        """Sends runs `[n, 3]` (src_start, dst_start, length) as one WRITE frame.
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False,
+              layers: tuple[int, int] | None = None) -> int:
+        """Sends runs `[n, 3]` (src_start, dst_start, length) as one WRITE frame (WRITE_LAYERS with
+        `layers`).
 
         A started frame is always sent whole (the receiver drains what it no longer wants), so `stop`
         is not consulted: the in-flight write of an aborted room takes at most one frame's time.
         """
-        return self._send(room, runs, corrupt, "")[0]
+        return self._send(room, runs, corrupt, "", layers)[0]
 
     def sums_inline(self) -> tuple[str, ...]:
         return ("crc32c",) if checksum.native_crc32c() else ()
 
     def write_summed(self, room: int, runs: np.ndarray, stop: Callable[[], bool], algorithm: str,
-                     corrupt: bool = False) -> tuple[int, int]:
+                     corrupt: bool = False, layers: tuple[int, int] | None = None) -> tuple[int, int]:
         """`write`, with the CRC-32C of the source bytes in wire order, each chunk hashed right after
         the socket took it (still in cache)."""
-        return self._send(room, runs, corrupt, algorithm)
+        return self._send(room, runs, corrupt, algorithm, layers)
 
-    def _send(self, room: int, runs: np.ndarray, corrupt: bool, algorithm: str) -> tuple[int, int]:
+    def _send(self, room: int, runs: np.ndarray, corrupt: bool, algorithm: str,
+              layers: tuple[int, int] | None) -> tuple[int, int]:
         pb = self._layout.page_bytes
         base = self._src.data_ptr()
-        iov = page_iov(base, self._regions, runs[:, 0], runs[:, 2], pb)
+        regions = self._regions if layers is None else _regions(self._layout, layers)
+        iov = page_iov(base, regions, runs[:, 0], runs[:, 2], pb)
         wire = iov
         if corrupt:       # the first piece goes out from a copy with a byte flipped (the checksum is P's)
             start, n = int(iov[0, 0]) - base, int(iov[0, 1])
@@ -105,14 +122,17 @@ class TcpLink(Link):
             wire = iov.copy()
             wire[0] = (tampered.ctypes.data, n)
         body = np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
-        payload = int(runs[:, 2].sum()) * len(self._regions) * pb
+        kind = Kind.WRITE if layers is None else Kind.WRITE_LAYERS
+        if layers is not None:
+            body = layers_body(layers) + body
+        payload = int(runs[:, 2].sum()) * len(regions) * pb
         crc = checksum.native_crc32c() if algorithm == "crc32c" else None
         value = 0
         ch = self.ch
         with ch.send_lock:
             if ch.closed:
                 raise ConnectionError("channel closed")
-            ch.sock.sendall(HEADER.pack(Kind.WRITE, len(body), room, payload) + body)
+            ch.sock.sendall(HEADER.pack(kind, len(body), room, payload) + body)
             if crc is None:
                 send_iov(ch.sock, wire, self._native)
             else:
@@ -129,15 +149,17 @@ def _chunks(iov: np.ndarray) -> list[tuple[int, int]]:
 
 
 def recv_pages(channel: Channel, buffer: torch.Tensor, layout: PoolLayout, runs: np.ndarray,
-               stop: Callable[[], bool], native: bool = True, algorithm: str = "") -> tuple[int, int | None]:
-    """D side: receive a WRITE payload for runs `[n, 2]` (dst_start, length) straight into `buffer`.
+               stop: Callable[[], bool], native: bool = True, algorithm: str = "",
+               layers: tuple[int, int] | None = None) -> tuple[int, int | None]:
+    """D side: receive a WRITE payload for runs `[n, 2]` (dst_start, length) straight into `buffer`
+    (a WRITE_LAYERS payload: `layers` (first, end) only).
 
     `stop` is checked before every chunk; once it is true the rest of the payload is drained and
     discarded. Returns the bytes that landed in the pool and, for `algorithm` "crc32c" (where the native
     one is here), the CRC-32C of what landed, each chunk hashed right after it arrived; else None.
     """
     assert runs.size == 0 or int((runs[:, 0] + runs[:, 1]).max()) <= layout.num_pages
-    iov = page_iov(buffer.data_ptr(), _regions(layout), runs[:, 0], runs[:, 1], layout.page_bytes)
+    iov = page_iov(buffer.data_ptr(), _regions(layout, layers), runs[:, 0], runs[:, 1], layout.page_bytes)
     crc = checksum.native_crc32c() if algorithm == "crc32c" else None
     chunks = _chunks(iov) if crc is not None else [(lo, min(lo + IOV_MAX, len(iov))) for lo in range(0, len(iov), IOV_MAX)]
     total = int(iov[:, 1].sum())

@@ -10,6 +10,7 @@ of body, then (WRITE only) `payload_len` bytes of page data:
 | HELLO     | P->D | JSON {version, worker_id, epoch, layout, path, checksum, nonce, proof} | - |
 | HELLO_ACK | D->P | JSON {ok, error, aborted: [room...], proof} | -                           |
 | WRITE     | P->D | int64 [n_runs, 2] (dst_start, length)  | pages, (layer, K|V)-major, run-minor |
+| WRITE_LAYERS | P->D | `<II` first layer, layer count; then the WRITE body | the pages of those layers' regions only, as WRITE |
 | WROTE     | P->D | `<d` monotonic time the copy began, then int64 (dst_start, length) runs (one-sided paths: P already copied payload_len bytes into those pages) | - |
 | FINISH    | P->D | the room's aux record                  | -                                |
 | DONE      | D->P | - (D marked the room SUCCESS)          | -                                |
@@ -31,10 +32,16 @@ hello (`"checksum": "xxh3"`: the first of them it has too) sends SUMS and has it
 peers stay explicit: a sender from before it sends none, and D completes its rooms unchecked (warning
 once per connection); a receiver from before it advertises none, and P sends none (a warning too).
 
+WRITE_LAYERS lets P send a room's pages a few layers at a time, as soon as its forward pass wrote
+them (streaming during the prefill, services/prefill/worker.py), instead of all layers after it. The
+same kind of capability again: a receiver lists the data paths it takes them on (`"layer_writes":
+["tcp"]`; absent: none) and a sender sends them only to such a receiver over such a path. Integrity
+and accounting are per (page, layer): the SUMS after a WRITE_LAYERS covers that write's layers.
+
 Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON with sorted keys:
 `{"version": 2, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
   "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype}, "progress": bool,
-  "checksums": [str], "shm": null | {...}}` and one more entry for each data path that advertises
+  "checksums": [str], "layer_writes": [str], "shm": null | {...}}` and one more entry for each data path that advertises
 one, under the path's name (what its `ReceiverPath.attach` returns; the protocol only carries it):
 "shm" (protocol/shm.py: path, size, offset, nonce, hostname; always written, null when the receiver
 offers no shm, as every v2 receiver did), "nixl" and "ucx" (kvtransfer/backends/). "progress" absent:
@@ -65,6 +72,7 @@ VERSION = 2
 HEADER = struct.Struct("<B3xIQQ")
 WROTE_BODY = struct.Struct("<d")       # followed by the runs, as a WRITE body
 PROGRESS_BODY = struct.Struct("<QQQd")  # tokens done, tokens of the prompt, tokens queued ahead, expected_s
+LAYERS_BODY = struct.Struct("<II")      # WRITE_LAYERS: first layer, layer count; followed by a WRITE body
 MAX_BODY = 64 << 20
 
 
@@ -80,6 +88,7 @@ class Kind(enum.IntEnum):
     CHALLENGE = 9
     PROGRESS = 10
     SUMS = 11
+    WRITE_LAYERS = 12
 
 
 class ProtocolError(TransferError):
@@ -98,7 +107,8 @@ class Timeouts:
                                 # (TCP_USER_TIMEOUT; a slow link acknowledges all the time, so it stays up)
 
 
-_CORE_KEYS = frozenset({"version", "worker_id", "backends", "host", "port", "layout", "progress", "checksums"})
+_CORE_KEYS = frozenset({"version", "worker_id", "backends", "host", "port", "layout", "progress", "checksums",
+                        "layer_writes"})
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,7 @@ class ReceiverMetadata:
     backends: tuple[str, ...]
     progress: bool = False              # takes PROGRESS frames
     checksums: tuple[str, ...] = ()     # checks SUMS frames of these algorithms, preferred first
+    layer_writes: tuple[str, ...] = ()  # takes WRITE_LAYERS frames over these data paths
     entries: Mapping[str, dict] = dataclasses.field(default_factory=dict)   # data path name -> its entry
 
     def to_bytes(self) -> bytes:
@@ -120,6 +131,8 @@ class ReceiverMetadata:
         }
         if self.checksums:
             d["checksums"] = list(self.checksums)
+        if self.layer_writes:
+            d["layer_writes"] = list(self.layer_writes)
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -131,7 +144,7 @@ class ReceiverMetadata:
             return cls(
                 worker_id=str(d["worker_id"]), layout=PoolLayout(**d["layout"]), host=str(d["host"]),
                 port=int(d["port"]), backends=tuple(d["backends"]), progress=d.get("progress") is True,
-                checksums=_names(d.get("checksums", [])),
+                checksums=_names(d.get("checksums", [])), layer_writes=_names(d.get("layer_writes", [])),
                 entries={k: v for k, v in d.items() if k not in _CORE_KEYS and isinstance(v, dict)},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -242,6 +255,20 @@ def wrote_body(started: float, runs) -> bytes:
 
     pairs = np.ascontiguousarray(np.asarray(runs, dtype=np.int64).reshape(-1, 3)[:, 1:], dtype="<i8")
     return WROTE_BODY.pack(started) + pairs.tobytes()
+
+
+def split_layers(body: bytes, num_layers: int) -> tuple[tuple[int, int], bytes]:
+    """A WRITE_LAYERS body: ((first layer, end layer), the WRITE body after it). Raises ProtocolError."""
+    if len(body) < LAYERS_BODY.size:
+        raise ProtocolError("WRITE_LAYERS body without its layer range")
+    first, count = LAYERS_BODY.unpack_from(body)
+    if count < 1 or first + count > num_layers:
+        raise ProtocolError(f"WRITE_LAYERS of layers {first}..{first + count - 1} in a {num_layers}-layer pool")
+    return (first, first + count), body[LAYERS_BODY.size:]
+
+
+def layers_body(layers: tuple[int, int]) -> bytes:
+    return LAYERS_BODY.pack(layers[0], layers[1] - layers[0])
 
 
 def progress_body(p: Progress) -> bytes:

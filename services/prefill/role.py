@@ -29,7 +29,7 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
                            wcfg.id, **transfer_options(wcfg, "sender"), **sender_options(wcfg.faults, wcfg.id))
     sender = wrap_sender(sender, wcfg.faults, wcfg.id)
     worker = PrefillWorker(engine, sender, PrefillTimeouts(wcfg.bootstrap_timeout_s, wcfg.transfer_timeout_s),
-                           max_rooms=wcfg.max_queue)
+                           max_rooms=wcfg.max_queue, stream_layers=wcfg.stream_layers)
 
     def add_servicers(server, loop) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, loop), server)

@@ -2,8 +2,10 @@
 
 Runs only on the engine thread (see services/worker/loop.py). A room is computed only once both the
 router's Prefill and D's Bootstrap have arrived (either may come first): D's memory pressure thus
-back-pressures P. After every prefill chunk the pages it completed are written to D; with the last
-chunk the first token goes along as the aux record. P keeps the prompt's pages until the transfer
+back-pressures P. The pages a prefill chunk completes are written to D while the chunk's forward pass
+runs, `stream_layers` layers at a time as soon as those layers' KV is in the pool (where D's data
+path takes layer writes: tcp), so that little is left to send after the last layer; else after the
+chunk. With the last chunk the first token goes along as the aux record. P keeps the prompt's pages until the transfer
 reports success or failure, then releases them into its prefix cache. Before each step P reports the
 progress of its bootstrapped rooms to their decode workers (progress.py), whose transfer timeout
 follows it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.errors import InvalidRequest, ResourceExhausted
@@ -37,7 +40,8 @@ class PrefillTimeouts:
 
 
 class PrefillWorker:
-    def __init__(self, engine: LLMEngine, sender: KVSender, timeouts: PrefillTimeouts, max_rooms: int = 1024):
+    def __init__(self, engine: LLMEngine, sender: KVSender, timeouts: PrefillTimeouts, max_rooms: int = 1024,
+                 stream_layers: int = 0):
         self.engine = engine
         self.sched = engine.scheduler
         self._export_tiers = metrics.kv_tier_exporter(engine)
@@ -50,6 +54,13 @@ class PrefillWorker:
         self.outstanding_seen = 0
         self.progress = ProgressReporter(sender)
         metrics.QUEUE_CAP.labels("bootstrap").set(max_rooms)
+        # Streaming needs the forward pass on this thread (no overlap) and the KV in CPU memory when
+        # a layer returns (on CUDA it is only queued then).
+        self.stream_layers = stream_layers if not engine.overlap and engine.runner.device.type == "cpu" else 0
+        self.num_layers = engine.runner.model_cfg.num_layers
+        self._stream_failed: dict[int, str] = {}    # room -> why a layer write could not be queued
+        if self.stream_layers > 0:
+            engine.runner.layer_hook = self._layer_writes
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
     def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0,
@@ -114,6 +125,10 @@ class PrefillWorker:
                                    time.perf_counter() - t0)
         # With overlap, `advance` launches the next chunk before this one's pages are sent, so
         # each send uses the step's own extent, not the request's (already advanced) count.
+        for room_id, why in self._stream_failed.items():
+            if (room := self.rooms.get(room_id)) is not None:
+                self._fail(room, f"KV transfer failed: {why}")
+        self._stream_failed.clear()
         for batch, sampled in finished:
             metrics.STEPS.labels("prefill").inc()
             done = {req.rid: tok for req, tok in sampled}
@@ -182,6 +197,37 @@ class PrefillWorker:
             self._fail(room, str(e), rejection=e)  # the caller's answer: RESOURCE_EXHAUSTED, not a retry
         for req, err in self.sched.take_evicted():  # lower-priority rooms this one pushed out
             self._fail(self._by_rid[req.rid], str(err), rejection=err)
+
+    def _layer_writes(self, batch) -> Callable[[int], None] | None:
+        """The model runner's layer hook, called as a step's forward pass is built: the pages this step
+        completes, of the rooms whose decode worker takes layer writes, claimed now and sent every
+        `stream_layers` layers (and after the last) while the pass runs. None: nothing to stream."""
+        sends = []
+        for seq in batch.seqs:
+            room = self._by_rid.get(seq.req.rid)
+            if room is None or room.state.done or not room.ready or not self.sender.writes_layers(room.info.peer_id):
+                continue
+            computed = seq.prefix_len + len(seq.input_ids)
+            src, dst = room.pages_to_send(self.page_size, computed, final=computed >= len(room.req.prompt_ids))
+            if src:
+                room.state = RoomState.TRANSFERRING
+                sends.append((room, src, dst))
+        if not sends:
+            return None
+        group, last = self.stream_layers, self.num_layers - 1
+
+        def after_layer(i: int) -> None:
+            if (i + 1) % group and i != last:
+                return
+            for room, src, dst in sends:
+                if room.room in self._stream_failed:
+                    continue
+                try:
+                    self.sender.write(room.info.peer_id, room.room, src, dst, layers=(i // group * group, i + 1))
+                except Exception as e:  # noqa: BLE001 - the room fails after the step, the pass goes on
+                    self._stream_failed[room.room] = f"{type(e).__name__}: {e}"
+
+        return after_layer
 
     def _send(self, room: PrefillRoom, computed: int, final: bool) -> None:
         src, dst = room.pages_to_send(self.page_size, computed, final)

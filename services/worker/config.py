@@ -41,6 +41,7 @@ class WorkerConfig:
     metrics_port: int = 0               # 0: any free port, -1: off
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    stream_layers: int = 5              # prefill: layers per KV write streamed while a chunk computes; 0: off
     max_queue: int = 1024               # bootstrap rooms (P); D's prealloc queue: EngineConfig.max_queued_requests
     drain_timeout_s: float = 10.0       # SIGTERM: the most a drain waits (keep it below the pod's grace period)
     watchdog_timeout_s: float = 300.0   # a step still running after this dumps stacks and exits; 0: off
@@ -81,6 +82,16 @@ def _cpu_cores(text: str) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 _W = Owner.WORKER
 WORKER_FLAGS = (
     HOST, PORT,
@@ -107,6 +118,11 @@ WORKER_FLAGS = (
          "the bootstrap or the prefill worker's last progress report (a long prefill on a slow CPU is waited for "
          "while it keeps reporting); on a prefill worker, after its last chunk is computed",
          field="transfer_timeout_s", type=float),
+    Flag(("--transfer-stream-layers",), _W, DISAGGREGATION,
+         "prefill: send a chunk's KV to the decode worker this many layers at a time while the chunk's forward "
+         "pass runs, so that only the last few layers are left to send after it (where the decode worker's data "
+         "path takes layer writes: tcp; others send after each chunk); 0: after each chunk",
+         field="stream_layers", type=_non_negative, metavar="LAYERS"),
     Flag(("--max-queue",), _W, DISAGGREGATION,
          "prefill: bootstrap rooms (requests waiting for their decode worker's half of the handshake) beyond "
          "which new ones get RESOURCE_EXHAUSTED; queues waiting for compute are bounded by --max-queued-requests",

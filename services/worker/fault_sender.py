@@ -50,8 +50,12 @@ class FaultySender(KVSender):
     def transports(self, peer_id: str) -> list:
         return self.inner.transports(peer_id)
 
-    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int]) -> None:
-        self.inner.write(peer_id, room, src_pages, dst_pages)
+    def writes_layers(self, peer_id: str) -> bool:
+        return self.inner.writes_layers(peer_id)
+
+    def write(self, peer_id: str, room: int, src_pages: list[int], dst_pages: list[int],
+              layers: tuple[int, int] | None = None) -> None:
+        self.inner.write(peer_id, room, src_pages, dst_pages, layers)
         if self._fails(room) and not self.inner.status(room).state.done:
             log.warning("fault injection: failing the KV transfer of room %d", room)
             self.inner.abort(room)

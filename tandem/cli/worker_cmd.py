@@ -48,6 +48,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id,
         redis_url=args.redis_url, transfer_backend=args.transfer_backend, metrics_port=args.metrics_port,
         bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
+        stream_layers=args.transfer_stream_layers,
         watchdog_timeout_s=args.watchdog_timeout,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, pod_uid=args.pod_uid,
         require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,

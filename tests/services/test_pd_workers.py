@@ -45,7 +45,7 @@ class DirectPeers:
 
 
 def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeTimeouts, base: EngineConfig = BASE,
-              **sender_options):
+              stream_layers: int = 0, **sender_options):
     """A prefill worker "p" and a decode worker "d" over tcp, both engines built from `base`; close
     both transfer ends (and the engines, when `base` has KV tiers) when done."""
     engine_p = LLMEngine(dataclasses.replace(base, model=str(model), init_new_token_ratio=0, min_new_token_ratio=0))
@@ -59,17 +59,17 @@ def make_pair(model, prefill_timeouts: PrefillTimeouts, decode_timeouts: DecodeT
     receiver = holder["rx"]
     sender = create_sender("tcp", engine_p.runner.pool.buffer, layout_of(engine_p.runner.pool.spec), "p",
                            **sender_options)
-    prefill = PrefillWorker(engine_p, sender, prefill_timeouts)
+    prefill = PrefillWorker(engine_p, sender, prefill_timeouts, stream_layers=stream_layers)
     peers = DirectPeers(prefill, receiver)
     decode = DecodeWorker(engine_d, receiver, decode_timeouts, peers)
     peers.decode = decode
     return prefill, decode, peers
 
 
-@pytest.fixture
-def pair(tiny_llama):
+@pytest.fixture(params=[0, 1], ids=["after-chunks", "streamed-per-layer"])
+def pair(tiny_llama, request):
     prefill, decode, peers = make_pair(tiny_llama, PrefillTimeouts(bootstrap_s=0.3, transfer_s=2.0),
-                                       DecodeTimeouts(transfer_s=5.0))
+                                       DecodeTimeouts(transfer_s=5.0), stream_layers=request.param)
     yield prefill, decode, peers
     prefill.sender.close()
     peers.receiver.close()
@@ -101,6 +101,8 @@ def test_tokens_match_the_colocated_engine_and_everything_is_freed(pair, tiny_ll
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (5, 18, 37)]
     results, responses = {}, []
+    ranges, write = [], prefill.sender.write
+    prefill.sender.write = lambda *a, layers=None: (ranges.append(layers), write(*a, layers=layers))
     for i, p in enumerate(prompts):
         submit(prefill, decode, 100 + i, p, params, results, responses)
     drive(prefill, decode, lambda: len(responses) == 3 and not decode.streams)
@@ -109,6 +111,11 @@ def test_tokens_match_the_colocated_engine_and_everything_is_freed(pair, tiny_ll
         outs = results[f"r{100 + i}"]
         assert [t for o in outs for t in o.token_ids] == ref.token_ids
     assert all(r.state == worker_pb2.TRANSFER_STATE_SUCCESS and r.transfer_bytes > 0 for r in responses)
+    layers = prefill.num_layers
+    if prefill.stream_layers:   # every write one layer, every layer of every page sent once per chunk
+        assert set(ranges) == {(i, i + 1) for i in range(layers)} and len(ranges) % layers == 0, ranges
+    else:
+        assert set(ranges) == {None}
     prefill.engine.check_idle()
     decode.engine.check_idle()
 
@@ -191,6 +198,35 @@ def test_client_cancel_during_transfer_frees_both_sides(pair):
     drive(prefill, decode, lambda: not prefill.rooms and not decode.streams)
     prefill.engine.check_idle()
     decode.engine.check_idle()
+
+
+def test_a_layer_write_that_cannot_be_queued_fails_only_its_room_and_frees_both_sides(tiny_llama):
+    prefill, decode, peers = make_pair(tiny_llama, PrefillTimeouts(bootstrap_s=5, transfer_s=5),
+                                       DecodeTimeouts(transfer_s=5.0), stream_layers=1)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        results, responses = {}, []
+        write = prefill.sender.write
+
+        def flaky(peer, room, src, dst, layers=None):
+            if room == 41 and layers and layers[0] == 1:
+                raise RuntimeError("no buffer for it")
+            write(peer, room, src, dst, layers=layers)
+
+        prefill.sender.write = flaky
+        for room in (41, 42):
+            submit(prefill, decode, room, list(range(3, 30)), params, results, responses)
+        drive(prefill, decode, lambda: len(responses) == 2 and not decode.streams and not decode.transfer)
+        by_room = {r.bootstrap_room: r for r in responses}
+        assert by_room[41].state == worker_pb2.TRANSFER_STATE_FAILED and "no buffer for it" in by_room[41].error
+        assert by_room[42].state == worker_pb2.TRANSFER_STATE_SUCCESS
+        assert len([t for o in results["r42"] for t in o.token_ids]) == 4
+        assert isinstance(results["r41"][-1], Exception)
+        prefill.engine.check_idle()
+        decode.engine.check_idle()
+    finally:
+        prefill.sender.close()
+        peers.receiver.close()
 
 
 def test_a_lost_peer_fails_only_its_own_rooms_on_both_sides(pair):
