@@ -42,6 +42,10 @@ class EngineConfig:
     # longer can is finished in the next step (0: the ITL bound always holds).
     mixed_chunk_ttft_target_s: float = 1.5
     enable_prefix_cache: bool = True
+    # Structured output: JSON in the model's own formatting, bounded (one space, or a newline and some
+    # indentation, between two tokens), instead of no whitespace at all (engine/structured/compile.py).
+    # Off: with closed objects SmolLM2 ends more of its answers by itself without (docs/benchmarks.md).
+    enable_any_whitespace: bool = False
     # Tiers below the KV pool (engine/kvcache/tiers/): pages the prefix cache evicts are kept in host
     # memory (L2) and/or on local disk (L3) and loaded back instead of recomputed, on every worker
     # role. Off by default until measured.

@@ -153,7 +153,7 @@ class LLMEngine:
         """This worker's grammar compiler (the tokenizer in llguidance's form, ~0.3 s the first time)."""
         if self._grammars is None:
             self._grammars = GrammarBackend(self.model_path / "tokenizer.json", sorted(self.eos_token_ids),
-                                            self.model_config.vocab_size)
+                                            self.model_config.vocab_size, compact=not self.cfg.enable_any_whitespace)
         return self._grammars
 
     def take_evicted(self) -> list[tuple[str, ResourceExhausted]]:

@@ -7,8 +7,18 @@ does not parse) and raises InvalidRequest naming the field; results are cached b
 canonical spelling (LRU, errors too). Only the tokenizer-bound half (engine/structured/matcher.py)
 runs on workers.
 
-JSON is generated compactly with json.dumps' default separators (", " and ": ") and no other
-whitespace: a small model given free whitespace can emit newlines forever inside an object.
+JSON whitespace: `compact` (the default, `--disable-any-whitespace`) allows none but json.dumps'
+separators (", ", ": "); else (`--enable-any-whitespace`) it follows the model, bounded: between any
+two JSON tokens nothing, one space, or one newline and up to `MAX_INDENT` spaces or tabs, so a model
+trained to pretty-print can, and none can pad with blank lines or runs of spaces. Measured on
+SmolLM2 with closed objects, compact ends more answers by itself (docs/benchmarks.md).
+
+Objects are closed unless the schema says otherwise: an object schema without `additionalProperties`
+(or `patternProperties` / `unevaluatedProperties`) gets `"additionalProperties": false`, as vLLM's
+default backend treats it, so the model never writes a key the schema does not name. Under `strict`
+(OpenAI's strict mode) an object the schema leaves open explicitly is an error that names it; a
+property left out of `required` stays optional (vLLM's reading; OpenAI would refuse the schema).
+Members of `allOf` are left as written (closing each would refuse the keys of the others).
 """
 
 from __future__ import annotations
@@ -26,17 +36,26 @@ MAX_SPEC_CHARS = 256 * 1024        # a schema / grammar / regex / choice list, a
 MAX_CHOICES = 1024
 CACHE_SIZE = 512
 
-# llguidance's JSON compiler options: compact output; `lenient` ignores keywords it cannot enforce.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_INDENT = 32                   # spaces/tabs after a newline between two JSON tokens
+# llguidance's JSON compiler options; `lenient` (not strict) ignores keywords it cannot enforce.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_FLEXIBLE = {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":",
+             "whitespace_pattern": f"(\\x20|\\n[\\x20\\x09]{{0,{MAX_INDENT}}})"}
+# Keywords whose value is a schema, a list of schemas, or an object of schemas (JSON Schema 2020-12).
+_ONE_SCHEMA = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _ANY_OBJECT = '{"type": "object"}'
 # Rust-regex metacharacters (escaped in choices).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 
-def compile_grammar(spec: StructuredSpec) -> str:
-    """The llguidance grammar for `spec` (cached). Raises InvalidRequest with `param` naming the
-    field in the public API's spelling (`structured.json_schema`, `structured.tool_calls.schemas[1]`, ...)."""
-    return _CACHE.get(spec)
+def compile_grammar(spec: StructuredSpec, compact: bool = True) -> str:
+    """The llguidance grammar for `spec` (cached), JSON `compact` or with bounded free whitespace.
+    Raises InvalidRequest with `param` naming the field in the public API's spelling
+    (`structured.json_schema`, `structured.tool_calls.schemas[1]`, ...)."""
+    return _CACHE.get(spec, compact)
 
 
 def validate_structured(spec: StructuredSpec | None) -> None:
@@ -45,14 +64,18 @@ def validate_structured(spec: StructuredSpec | None) -> None:
         compile_grammar(spec)
 
 
-def _build(spec: StructuredSpec) -> str:
+def _build(spec: StructuredSpec, compact: bool) -> str:
     kind, v = spec.kind, spec.value
     if kind is Kind.JSON_SCHEMA:
-        text = _json_text(v, "structured.json_schema")
-        return _checked(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_options(spec.strict)),
-                        "structured.json_schema", "JSON Schema")
+        param = "structured.json_schema"
+        schema = close_objects(json.loads(_json_text(v, param)), spec.strict, param)
+        if isinstance(schema, bool):    # options apply to an object schema only
+            schema = {} if schema else {"not": {}}
+        text = json.dumps(schema)
+        return _checked(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_options(spec.strict, compact)),
+                        param, "JSON Schema")
     if kind is Kind.JSON_OBJECT:
-        return _checked(llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_options(False)),
+        return _checked(llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_options(False, compact)),
                         "structured.json_object", "JSON object")
     if kind is Kind.REGEX:
         if not isinstance(v, str) or not v:
@@ -78,13 +101,45 @@ def _build(spec: StructuredSpec) -> str:
         return _checked(llguidance.LLMatcher.grammar_from_lark(_to_lark(v)), "structured.grammar", "grammar")
     if kind is Kind.TOOL_CALLS:
         assert isinstance(v, ToolCallSpec)
-        return _checked(llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(v, spec.strict)),
+        return _checked(llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(v, spec.strict, compact)),
                         "structured.tool_calls", "tool-call format")
     raise AssertionError(f"unknown kind {kind}")
 
 
-def _options(strict: bool) -> dict:
-    return {**_JSON_OPTIONS, "lenient": not strict}
+def _options(strict: bool, compact: bool) -> dict:
+    return {**(_COMPACT if compact else _FLEXIBLE), "lenient": not strict}
+
+
+def close_objects(schema, strict: bool, param: str, at: str = ""):
+    """`schema` with every object schema that leaves its extra keys unsaid closed (see the module
+    docstring); under `strict` an explicitly open one raises InvalidRequest naming where it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if is_object and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    elif is_object and strict and out.get("additionalProperties", False) is not False:
+        raise InvalidRequest(f"{param}: strict mode needs closed objects, but {at or 'the schema'} sets "
+                             "additionalProperties (leave it out, or set it to false)", param)
+    elif is_object and strict and ("patternProperties" in out or "unevaluatedProperties" in out):
+        raise InvalidRequest(f"{param}: strict mode needs closed objects, but {at or 'the schema'} sets "
+                             "patternProperties or unevaluatedProperties", param)
+    here = at + "." if at else ""
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key], strict, param, f"{here}{key}")
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [close_objects(s, strict, param, f"{here}items[{i}]") for i, s in enumerate(out[key])]
+    for key in _SCHEMA_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s, strict, param, f"{here}{key}[{i}]") for i, s in enumerate(out[key])]
+    for key in _SCHEMA_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {n: close_objects(s, strict, param, f"{here}{key}.{n}") for n, s in out[key].items()}
+    return out
 
 
 def _json_text(v, param: str) -> str:
@@ -100,7 +155,7 @@ def _json_text(v, param: str) -> str:
     return v
 
 
-def _tool_calls_lark(t: ToolCallSpec, strict: bool) -> str:
+def _tool_calls_lark(t: ToolCallSpec, strict: bool, compact: bool) -> str:
     """`begin` call `end` repeated min..max times with `separator` between; the call is a JSON value
     matching one of the schemas (each embedded with %json and its compile options)."""
     if not t.begin:
@@ -119,7 +174,8 @@ def _tool_calls_lark(t: ToolCallSpec, strict: bool) -> str:
         schema = json.loads(_json_text(text, param))
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
-        schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_options(strict)}}
+        schema = close_objects(schema, strict, param)
+        schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_options(strict, compact)}}
         # Checked one by one so that the error names the schema.
         _checked(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)), param, "JSON Schema")
         alts.append(f"fn{i}: %json {json.dumps(schema)}")
@@ -171,8 +227,8 @@ class _GrammarCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, spec: StructuredSpec) -> str:
-        key = spec.key
+    def get(self, spec: StructuredSpec, compact: bool = True) -> str:
+        key = f"{'compact' if compact else 'flexible'}|{spec.key}"
         with self._lock:
             item = self._items.get(key)
             if item is not None:
@@ -180,7 +236,7 @@ class _GrammarCache:
                 self.hits += 1
         if item is None:
             try:
-                item = _build(spec)
+                item = _build(spec, compact)
             except InvalidRequest as e:
                 item = e
             with self._lock:

@@ -111,8 +111,11 @@ class GrammarBackend:
     """A worker's grammar compiler: the tokenizer in llguidance's form and an LRU of compiled
     matchers by the constraint's canonical key. Thread-safe."""
 
-    def __init__(self, tokenizer_json: str | Path, eos_token_ids: Sequence[int], vocab_size: int):
+    def __init__(self, tokenizer_json: str | Path, eos_token_ids: Sequence[int], vocab_size: int,
+                 compact: bool = True):
+        """`compact`: JSON with no whitespace but the separators (else the model's own formatting, bounded)."""
         text = Path(tokenizer_json).read_text()
+        self.compact = compact
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=self.eos_token_ids)
@@ -128,7 +131,7 @@ class GrammarBackend:
             if proto is not None:
                 self._protos.move_to_end(key)
         if proto is None:
-            proto = llguidance.LLMatcher(self.tokenizer, compile_grammar(spec), log_level=0)
+            proto = llguidance.LLMatcher(self.tokenizer, compile_grammar(spec, self.compact), log_level=0)
             if proto.is_error():
                 raise InvalidRequest(f"structured output: {proto.get_error().strip()}", "structured")
             first = np.frombuffer(proto.compute_bitmask(), dtype=np.uint8)   # llguidance finds a dead end here

@@ -7,10 +7,11 @@ Accepted spellings, at most one per request (two are a 400 naming both):
   SGLang   `regex`, `json_schema`, `ebnf`
 Tool calling adds its own constraint (tools.py) and counts as one more.
 
-The checks here need no grammar library: a schema is JSON and has the shape of a JSON Schema, a
-regex compiles, a choice list holds non-empty strings. Whether the decoder can enforce it (a keyword
-it lacks, a grammar that does not compile) is the router's check; its INVALID_ARGUMENT comes back
-with the field renamed to the one the request used (`Constraint.explain`).
+One dialect: a schema, regex or grammar is judged by the library that enforces it, in the one place
+the gRPC path uses too (engine/structured/compile.py, llguidance: `\\p{L}+` is a regex there, Python's
+`re` would refuse it), before the request leaves the gateway; its error names the field the request
+used (`Constraint.explain`). Here only the JSON shapes of the fields are checked (a schema given as
+text parses, a choice list holds non-empty strings).
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.errors import InvalidRequest
+from tandem.engine.structured.compile import validate_structured
+from tandem.engine.structured_output import StructuredSpec
+from tandem.services.common.convert import structured_from_pb
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.v1 import generation_pb2 as pb
-
-SCHEMA_TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
-# JSON Schema keywords whose value is a schema, a list of schemas, or an object of schemas.
-_ONE_SCHEMA = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
-               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_SCHEMA_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
 @dataclass(frozen=True)
@@ -57,84 +54,41 @@ class Constraint:
         return APIError(400, message, param, err.code)
 
 
+    def validate(self) -> None:
+        """Raise the 400 the gRPC path would give (the same check: engine/structured/compile.py),
+        naming the request's field."""
+        try:
+            validate_structured(structured_from_pb(self.structured))
+        except InvalidRequest as e:
+            raise self.explain(APIError(400, e.message, e.param or "structured")) from None
+
+
 def check_schema(schema: Any, param: str) -> None:
-    """Raise a 400 naming `param` (and the place inside the schema) unless `schema` has a JSON Schema's shape."""
-    problem = _schema_problem(schema, "")
-    if problem is not None:
-        raise bad_request(f"{param} is not a valid JSON Schema: {problem}", param)
-
-
-def _schema_problem(s: Any, at: str) -> str | None:
-    where = at or "the schema"
-    if isinstance(s, bool):
-        return None
-    if not isinstance(s, dict):
-        return f"{where} must be an object (or a boolean), got {type(s).__name__}"
-    t = s.get("type")
-    if t is not None:
-        types = t if isinstance(t, list) else [t]
-        bad = [x for x in types if not isinstance(x, str) or x not in SCHEMA_TYPES]
-        if bad or not types:
-            return f"{at + '.' if at else ''}type: {t!r} is not a JSON Schema type ({', '.join(sorted(SCHEMA_TYPES))})"
-    req = s.get("required")
-    if req is not None and (not isinstance(req, list) or not all(isinstance(x, str) for x in req)):
-        return f"{at + '.' if at else ''}required must be a list of property names"
-    enum = s.get("enum")
-    if enum is not None and (not isinstance(enum, list) or not enum):
-        return f"{at + '.' if at else ''}enum must be a non-empty list"
-    for key in _COUNTS:
-        v = s.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            return f"{at + '.' if at else ''}{key} must be a non-negative integer"
-    ref = s.get("$ref")
-    if ref is not None and not isinstance(ref, str):
-        return f"{at + '.' if at else ''}$ref must be a string"
-    for key in _ONE_SCHEMA:
-        if key in s:
-            v = s[key]
-            if key == "items" and isinstance(v, list):  # draft-07 tuple form
-                for i, sub in enumerate(v):
-                    if (p := _schema_problem(sub, f"{at}{'.' if at else ''}items[{i}]")) is not None:
-                        return p
-            elif (p := _schema_problem(v, f"{at}{'.' if at else ''}{key}")) is not None:
-                return p
-    for key in _SCHEMA_LIST:
-        if key in s:
-            v = s[key]
-            if not isinstance(v, list) or not v:
-                return f"{at + '.' if at else ''}{key} must be a non-empty list of schemas"
-            for i, sub in enumerate(v):
-                if (p := _schema_problem(sub, f"{at}{'.' if at else ''}{key}[{i}]")) is not None:
-                    return p
-    for key in _SCHEMA_MAP:
-        if key in s:
-            v = s[key]
-            if not isinstance(v, dict):
-                return f"{at + '.' if at else ''}{key} must be an object of schemas"
-            for name, sub in v.items():
-                if (p := _schema_problem(sub, f"{at}{'.' if at else ''}{key}.{name}")) is not None:
-                    return p
-    return None
+    """Raise a 400 naming `param` unless llguidance (what enforces it) takes `schema` as a JSON Schema."""
+    if not isinstance(schema, dict | bool):
+        raise bad_request(f"{param} must be a JSON Schema (an object), got {type(schema).__name__}", param)
+    try:
+        validate_structured(StructuredSpec.json_schema(json.dumps(schema)))
+    except InvalidRequest as e:
+        message = e.message.replace("structured.json_schema", param, 1)
+        raise bad_request(message if message.startswith(param) else f"{param}: {message}", param) from None
 
 
 def schema_text(value: Any, param: str) -> str:
-    """A schema given as an object or as JSON text → checked JSON text."""
+    """A schema given as an object or as JSON text → JSON text (judged with the rest: `validate`)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise bad_request(f"{param} is not valid JSON: {e}", param) from None
-    check_schema(value, param)
+    if not isinstance(value, dict | bool):
+        raise bad_request(f"{param} must be a JSON Schema (an object), got {type(value).__name__}", param)
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _regex(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value:
         raise bad_request(f"{param} must be a non-empty string (a regular expression)", param)
-    try:
-        re.compile(value)
-    except re.error as e:
-        raise bad_request(f"{param} is not a valid regular expression: {e}", param) from None
     return value
 
 
@@ -221,8 +175,11 @@ def constraints(response_format: Any, structured_outputs: Any, flat: dict[str, A
 
 
 def only_one(found: list[Constraint]) -> Constraint | None:
+    """The request's one constraint, judged (`Constraint.validate`); two or more are a 400 naming them."""
     if len(found) > 1:
         names = ", ".join(c.param.split(".")[0] for c in found)
         raise bad_request(f"a request takes one output constraint; this one sets {len(found)}: {names}",
                           found[1].param.split(".")[0])
+    if found:
+        found[0].validate()
     return found[0] if found else None

@@ -79,6 +79,11 @@ ENGINE_FLAGS = (
          "when the KV tiers get a page: write_through (as soon as the prefix cache takes it: a worker killed "
          "with -9 restarts warm from --kv-disk-cache-dir) or write_back (only when the prefix cache evicts it)",
          field="kv_write_policy", choices=("write_through", "write_back")),
+    _on_off("any-whitespace", ENGINE,
+            "structured output: JSON in the model's own formatting, bounded (one space, or one newline and some "
+            "indentation, between two JSON tokens; never blank lines) (default: off, measured in docs/benchmarks.md)",
+            "structured output: JSON with no whitespace between its tokens but json.dumps' ', ' and ': ' (vLLM's "
+            "disable_any_whitespace)"),
     Flag(("--max-running-requests",), _E, SCHEDULER, "request slots: the largest decode batch",
          field="max_running_requests", type=int),
     Flag(("--chunked-prefill-size",), _E, SCHEDULER,
@@ -182,6 +187,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mixed_chunk_itl_factor=args.mixed_chunk_itl_factor,
         mixed_chunk_ttft_target_s=args.mixed_chunk_ttft_target,
         enable_prefix_cache=args.enable_prefix_cache,
+        enable_any_whitespace=args.enable_any_whitespace,
         kv_host_cache_gb=args.kv_host_cache_gb,
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_gb=args.kv_disk_cache_gb,

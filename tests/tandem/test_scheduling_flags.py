@@ -59,13 +59,14 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--kv-write-policy": "write_back"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",
-                "--disable-speculative-adaptive", "--disable-weight-prepack", "--disable-cpu-kernels"]
+                "--disable-speculative-adaptive", "--disable-weight-prepack", "--disable-cpu-kernels",
+                "--enable-any-whitespace"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
     # Each mutually exclusive pair is covered by one of its two flags.
     assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule", "--disable-graph",
-                    "--enable-weight-prepack", "--enable-cpu-kernels"} == \
+                    "--enable-weight-prepack", "--enable-cpu-kernels", "--disable-any-whitespace"} == \
         set(values) | set(switches), "a new engine flag needs a value here"
     argv = [x for kv in values.items() for x in kv] + switches
     up = build_parser().parse_args(["up", *argv])

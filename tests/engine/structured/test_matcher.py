@@ -103,3 +103,39 @@ def test_prototypes_are_copied_not_shared(backend, tok):
     a, b = backend.matcher(spec), backend.matcher(spec)
     a.consume(tok.encode("alpha", add_special_tokens=False).ids)
     assert 2 in allowed(a) and 2 not in allowed(b)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "address": {"type": "object", "properties": {"city": {"type": "string"}}}},
+          "required": ["name", "age"]}
+
+
+def accepts(backend, tok, spec, text) -> bool:
+    taken, g, n = walk(backend, tok, spec, text)
+    return taken == n and g.complete
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_objects_are_closed_unless_the_schema_opens_them(backend, tok, strict):
+    spec = StructuredSpec.json_schema(PERSON, strict)
+    assert accepts(backend, tok, spec, '{"name": "Ann", "age": 3, "address": {"city": "Oslo"}}')
+    assert not accepts(backend, tok, spec, '{"name": "Ann", "age": 3, "country": "NO"}')
+    assert not accepts(backend, tok, spec, '{"name": "Ann", "age": 3, "address": {"city": "Oslo", "zip": "1"}}')
+    opened = {**PERSON, "additionalProperties": {"type": "string"}}
+    if strict:
+        with pytest.raises(InvalidRequest, match="strict mode needs closed objects"):
+            backend.matcher(StructuredSpec.json_schema(opened, True))
+    else:
+        assert accepts(backend, tok, StructuredSpec.json_schema(opened), '{"name": "A", "age": 1, "x": "y"}')
+
+
+def test_json_whitespace_compact_or_the_models_own_bounded(backend, tok, smollm2_path):
+    spec = StructuredSpec.json_schema(PERSON, True)
+    pretty = json.dumps({"name": "Ann", "age": 3, "address": {"city": "Oslo"}}, indent=2)
+    assert accepts(backend, tok, spec, '{"name": "Ann", "age": 3}')       # compact: the default
+    assert not accepts(backend, tok, spec, pretty)
+    free = GrammarBackend(smollm2_path / "tokenizer.json", [2], 49152, compact=False)   # --enable-any-whitespace
+    assert accepts(free, tok, spec, pretty)
+    assert accepts(free, tok, spec, '{"name":"Ann","age":3}')
+    assert not accepts(free, tok, spec, '{\n\n  "name": "Ann", "age": 3}')          # no blank lines
+    assert not accepts(free, tok, spec, '{' + " " * 40 + '"name": "Ann", "age": 3}')  # no runs of spaces

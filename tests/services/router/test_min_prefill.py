@@ -131,7 +131,9 @@ def test_the_only_prefill_worker_failing_falls_back_to_the_decode_worker():
             assert _metric(router, "tandem_router_fallbacks_total", reason="no_prefill_worker") == 1
             assert _metric(router, "tandem_router_retries_total") == 1
         strict = replace(BASE, route=replace(BASE.route, fallback=False))
-        p2, d2 = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE), FakeDecode(tokens=(7, 8))
+        # D waits for the KV as a real one does (else, under load, its tokens may beat P's answer and
+        # the stream is no longer the prefill's to fail: servicer.py relays them).
+        p2, d2 = FakePrefill(behaviour=grpc.StatusCode.UNAVAILABLE), FakeDecode(tokens=(7, 8), kv_delay_s=1.0)
         async with cluster([p2], [d2], strict) as (router, stub):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _collect(stub, _long(6))
