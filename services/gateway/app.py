@@ -227,7 +227,7 @@ class Gateway:
                                  defaults=model.sampling, max_tokens_param=max_param, constraint=constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs,
-                         tool_calls=tools is not None and tools.offered)
+                         tool_calls=tools is not None and tools.offered, reasoning=self.config.reasoning_parser)
         return Plan("chat", fmt, _jobs(rid, model, ids, sampling, 0, req.n, req.priority or 0), req.n, req.stream,
                     req.include_usage, constraint)
 

@@ -17,6 +17,7 @@ from tandem.services.common.shared_flags import (
     PORT,
     REQUEST_TIMEOUT,
 )
+from tandem.services.gateway.reasoning import PARSERS
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class GatewayConfig:
     drain_timeout_s: float = 5.0
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)  # what the router accepts from us
     limits: RequestLimits = RequestLimits()
+    reasoning_parser: str | None = None  # splits thinking from the answer in chat (services/gateway/reasoning.py)
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -43,6 +45,8 @@ class GatewayConfig:
             raise ValueError("timeouts must be >= 0")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {self.reasoning_parser!r}")
 
     @property
     def http_addr(self) -> str:
@@ -56,7 +60,7 @@ class GatewayConfig:
             tokenizer=args.tokenizer,
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
-            limits=RequestLimits.from_args(args),
+            limits=RequestLimits.from_args(args), reasoning_parser=args.reasoning_parser,
         )
         config.validate()
         return config
@@ -69,6 +73,10 @@ GATEWAY_FLAGS = (
     Flag(("--tokenizer",), Owner.GATEWAY, MODEL,
          "model folder to load the tokenizer (and generation_config.json) from (default: resolve the served "
          "model id)", field="tokenizer"),
+    Flag(("--reasoning-parser",), Owner.GATEWAY, MODEL,
+         "split a thinking model's reasoning from its answer in chat completions (`reasoning_content`, streamed as "
+         "deltas); tool calls are read from the answer only (vLLM's names; default: off)",
+         field="reasoning_parser", choices=PARSERS),
     API_KEY, MAX_INFLIGHT,
     Flag(("--max-n",), Owner.GATEWAY, LIMITS, "the largest `n` a request may ask for", field="max_n", type=int),
     REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT,

@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tandem.services.gateway.reasoning import ReasoningParser, split_reasoning
 from tandem.services.gateway.tokenizer import GatewayTokenizer
 from tandem.services.gateway.tool_parser import ToolCallParser, parse_tool_calls
 from tandem.v1 import generation_pb2
@@ -152,17 +153,20 @@ class CompletionFormat:
 class ChatFormat(CompletionFormat):
     """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs as `content` entries.
     `tool_calls`: the output is read for tool calls (tool_parser.py); a choice that made any and
-    stopped by itself finishes with "tool_calls"."""
+    stopped by itself finishes with "tool_calls". `reasoning`: the parser (reasoning.py) that splits the
+    model's thinking (`reasoning_content`) from its answer, which alone is read for tool calls."""
 
     object = "chat.completion"
 
     def __init__(self, rid: str, created: int, model: str, tokenizer: GatewayTokenizer, logprobs: bool,
-                 tool_calls: bool = False):
+                 tool_calls: bool = False, reasoning: str | None = None):
         super().__init__(rid, created, model, tokenizer, None)
         self.chat_logprobs = logprobs
         self.tool_calls = tool_calls
+        self.reasoning = reasoning
         self._started: set[int] = set()
         self._parsers: dict[int, ToolCallParser] = {}
+        self._thinking: dict[int, ReasoningParser] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.tokenizer.token_text(token_id)
@@ -177,11 +181,18 @@ class ChatFormat(CompletionFormat):
 
     def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> dict | None:
         """One stream chunk, or None when there is nothing to send yet (text held back by the tool parser)."""
-        delta: dict = {"content": msg.text}
+        text, thought = msg.text, ""
+        if self.reasoning:
+            thinking = self._thinking.setdefault(index, ReasoningParser(self.reasoning))
+            split = thinking.feed(msg.text)
+            if msg.finish_reason:
+                split += thinking.finish()
+            text, thought = split.content, split.reasoning
+        delta: dict = {"content": text} if text or not self.reasoning else {}
         reason = finish_reason(msg.finish_reason)
         if self.tool_calls:
             parser = self._parsers.setdefault(index, ToolCallParser())
-            d = parser.feed(msg.text)
+            d = parser.feed(text)
             if msg.finish_reason:
                 end = parser.finish()
                 d.content += end.content
@@ -190,8 +201,11 @@ class ChatFormat(CompletionFormat):
             delta = {"content": d.content} if d.content else {}
             if d.calls:
                 delta["tool_calls"] = d.calls
-            if not delta and not msg.finish_reason and not msg.logprobs and index in self._started:
-                return None
+        if thought:
+            delta = {"reasoning_content": thought, **delta}
+        if (self.tool_calls or self.reasoning) and not delta and not msg.finish_reason and not msg.logprobs \
+                and index in self._started:
+            return None
         if index not in self._started:  # the first chunk of a choice carries its role
             self._started.add(index)
             delta = {"role": "assistant", **delta} if delta else {"role": "assistant", "content": ""}
@@ -215,7 +229,11 @@ class ChatFormat(CompletionFormat):
 
     def _choice(self, c: Choice) -> dict:
         text = "".join(c.text)
-        message: dict = {"role": "assistant", "content": text}
+        thought = None
+        if self.reasoning:
+            split = split_reasoning(self.reasoning, text)
+            text, thought = split.content, split.reasoning or None
+        message: dict = {"role": "assistant", "content": text if text or thought is None else None}
         reason = c.finish_reason
         if self.tool_calls:
             content, calls = parse_tool_calls(text)
@@ -223,6 +241,8 @@ class ChatFormat(CompletionFormat):
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [call.message() for call in calls]}
                 reason = _with_calls(reason, True)
+        if self.reasoning:
+            message["reasoning_content"] = thought
         return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(c.logprobs),
                 "finish_reason": reason, "stop_reason": c.matched_stop}
 

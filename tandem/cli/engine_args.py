@@ -81,7 +81,7 @@ ENGINE_FLAGS = (
          field="kv_write_policy", choices=("write_through", "write_back")),
     _on_off("any-whitespace", ENGINE,
             "structured output: JSON in the model's own formatting, bounded (one space, or one newline and some "
-            "indentation, between two JSON tokens; never blank lines) (default: off, measured in docs/benchmarks.md)",
+            "indentation, between two JSON tokens; never blank lines); off by measurement (docs/benchmarks.md)",
             "structured output: JSON with no whitespace between its tokens but json.dumps' ', ' and ': ' (vLLM's "
             "disable_any_whitespace)"),
     Flag(("--max-running-requests",), _E, SCHEDULER, "request slots: the largest decode batch",
