@@ -55,7 +55,7 @@ from tandem.kvtransfer.base import PoolLayout, TransferError
 from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol.iovec import page_iov
 from tandem.kvtransfer.protocol.liveness import connection_up
-from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, Timeouts, wrote_body
+from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, Timeouts, layers_body, wrote_body
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,7 @@ class NixlReceiverPath(ReceiverPath):
 
     kind = "nixl"
     one_sided = True            # NIXL WRITEs land without us: aborts wait for P's ack
+    layer_writes = True         # WROTE_LAYERS notes (a few layers of the pages at a time)
 
     def __init__(self, layout: PoolLayout, host: str, worker_id: str, *, ucx: UcxSettings | None = None):
         self._host = host
@@ -324,6 +325,7 @@ class NixlLink(Link):
     """P side: NIXL WRITEs of a peer's page runs, then a WROTE note."""
 
     kind = "nixl"
+    layer_writes = True
 
     def __init__(self, agent: _Agent, info: _NixlInfo, src: torch.Tensor, layout: PoolLayout,
                  dst_layout: PoolLayout, timeouts: Timeouts):
@@ -337,40 +339,49 @@ class NixlLink(Link):
         self._timeouts = timeouts
         self._closed = False
 
-    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
-        """WRITE runs `[n, 3]` (src_start, dst_start, length), stopping between transfers once `stop()`;
-        then tell D with a WROTE note. Returns the bytes written."""
+    def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False,
+              layers: tuple[int, int] | None = None) -> int:
+        """WRITE runs `[n, 3]` (src_start, dst_start, length), of `layers` (first, end) only if given,
+        stopping between transfers once `stop()`; then tell D with a WROTE (WROTE_LAYERS) note. Returns
+        the bytes written."""
         started = time.monotonic()
-        per_run = len(self._src_regions)
+        first, end = (layers[0] * 2, layers[1] * 2) if layers else (0, len(self._src_regions))
+        src_regions, dst_regions = self._src_regions[first:end], self._dst_regions[first:end]
+        per_run = len(src_regions)
         step = max(1, MAX_DESCS // per_run)
         pages = copied = 0
         for i in range(0, len(runs), step):
             if stop():
                 break
             chunk = runs[i:i + step]
-            local = page_iov(self._src_base, self._src_regions, chunk[:, 0], chunk[:, 2], self._page_bytes)
-            remote = page_iov(self._info.base, self._dst_regions, chunk[:, 1], chunk[:, 2], self._page_bytes)
+            local = page_iov(self._src_base, src_regions, chunk[:, 0], chunk[:, 2], self._page_bytes)
+            remote = page_iov(self._info.base, dst_regions, chunk[:, 1], chunk[:, 2], self._page_bytes)
             self._agent.write(_descs(local, self._agent.dev), _descs(remote, self._info.dev), self._info.agent,
                               self._info.mem, lambda: connection_up(self.ch.sock), self._timeouts.send)
             pages += int(chunk[:, 2].sum())
             copied += len(chunk)
         if corrupt and copied:
-            self._overwrite_flipped(runs[0])
+            self._overwrite_flipped(runs[0], first)
         nbytes = pages * per_run * self._page_bytes
         # Same host: D times the room from here (CLOCK_MONOTONIC is shared); elsewhere D uses its own clock.
-        self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
+        note = wrote_body(started, runs[:copied])
+        if layers:
+            self.ch.send(Kind.WROTE_LAYERS, room, layers_body(layers) + note, payload_len=nbytes)
+        else:
+            self.ch.send(Kind.WROTE, room, note, payload_len=nbytes)
         return nbytes
 
-    def _overwrite_flipped(self, run: np.ndarray) -> None:
-        """Fault injection: once the write landed, WRITE the run's first page of region 0 again, from a
-        registered copy with a byte flipped (NIXL writes only from registered memory)."""
+    def _overwrite_flipped(self, run: np.ndarray, region: int = 0) -> None:
+        """Fault injection: once the write landed, WRITE the run's first page of `region` (the write's
+        first) again, from a registered copy with a byte flipped (NIXL writes only from registered memory)."""
         pb = self._page_bytes
-        start = (int(self._src_regions[0]) + int(run[0])) * pb
+        start = (int(self._src_regions[region]) + int(run[0])) * pb
         scratch = self._agent.scratch(pb)
         scratch[:pb].copy_(self._src.view(-1).view(torch.uint8)[start:start + pb])
         flip_byte(scratch[:pb].numpy())
         local = np.array([[scratch.data_ptr(), pb]], dtype=np.uint64)
-        remote = page_iov(self._info.base, self._dst_regions[:1], run[1:2], np.ones(1, dtype=np.int64), pb)
+        remote = page_iov(self._info.base, self._dst_regions[region:region + 1], run[1:2], np.ones(1, dtype=np.int64),
+                          pb)
         self._agent.write(_descs(local, 0), _descs(remote, self._info.dev), self._info.agent, self._info.mem,
                           lambda: connection_up(self.ch.sock), self._timeouts.send)
 

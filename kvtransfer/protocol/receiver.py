@@ -6,12 +6,10 @@ only take the room-table lock and send small frames.
 
 Data paths (kvtransfer/datapath.py): the receiver accepts those it was given, advertises their
 entries in its metadata, hands WRITE frames to the connection's path, and checks and accounts WROTE
-notes of one-sided paths itself.
-
-Integrity: from a sender that announced checksums, every landed write is checked (room_checks.py).
-
-Progress: a PROGRESS frame from the room's own sender is its latest report (`poll` returns it, stamped
-with its arrival on this side's clock); D's worker decides what it means for the room's deadline.
+notes of one-sided paths itself. Integrity: from a sender that announced checksums, every landed
+write is checked (room_checks.py). Progress: a PROGRESS frame from the room's own sender is its
+latest report (`poll` returns it, stamped with its arrival on this side's clock); D's worker decides
+what it means for the room's deadline.
 
 Failure: a connection that ends (EOF, reset, keepalive) fails its unfinished rooms (and, if it was its
 sender's current one, that sender's rooms not yet bound to any).
@@ -279,8 +277,8 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
                 body = conn.ch.recv_exact(body_len) if body_len else b""
                 if kind in (Kind.WRITE, Kind.WRITE_LAYERS):
                     self._on_write(conn, room, body, payload_len, kind == Kind.WRITE_LAYERS)
-                elif kind == Kind.WROTE:
-                    self._on_wrote(conn, room, body, payload_len)
+                elif kind in (Kind.WROTE, Kind.WROTE_LAYERS):
+                    self._on_wrote(conn, room, *self._layers(conn, body, kind == Kind.WROTE_LAYERS), payload_len)
                 elif kind == Kind.FINISH:
                     self._on_finish(conn, room, body)
                 elif kind == Kind.PROGRESS:
@@ -394,14 +392,17 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
                     r.t_first = time.monotonic()
         return r, why
 
+    def _layers(self, conn: _Conn, body: bytes, ranged: bool) -> tuple[bytes, tuple[int, int] | None]:
+        """A write's body and its layers ((first, end) of a layer write, else None)."""
+        if ranged and not self._paths[conn.path].layer_writes:
+            raise ProtocolError(f"a layer write over {conn.path}, which takes none")
+        return (body, None) if not ranged else split_layers(body, self.layout.num_layers)[::-1]
+
     def _on_write(self, conn: _Conn, room: int, body: bytes, payload_len: int, ranged: bool) -> None:
         """A two-sided path's write (`ranged`: of a few layers only): its path reads the bytes; this side
         decides whether they may land."""
-        path, layers = self._paths[conn.path], None
-        if ranged and not path.layer_writes:
-            raise ProtocolError(f"WRITE_LAYERS over {conn.path}, which takes none")
-        if ranged:
-            layers, body = split_layers(body, self.layout.num_layers)
+        path = self._paths[conn.path]
+        body, layers = self._layers(conn, body, ranged)
         incoming = path.incoming(conn.ch, body, payload_len, layers) if ranged else path.incoming(conn.ch, body, payload_len)
         r, why = self._admit_write(conn, room, incoming.runs, payload_len,
                                    layers[1] - layers[0] if layers else self.layout.num_layers)
@@ -419,8 +420,8 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
                 self._landed(r, incoming.runs, landed, value, layers)
                 self._cond.notify_all()
 
-    def _on_wrote(self, conn: _Conn, room: int, body: bytes, payload_len: int) -> None:
-        """A one-sided path copied pages itself: account for them, after checking they were the room's."""
+    def _on_wrote(self, conn: _Conn, room: int, body: bytes, layers: tuple[int, int] | None, payload_len: int) -> None:
+        """A one-sided path copied pages (of `layers`, if set) itself: account for them, if the room's."""
         if len(body) < WROTE_BODY.size or (len(body) - WROTE_BODY.size) % 16:
             raise ProtocolError("bad WROTE body")
         now = time.monotonic()
@@ -442,7 +443,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
                 r.state = RoomState.TRANSFERRING
                 r.bytes += payload_len
                 r.t_first = started if r.t_first is None else min(r.t_first, started)
-                self._landed(r, runs, payload_len)
+                self._landed(r, runs, payload_len, layers=layers)
         if why:
             conn.ch.try_send(Kind.ABORT, room, why.encode())
 

@@ -11,6 +11,7 @@ of body, then (WRITE only) `payload_len` bytes of page data:
 | HELLO_ACK | D->P | JSON {ok, error, aborted: [room...], proof} | -                           |
 | WRITE     | P->D | int64 [n_runs, 2] (dst_start, length)  | pages, (layer, K|V)-major, run-minor |
 | WRITE_LAYERS | P->D | `<II` first layer, layer count; then the WRITE body | the pages of those layers' regions only, as WRITE |
+| WROTE_LAYERS | P->D | `<II` first layer, layer count; then the WROTE body (a one-sided path copied those layers only) | - |
 | WROTE     | P->D | `<d` monotonic time the copy began, then int64 (dst_start, length) runs (one-sided paths: P already copied payload_len bytes into those pages) | - |
 | FINISH    | P->D | the room's aux record                  | -                                |
 | DONE      | D->P | - (D marked the room SUCCESS)          | -                                |
@@ -32,7 +33,7 @@ hello (`"checksum": "xxh3"`: the first of them it has too) sends SUMS and has it
 peers stay explicit: a sender from before it sends none, and D completes its rooms unchecked (warning
 once per connection); a receiver from before it advertises none, and P sends none (a warning too).
 
-WRITE_LAYERS lets P send a room's pages a few layers at a time, as soon as its forward pass wrote
+WRITE_LAYERS (two-sided paths) and WROTE_LAYERS (one-sided) let P send a room's pages a few layers at a time, as soon as its forward pass wrote
 them (streaming during the prefill, services/prefill/worker.py), instead of all layers after it. The
 same kind of capability again: a receiver lists the data paths it takes them on (`"layer_writes":
 ["tcp"]`; absent: none) and a sender sends them only to such a receiver over such a path. Integrity
@@ -89,6 +90,7 @@ class Kind(enum.IntEnum):
     PROGRESS = 10
     SUMS = 11
     WRITE_LAYERS = 12
+    WROTE_LAYERS = 13
 
 
 class ProtocolError(TransferError):
@@ -258,12 +260,13 @@ def wrote_body(started: float, runs) -> bytes:
 
 
 def split_layers(body: bytes, num_layers: int) -> tuple[tuple[int, int], bytes]:
-    """A WRITE_LAYERS body: ((first layer, end layer), the WRITE body after it). Raises ProtocolError."""
+    """A WRITE_LAYERS / WROTE_LAYERS body: ((first layer, end layer), the WRITE / WROTE body after it).
+    Raises ProtocolError."""
     if len(body) < LAYERS_BODY.size:
-        raise ProtocolError("WRITE_LAYERS body without its layer range")
+        raise ProtocolError("layer write without its layer range")
     first, count = LAYERS_BODY.unpack_from(body)
     if count < 1 or first + count > num_layers:
-        raise ProtocolError(f"WRITE_LAYERS of layers {first}..{first + count - 1} in a {num_layers}-layer pool")
+        raise ProtocolError(f"a write of layers {first}..{first + count - 1} in a {num_layers}-layer pool")
     return (first, first + count), body[LAYERS_BODY.size:]
 
 

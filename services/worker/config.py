@@ -121,7 +121,7 @@ WORKER_FLAGS = (
     Flag(("--transfer-stream-layers",), _W, DISAGGREGATION,
          "prefill: send a chunk's KV to the decode worker this many layers at a time while the chunk's forward "
          "pass runs, so that only the last few layers are left to send after it (where the decode worker's data "
-         "path takes layer writes: tcp; others send after each chunk); 0: after each chunk",
+         "path takes layer writes: tcp, nixl; shm and ucx send after each chunk); 0: after each chunk",
          field="stream_layers", type=_non_negative, metavar="LAYERS"),
     Flag(("--max-queue",), _W, DISAGGREGATION,
          "prefill: bootstrap rooms (requests waiting for their decode worker's half of the handshake) beyond "

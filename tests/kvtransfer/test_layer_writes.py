@@ -13,7 +13,7 @@ import torch
 from tandem.kvtransfer import create_receiver, create_sender
 from tandem.kvtransfer.base import RoomState, TransferError
 from tandem.kvtransfer.protocol.wire import ProtocolError, layers_body, split_layers
-from tests.kvtransfer.helpers import BIGGER, page_bytes, random_pool, uid, wait_done
+from tests.kvtransfer.helpers import BIGGER, page_bytes, random_pool, uid, wait_done, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,11 +24,13 @@ def layer_bytes(buf: torch.Tensor, pages: list[int], layers: tuple[int, int]) ->
     return buf[layers[0]:layers[1], :, pages].contiguous().view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("checksums", [None, ("xxh3", "crc32"), ()], ids=["crc32c-inline", "threads", "unchecked"])
-def test_a_room_sent_in_layer_groups_lands_exactly_and_only_the_layers_named(checksums):
-    rx = create_receiver("tcp", BIGGER, "127.0.0.1", uid("D"))
+@pytest.mark.parametrize("backend, checksums", [("tcp", None), ("tcp", ("xxh3", "crc32")), ("tcp", ()),
+                                                ("nixl", None), ("nixl", ())],
+                         ids=["tcp-crc32c-inline", "tcp-threads", "tcp-unchecked", "nixl", "nixl-unchecked"])
+def test_a_room_sent_in_layer_groups_lands_exactly_and_only_the_layers_named(backend, checksums):
+    rx = create_receiver(backend, BIGGER, "127.0.0.1", uid("D"))
     pool = random_pool(BIGGER, 5)
-    tx = create_sender("tcp", pool, BIGGER, uid("P"), checksums=checksums)
+    tx = create_sender(backend, pool, BIGGER, uid("P"), checksums=checksums)
     try:
         tx.connect(rx.worker_id, rx.metadata())
         assert tx.writes_layers(rx.worker_id)
@@ -40,7 +42,8 @@ def test_a_room_sent_in_layer_groups_lands_exactly_and_only_the_layers_named(che
             assert layer_bytes(rx.buffer, dst, group) == layer_bytes(pool, src, group)
             for later in GROUPS[i + 1:]:       # not sent yet: still the receiver's zeros
                 assert not rx.buffer[later[0]:later[1], :, dst].any()
-            assert rx.poll(1).state is RoomState.TRANSFERRING
+            # a one-sided path's bytes land before its WROTE note says so
+            assert wait_until(lambda: rx.poll(1).state is RoomState.TRANSFERRING)
         tx.finish(rx.worker_id, 1, b"aux")
         st, pst = rx.wait(1, 10), tx.wait(1, 10)
         assert st.state is RoomState.SUCCESS and st.aux == b"aux", st
@@ -60,11 +63,12 @@ def _landed(rx, pool, src, dst, group):
     return _Landed() if layer_bytes(rx.buffer, dst, group) == layer_bytes(pool, src, group) else rx.poll(1)
 
 
-@pytest.mark.parametrize("checksums", [None, ("xxh3",)], ids=["crc32c-inline", "threads"])
-def test_a_layer_write_corrupted_on_the_way_fails_the_room(checksums):
-    rx = create_receiver("tcp", BIGGER, "127.0.0.1", uid("D"))
+@pytest.mark.parametrize("backend, checksums", [("tcp", None), ("tcp", ("xxh3",)), ("nixl", None)],
+                         ids=["tcp-crc32c-inline", "tcp-threads", "nixl"])
+def test_a_layer_write_corrupted_on_the_way_fails_the_room(backend, checksums):
+    rx = create_receiver(backend, BIGGER, "127.0.0.1", uid("D"))
     pool = random_pool(BIGGER, 6)
-    tx = create_sender("tcp", pool, BIGGER, uid("P"), corrupt=lambda room: room == 2, checksums=checksums)
+    tx = create_sender(backend, pool, BIGGER, uid("P"), corrupt=lambda room: room == 2, checksums=checksums)
     try:
         tx.connect(rx.worker_id, rx.metadata())
         for room in (1, 2):
@@ -86,7 +90,7 @@ def test_a_layer_write_corrupted_on_the_way_fails_the_room(checksums):
 def test_no_layer_writes_where_the_receiver_or_the_path_takes_none():
     rx = create_receiver("tcp", BIGGER, "127.0.0.1", uid("D"))
     meta = json.loads(rx.metadata())
-    assert meta["layer_writes"] == ["tcp"]
+    assert meta["layer_writes"] == ["tcp"]           # a tcp-only receiver (the default `auto` adds shm: none)
     del meta["layer_writes"]                    # a receiver from before WRITE_LAYERS
     tx = create_sender("tcp", random_pool(BIGGER, 1), BIGGER, uid("P"))
     shm_rx = create_receiver("shm", BIGGER, "127.0.0.1", uid("D"))
