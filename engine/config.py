@@ -91,6 +91,12 @@ class EngineConfig:
     # Switch speculation off for a batch while measured acceptance x step cost says it is slower than
     # plain decode, probing it again periodically (engine/spec/adaptive.py).
     speculative_adaptive: bool = True
+    # LoRA adapters (engine/lora/): PEFT folders by name, applied per request in mixed batches.
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()   # (name, path) loaded at start
+    max_loras: int = 4                    # distinct adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None      # adapters kept loaded (None: max_loras)
     seed: int = 0
 
     def validate(self) -> None:
@@ -129,6 +135,7 @@ class EngineConfig:
                                      "graph_bs")
         self._validate_speculative()
         self._validate_kv_tiers()
+        self._validate_lora()
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("context_length must be >= 2", "context_length")
 
@@ -151,6 +158,28 @@ class EngineConfig:
         if self.kv_tiers_enabled and not self.enable_prefix_cache:
             raise InvalidRequest("--kv-host-cache-gb / --kv-disk-cache-dir keep what the prefix cache evicts: they "
                                  "need it on (drop --disable-prefix-cache)", "kv_host_cache_gb")
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise InvalidRequest("--max-loras and --max-lora-rank must be >= 1", "max_loras")
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if cpu < self.max_loras:
+            raise InvalidRequest(f"--max-cpu-loras ({cpu}) must be >= --max-loras ({self.max_loras})", "max_cpu_loras")
+        names = [n for n, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise InvalidRequest(f"--lora-modules names an adapter twice: {names}", "lora_modules")
+        if len(names) > cpu:
+            raise InvalidRequest(f"--lora-modules loads {len(names)} adapters; --max-cpu-loras keeps {cpu}",
+                                 "lora_modules")
+        if self.enable_graph:
+            raise InvalidRequest("--enable-lora and decode graphs (--enable-graph) do not go together yet",
+                                 "enable_lora")
+        if self.speculative_algorithm is not None:
+            raise InvalidRequest("--enable-lora and speculative decoding do not go together yet", "enable_lora")
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm

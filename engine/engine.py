@@ -30,6 +30,7 @@ from tandem.engine.hardware import choose_overlap
 from tandem.engine.kvcache.kv_pool import KVPoolSpec
 from tandem.engine.kvcache.tiers.event_link import EventLink
 from tandem.engine.kvcache.tiers.link import TierLink, model_fingerprint, open_store
+from tandem.engine.lora.registry import LoraRegistry
 from tandem.engine.models.config import ModelConfig, load_sampling_defaults
 from tandem.engine.models.source import resolve_model
 from tandem.engine.outputs import FinishReason, GenerationResult, RequestOutput, TokenLogprob, Usage
@@ -68,6 +69,7 @@ class LLMEngine:
         model_ctx = self.model_config.max_position_embeddings
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
+        self.loras = LoraRegistry(cfg, self.model_config, self.runner.dtype, self.runner.device)
         self.kv_tiers = self._open_kv_tiers() if cfg.kv_tiers_enabled else None
         self.kv_events: EventLink | None = None   # open_kv_events (a worker publishing KV events)
         self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len, tiers=self.kv_tiers)
@@ -87,11 +89,11 @@ class LLMEngine:
 
     # --- primitives --------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
-                    priority: int = 0, resume_ids: Sequence[int] = ()) -> str:
+                    priority: int = 0, resume_ids: Sequence[int] = (), lora: str | None = None) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequest / ResourceExhausted.
         A full queue may turn away a queued request of lower priority instead: the caller collects it
         with `take_evicted` (already forgotten here) and answers it."""
-        req = self.make_request(prompt, params, rid, priority, resume_ids)
+        req = self.make_request(prompt, params, rid, priority, resume_ids, lora)
         try:
             self.scheduler.add(req)
         except Exception:
@@ -100,7 +102,7 @@ class LLMEngine:
         return req.rid
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None,
-                     priority: int = 0, resume_ids: Sequence[int] = ()) -> Request:
+                     priority: int = 0, resume_ids: Sequence[int] = (), lora: str | None = None) -> Request:
         """Validate, tokenize and start tracking a request without queueing it (disaggregated
         workers queue it themselves). Unset sampling fields get `sampling_defaults` here, the one place
         every entry point (gRPC workers, `tandem generate`, this API) passes. Raises InvalidRequest.
@@ -110,7 +112,9 @@ class LLMEngine:
         here: they count against max_tokens, the detokenizer replays them (their text, held-back
         stop-string prefixes and half characters included, is not emitted again), a seeded generator
         skips their draws and a grammar consumes them. Output-only penalties (frequency, presence)
-        see them as prompt: docs/resilience.md."""
+        see them as prompt: docs/resilience.md. `lora`: the name of the adapter to apply (None: the
+        base model)."""
+        adapter = self.loras.get(lora) if lora else None
         params = self.sampling_defaults.fill(params)
         if resume_ids:
             if params.max_tokens <= len(resume_ids):
@@ -135,7 +139,7 @@ class LLMEngine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
-        req = Request(rid, prompt_ids + resumed, params, priority=priority)
+        req = Request(rid, prompt_ids + resumed, params, priority=priority, lora=adapter)
         self.scheduler.validate(req)
         if params.structured is not None:
             req.grammar = self.grammar_backend().matcher(params.structured)
@@ -148,6 +152,10 @@ class LLMEngine:
             self.runner.skip_draws(rid, params.seed, len(resumed))
         self._tracked[rid] = _Tracked(req, detok, StopChecker(params, self.eos_token_ids))
         return req
+
+    def lora_for(self, model: str) -> str | None:
+        """The adapter a request's `model` names here, or None (empty, or the base model's name)."""
+        return model if model and model in self.loras.adapters else None
 
     def grammar_backend(self) -> GrammarBackend:
         """This worker's grammar compiler (the tokenizer in llguidance's form, ~0.3 s the first time)."""
@@ -356,16 +364,21 @@ class LLMEngine:
 
     # --- conveniences ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
-        """Run a batch to completion (continuous batching inside); results in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams],
+                 loras: Sequence[str | None] | None = None) -> list[GenerationResult]:
+        """Run a batch to completion (continuous batching inside); results in prompt order. `loras`:
+        each prompt's adapter name (None: the base model)."""
         self._require_exclusive("generate")
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequest("need one SamplingParams per prompt, or one for all", "params")
+        names = list(loras) if loras is not None else [None] * len(prompts)
+        if len(names) != len(prompts):
+            raise InvalidRequest("need one adapter name (or None) per prompt", "loras")
         rids = []
         try:
-            for p, sp in zip(prompts, plist, strict=True):
-                rids.append(self.add_request(p, sp))
+            for p, sp, name in zip(prompts, plist, names, strict=True):
+                rids.append(self.add_request(p, sp, lora=name))
         except Exception:
             for rid in rids:
                 self.abort(rid)

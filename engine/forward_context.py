@@ -35,6 +35,7 @@ class ForwardContext:
     # Called with each layer's index right after it ran, its KV in the pool on a CPU device (on CUDA
     # only queued): a prefill worker sends that layer's pages while the next layers compute.
     after_layer: Callable[[int], None] | None = None
+    lora: Any = None               # engine.lora.batch.LoraBatch: which rows use which adapter (None: none)
 
     @property
     def batch_size(self) -> int:

@@ -87,7 +87,8 @@ class KVManager:
         """
         if self.slots.num_free_slots == 0:
             return False
-        match = self.cache.match_prefix(fill_ids[:-1])
+        # An adapter's KV is its own: kept out of the prefix cache (no key names the adapter yet).
+        match = self.cache.match_prefix(fill_ids[:-1]) if req.lora is None else self.cache.no_match()
         self.cache.lock(match.node)  # before allocating: eviction must not take the matched pages
         need = pages_for(len(fill_ids), self.page_size) - len(match.pages)
         new_pages = self._take(need)
@@ -101,7 +102,7 @@ class KVManager:
         self.slots.set_pages(slot, req.pages)
         req.num_computed = match.num_tokens
         req.fill_len = len(fill_ids)
-        if self.tiers is not None:
+        if self.tiers is not None and req.lora is None:
             self._start_load(req, fill_ids, match, new_pages)
         return True
 
@@ -202,8 +203,11 @@ class KVManager:
             self.tiers.cancel(load.job)
         ids = req.all_ids if token_ids is None else token_ids
         n_full = min(req.num_computed, len(ids)) // self.page_size
-        dup = self.cache.insert(ids[: n_full * self.page_size], req.pages[:n_full])
-        self.allocator.free(dup + req.pages[n_full:])
+        if req.lora is None:
+            dup = self.cache.insert(ids[: n_full * self.page_size], req.pages[:n_full])
+            self.allocator.free(dup + req.pages[n_full:])
+        else:
+            self.allocator.free(req.pages)
         self.cache.unlock(req.cache_node)
         self.slots.free_slot(req.slot)
         req.slot, req.pages, req.cache_node = None, [], None

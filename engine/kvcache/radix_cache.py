@@ -171,6 +171,10 @@ class RadixCache:
             pos += m * ps
         return PrefixMatch(pages, node, self.page_size)
 
+    def no_match(self) -> PrefixMatch:
+        """The empty match (the root): for KV that must not be shared."""
+        return PrefixMatch([], self._root, self.page_size)
+
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Cache `token_ids` (whole pages only) backed by `pages`; the tree takes ownership.
 

@@ -42,6 +42,8 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer_id, "qkv_proj", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -49,26 +51,38 @@ class Attention(torch.nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(cos_sin, q, k, self.cpu_ops)
-        out = ctx.attn.forward(self.layer_id, q, k, v, ctx)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = ctx.attn.forward(self.layer_id, q, k, v, ctx).reshape(-1, self.q_size)
+        y = self.o_proj(out)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer_id, "o_proj", out, y)
+        return y
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.gate_up_proj = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        lora = ctx.lora if ctx is not None else None
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_id, "gate_up_proj", x, gate_up)
+        h = self.act(gate_up)
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.apply(self.layer_id, "down_proj", h, y)
+        return y
 
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -80,7 +94,7 @@ class DecoderLayer(torch.nn.Module):
             x, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(x, ctx, cos_sin)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, ctx), residual
 
 
 class LlamaForCausalLM(torch.nn.Module):

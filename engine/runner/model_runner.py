@@ -21,6 +21,7 @@ from tandem.engine.forward_context import ForwardContext
 from tandem.engine.hardware import Choice, choose_cpu_kernels, choose_weight_prepack, detect
 from tandem.engine.hardware import resolve_dtype as choose_dtype
 from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec
+from tandem.engine.lora.batch import LoraBatch
 from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.layers import use_cpu_kernels
 from tandem.engine.models.registry import model_class
@@ -228,6 +229,8 @@ class ModelRunner:
             is_decode=batch.is_decode,
             attn=self.attn,
             after_layer=self.layer_hook(batch) if self.layer_hook is not None else None,
+            lora=LoraBatch.build([s.req.lora for s in seqs], q_lens, dev)
+            if any(s.req.lora is not None for s in seqs) else None,
         )
         self.attn.prepare(ctx)
         return ctx

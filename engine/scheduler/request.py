@@ -51,6 +51,8 @@ class Request:
     # Structured output: the request's matcher (engine/structured/matcher.py RequestGrammar), which
     # has consumed exactly `output_ids` once a step's tokens are recorded; None: free text.
     grammar: Any = None
+    # LoRA: the request's adapter (engine/lora/adapters.py LoraAdapter); None: the base model.
+    lora: Any = None
 
     @property
     def all_ids(self) -> list[int]:

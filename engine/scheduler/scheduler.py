@@ -192,6 +192,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if req.status is RequestStatus.WAITING:
+                if self._loras_full(req):
+                    continue   # its adapter would exceed --max-loras in flight: it waits, others go on
                 if not (admitting and self._admit(req, bool(seqs))):
                     admitting = False
                     continue
@@ -200,6 +202,13 @@ class Scheduler:
             seqs.append(self._chunk(req, budget))
             budget -= len(seqs[-1].input_ids)
         return StepBatch(seqs) if seqs else None
+
+    def _loras_full(self, req: Request, pending: Iterable[Request] = ()) -> bool:
+        """Whether admitting `req` would put more than `max_loras` distinct adapters in flight."""
+        if req.lora is None:
+            return False
+        active = {r.lora.digest for r in (*self.running, *self.prefilling, *pending) if r.lora is not None}
+        return req.lora.digest not in active and len(active) >= self.cfg.max_loras
 
     def _admit(self, req: Request, batched: bool) -> bool:
         """Move a waiting request to `prefilling` if a slot and its pages (keeping the reserve of the
@@ -326,7 +335,9 @@ class Scheduler:
         arrives). All-or-nothing; the request later joins with `add_running` or goes with `release`.
         It may come back loading its prefix from the KV tiers (`is_loading`): its `cache_len` is
         final once `poll_loads` has finished that load."""
-        return self.admission_room(req, pending) and self.kv.admit(req, req.prompt_ids)
+        pending = list(pending)
+        return not self._loras_full(req, pending) and self.admission_room(req, pending) and \
+            self.kv.admit(req, req.prompt_ids)
 
     def poll_loads(self) -> list[Request]:
         """Finish the loads from the KV tiers that are done (never waits; `schedule` does this

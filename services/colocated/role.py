@@ -34,8 +34,8 @@ class ColocatedWorker:
         self._export_tiers = metrics.kv_tier_exporter(engine)
 
     def add(self, prompt, params, rid: str, emit: Callable[[RequestOutput | BaseException], None],
-            priority: int = 0, resume_ids=()) -> None:
-        self.engine.add_request(prompt, params, rid, priority, resume_ids)
+            priority: int = 0, resume_ids=(), lora: str | None = None) -> None:
+        self.engine.add_request(prompt, params, rid, priority, resume_ids, lora)
         self.streams[rid] = emit
         for evicted, err in self.engine.take_evicted():  # pushed out of the full queue by this one
             metrics.REQUESTS.labels("rejected").inc()
@@ -94,7 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             await self.loop.call(lambda: self.worker.add(
                 prompt_from_pb(request), params, rid, lambda out: self.loop.deliver(queue.put_nowait, out),
-                priority, list(request.resume_ids)))
+                priority, list(request.resume_ids), engine.lora_for(request.model)))
         except TandemError as e:
             await abort_with(context, e)
         finished = False

@@ -13,6 +13,7 @@ MODEL = "model"
 ENGINE = "engine"
 SCHEDULER = "scheduler"
 SPECULATIVE = "speculative decoding"
+LORA = "LoRA adapters"
 DEPLOYMENT = "deployment"
 DISAGGREGATION = "P/D disaggregation and KV transfer"
 ROUTING = "routing"
@@ -30,6 +31,7 @@ SECTIONS: dict[str, str] = {
     ENGINE: "KV memory, attention, kernels, graphs and threads of each worker",
     SCHEDULER: "what a step batches, and which queued request is served first",
     SPECULATIVE: "draft tokens verified by the target model (docs/speculative.md)",
+    LORA: "fine-tunes served beside the base model, mixed in one batch (docs/lora.md)",
     DEPLOYMENT: "which processes, where they listen, how they find each other",
     DISAGGREGATION: "prefill and decode workers and the KV transfer between them",
     ROUTING: "how the router picks the workers of a request (docs/routing.md)",

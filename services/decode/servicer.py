@@ -41,7 +41,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
         def add() -> None:
             req = engine.make_request(prompt_from_pb(request), sampling_from_pb(request.sampling), rid,
-                                      priority_from_pb(request), list(request.resume_ids))
+                                      priority_from_pb(request), list(request.resume_ids), request.lora or None)
             room = DecodeRoom(request.bootstrap_room, req, request.prefill_bootstrap_addr,
                               request.prefill_worker_id, emit, prefill_epoch=request.prefill_boot_epoch)
             if trace is not None:

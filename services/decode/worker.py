@@ -240,6 +240,7 @@ class DecodeWorker:
         room.bootstrapped_at = time.monotonic()  # the transfer timeout runs from here, not from queueing
         self.peers.send_bootstrap(room, worker_pb2.BootstrapRequest(
             bootstrap_room=room.room, dst_page_ids=dst, decode_prefix_len=req.cache_len, page_size=ps,
+            lora_digest=req.lora.digest if req.lora is not None else "",
         ))
 
     def _poll_transfers(self) -> None:

@@ -319,8 +319,9 @@ class Gateway:
         return self._model_card(await self.catalog.get(model_id))
 
     def _model_card(self, m: ServedModel) -> dict:
+        """OpenAI's model object, with vLLM's `root` / `parent` (a LoRA adapter: its base model)."""
         return {"id": m.id, "object": "model", "created": self.catalog.created, "owned_by": "tandem",
-                "max_model_len": m.max_context_len}
+                "root": m.parent or m.id, "parent": m.parent or None, "max_model_len": m.max_context_len}
 
 
 async def _encode(tok: GatewayTokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -30,6 +30,7 @@ class ServedModel:
     vocab_size: int
     tokenizer: GatewayTokenizer
     sampling: SamplingDefaults = SamplingDefaults()   # what a request's unset sampling fields become
+    parent: str = ""                                  # a LoRA adapter: its base model (whose files it uses)
 
 
 class ModelCatalog:
@@ -77,10 +78,12 @@ class ModelCatalog:
             infos = await self.router.list_models()
             models = {}
             for info in infos:
-                files = self._files.get(info.id)
+                folder = info.parent or info.id        # an adapter speaks its base model's tokenizer
+                files = self._files.get(folder)
                 if files is None:
-                    files = self._files[info.id] = await asyncio.to_thread(self._load_files, info.id)
-                models[info.id] = ServedModel(info.id, info.max_context_len, info.vocab_size, *files)
+                    files = self._files[folder] = await asyncio.to_thread(self._load_files, folder)
+                models[info.id] = ServedModel(info.id, info.max_context_len, info.vocab_size, *files,
+                                              parent=info.parent)
             self._models = models
             self._fetched_at = time.monotonic()
 

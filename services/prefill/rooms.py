@@ -18,6 +18,7 @@ class BootstrapInfo:
     dst_pages: list[int]
     decode_prefix_len: int          # tokens D already holds (page-aligned): P does not send them
     peer_addr: str = ""             # D's gRPC address, for its liveness probe ("" : not watched)
+    lora_digest: str = ""           # D's adapter for the room ("": the base model); must be P's too
 
 
 @dataclass(eq=False)

@@ -64,7 +64,7 @@ class PrefillWorker:
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
     def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0,
-                    resume_ids=()) -> PrefillRoom:
+                    resume_ids=(), lora: str | None = None) -> PrefillRoom:
         """The router's Prefill: validate and wait for D's Bootstrap. Returns its room (whose stamps
         the servicer reads once it is done); raises InvalidRequest."""
         if room_id in self.rooms and self.rooms[room_id].req is not None:
@@ -77,7 +77,7 @@ class PrefillWorker:
         # P samples exactly one token (after the resumed ones, which count against max_tokens); D
         # validates the whole request (context, max_tokens) too.
         req = self.engine.make_request(prompt, dataclasses.replace(params, max_tokens=1 + len(resume_ids)), rid,
-                                       priority, resume_ids)
+                                       priority, resume_ids, lora)
         if room is None:
             room = self.rooms[room_id] = PrefillRoom(room_id)
         room.req, room.on_done = req, on_done
@@ -189,6 +189,11 @@ class PrefillWorker:
         room.started_at = time.monotonic()
         try:
             _check_pages(room.req.prompt_ids, room.info, self.page_size)
+            ours = room.req.lora.digest if room.req.lora is not None else ""
+            if ours != room.info.lora_digest:   # the KV would be another model's
+                raise InvalidRequest(f"LoRA adapter mismatch: the decode worker applies "
+                                     f"{room.info.lora_digest[:12] or 'none'}, this prefill {ours[:12] or 'none'}",
+                                     "lora")
             self.sched.add(room.req)
             self.progress.admitted(room)
         except InvalidRequest as e:

@@ -155,9 +155,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for w in self.registry.workers(role):
                 if not w.model:
                     continue
-                m = models.setdefault(w.model, generation_pb2.ModelInfo(id=w.model, vocab_size=w.vocab_size))
-                if w.max_context_len and (not m.max_context_len or w.max_context_len < m.max_context_len):
-                    m.max_context_len = w.max_context_len  # the smallest: what every worker can take
+                for name, parent in ((w.model, ""), *((a, w.model) for a in w.lora_adapters)):
+                    m = models.setdefault(name, generation_pb2.ModelInfo(id=name, vocab_size=w.vocab_size, parent=parent))
+                    if w.max_context_len and (not m.max_context_len or w.max_context_len < m.max_context_len):
+                        m.max_context_len = w.max_context_len  # the smallest: what every worker can take
         return generation_pb2.ListModelsResponse(models=[models[k] for k in sorted(models)])
 
     @property
@@ -224,9 +225,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not workers:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no {name} workers are registered")
         if model:
-            workers = [w for w in workers if not w.model or w.model == model]
+            workers = [w for w in workers if not w.model or w.model == model or model in w.lora_adapters]
             if not workers:
-                served = sorted({w.model for w in self.registry.workers(role)})
+                served = sorted({m for w in self.registry.workers(role) for m in (w.model, *w.lora_adapters)})
                 raise ModelNotFound(f"model {model!r} is not served; available: {', '.join(served)}")
         return [w for w in workers if w.worker_id not in exclude]
 
@@ -402,12 +403,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """`p` None: D prefills the prompt itself (conditional disaggregation), no room is handed over."""
         room = secrets.randbits(63)
         prompt = {"token_ids": request.token_ids} if request.HasField("token_ids") else {"text": request.text}
+        lora = request.model if request.model in d.lora_adapters else ""   # applied on both (P checks D's)
         log.info("[%s] prefill=%s decode=%s room=%d", rid, p.worker_id if p else "local", d.worker_id, room)
         timeout = self._timeout(deadline)
         prefill_call = None
         if p is not None:
             prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
-                worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
+                worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling, lora=lora,
                                           priority=request.priority, resume_ids=request.resume_ids, **prompt),
                 timeout=timeout, metadata=tracing.outgoing(),
             )
@@ -416,7 +418,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             peer = {"local_prefill": True}
         decode_call = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(d.grpc_addr)).Decode(
-            worker_pb2.DecodeRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling,
+            worker_pb2.DecodeRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling, lora=lora,
                                      priority=request.priority, resume_ids=request.resume_ids, **prompt, **peer),
             timeout=timeout, metadata=tracing.outgoing(),
         )

@@ -155,6 +155,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         max_context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
         load=parts.worker.load(), pod_uid=wcfg.pod_uid, boot_epoch=wcfg.boot_epoch,
         kv_events=kv_events.source if kv_events is not None else None,
+        lora_adapters=sorted(engine.loras.adapters),
     )
     identity.info = info
     registry = None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from tandem.engine.config import DTYPES, PREFILL_SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
-from tandem.services.common.arg_groups import ENGINE, MODEL, SCHEDULER, SPECULATIVE
+from tandem.services.common.arg_groups import ENGINE, LORA, MODEL, SCHEDULER, SPECULATIVE
 from tandem.services.common.flags import Flag, Owner, add_flags
 from tandem.services.common.shared_flags import MODEL_FLAG, QUEUE_FLAGS
 
@@ -159,6 +160,18 @@ ENGINE_FLAGS = (
     Flag(("--speculative-draft-model",), _E, SPECULATIVE,
          "draft: local Hugging Face folder (or alias) of the draft model; it must share the target's tokenizer",
          field="speculative_draft_model"),
+    _on_off("lora", LORA,
+            "serve LoRA adapters (PEFT folders) beside the base model: a request names one as its `model`; one "
+            "step mixes requests of different adapters and the base model (docs/lora.md)",
+            "serve the base model only"),
+    Flag(("--lora-modules",), _E, LORA,
+         "an adapter to load at start, NAME=PATH (PATH: a PEFT folder with adapter_config.json and "
+         "adapter_model.safetensors); repeat for more; needs --enable-lora", action="append", metavar="NAME=PATH"),
+    Flag(("--max-loras",), _E, LORA, "most distinct adapters in one step", field="max_loras", type=int),
+    Flag(("--max-lora-rank",), _E, LORA, "the largest adapter rank accepted (a higher one is refused at load)",
+         field="max_lora_rank", type=int),
+    Flag(("--max-cpu-loras",), _E, LORA, "adapters kept loaded (default: --max-loras)", field="max_cpu_loras",
+         type=int),
     Flag(("--disable-speculative-adaptive",), _E, SPECULATIVE,
          "keep speculating even when measured acceptance makes it slower than plain decode (by default a batch "
          "stops speculating then, and probes it again now and then)", field="speculative_adaptive",
@@ -211,4 +224,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_ngram_max=args.speculative_ngram_max,
         speculative_draft_model=args.speculative_draft_model,
         speculative_adaptive=args.speculative_adaptive,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(_lora_module(m) for m in args.lora_modules or ()),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """`--lora-modules NAME=PATH` (or vLLM's JSON form {"name": ..., "path": ...}) -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            d = json.loads(text)
+            return str(d["name"]), str(d["path"])
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"--lora-modules {text!r}: JSON needs \"name\" and \"path\"") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora-modules {text!r}: expected NAME=PATH")
+    return name, path

@@ -288,3 +288,27 @@ def test_local_prefill_on_the_decode_worker_beside_a_transferred_request(pair, t
     assert again[-1].usage.cached_tokens == 20  # the last page is recomputed (its logits are needed)
     prefill.engine.check_idle()
     decode.engine.check_idle()
+
+
+def test_a_room_whose_workers_apply_different_adapters_fails_on_both_sides(tiny_llama, tmp_path):
+    """The handshake carries D's adapter digest: P refuses to compute KV for another model."""
+    from tests.engine.lora.test_lora_engine import ADAPTERS, make_adapter
+
+    path = make_adapter(tiny_llama, tmp_path / "all8", *ADAPTERS["all8"], seed=0)
+    base = dataclasses.replace(BASE, enable_lora=True, lora_modules=(("all8", str(path)),))
+    prefill, decode, peers = make_pair(tiny_llama, PrefillTimeouts(bootstrap_s=5, transfer_s=5),
+                                       DecodeTimeouts(transfer_s=5.0), base=base)
+    try:
+        results, responses = {}, []
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        prefill.add_prefill(51, "r51", [5, 6, 7, 8, 9], params, responses.append, lora="all8")
+        req = decode.engine.make_request([5, 6, 7, 8, 9], params, "r51")          # D: the base model
+        decode.add(DecodeRoom(51, req, "p:0", "p", results.setdefault("r51", []).append))
+        drive(prefill, decode, lambda: responses and not decode.streams and not decode.transfer)
+        assert responses[0].state == worker_pb2.TRANSFER_STATE_FAILED and "LoRA adapter mismatch" in responses[0].error
+        assert isinstance(results["r51"][-1], Exception)
+        prefill.engine.check_idle()
+        decode.engine.check_idle()
+    finally:
+        prefill.sender.close()
+        peers.receiver.close()

@@ -76,7 +76,7 @@ def _flag_of(entry: str) -> list[str]:
     return [w.rstrip(",") for w in head.split() if w.startswith("-")]
 
 
-SHARED_GROUPS = ("model", "engine", "scheduler", "speculative decoding", "deployment",
+SHARED_GROUPS = ("model", "engine", "scheduler", "speculative decoding", "LoRA adapters", "deployment",
                  "P/D disaggregation and KV transfer", "routing", "SLO planner", "admission and request limits", "security",
                  "resilience", "observability")
 

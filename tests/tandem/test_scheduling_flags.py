@@ -56,17 +56,19 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--speculative-algorithm": "draft", "--speculative-num-draft-tokens": "3",
               "--speculative-ngram-min": "1", "--speculative-ngram-max": "6", "--speculative-draft-model": "/d",
               "--kv-host-cache-gb": "0.25", "--kv-disk-cache-dir": "/kv", "--kv-disk-cache-gb": "2",
-              "--kv-write-policy": "write_back"}
+              "--kv-write-policy": "write_back", "--lora-modules": "a=/x", "--max-loras": "2", "--max-lora-rank": "8",
+              "--max-cpu-loras": "3"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",
                 "--disable-speculative-adaptive", "--disable-weight-prepack", "--disable-cpu-kernels",
-                "--enable-any-whitespace"]
+                "--enable-any-whitespace", "--enable-lora"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
     # Each mutually exclusive pair is covered by one of its two flags.
     assert named - {"--enable-mixed-chunk", "--disable-overlap-schedule", "--disable-graph",
-                    "--enable-weight-prepack", "--enable-cpu-kernels", "--disable-any-whitespace"} == \
+                    "--enable-weight-prepack", "--enable-cpu-kernels", "--disable-any-whitespace",
+                    "--disable-lora"} == \
         set(values) | set(switches), "a new engine flag needs a value here"
     argv = [x for kv in values.items() for x in kv] + switches
     up = build_parser().parse_args(["up", *argv])
