@@ -45,6 +45,9 @@ class LoraAdapter:
     digest: str
     # (layer, fused projection) -> [(output offset, A [r, in], B [out, r])]
     mods: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = field(repr=False)
+    # (layer, fused projection) -> (A [k*r, in], B [fused out, k*r]): the k adapted parts in one pair,
+    # B placed at each part's output rows and scaled: the delta is (x @ A.T) @ B.T (batch.py)
+    blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def targets(self) -> set[str]:
@@ -131,4 +134,13 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, *, max_ran
         fused, _ = TARGETS[module]
         mods.setdefault((layer, fused), []).append(
             (offset, a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous()))
-    return LoraAdapter(name, str(path), rank, scaling, digest, mods)
+    fused_out = {"qkv_proj": model_cfg.q_size + 2 * model_cfg.kv_size, "o_proj": model_cfg.hidden_size,
+                 "gate_up_proj": 2 * model_cfg.intermediate_size, "down_proj": model_cfg.hidden_size}
+    blocks = {}
+    for key, parts_ in mods.items():
+        a = torch.cat([a for _, a, _ in parts_])
+        b = torch.zeros(fused_out[key[1]], a.shape[0], dtype=dtype, device=device)
+        for i, (offset, _, part_b) in enumerate(parts_):
+            b[offset:offset + part_b.shape[0], i * rank:(i + 1) * rank] = part_b * scaling
+        blocks[key] = (a.contiguous(), b.contiguous())
+    return LoraAdapter(name, str(path), rank, scaling, digest, mods, blocks)

@@ -1,9 +1,14 @@
 """A step's LoRA: which rows of the flattened tokens use which adapter, applied after each projection.
 
-Rows of the same adapter are gathered, multiplied by its A and B (two thin matmuls: `[n, in] @ [in, r]`
-then `[n, r] @ [r, out]`) and added into their slice of the fused output; base-model rows are not
-touched. One forward serves requests of different adapters and the base model together (S-LoRA /
-Punica's segmented LoRA in plain torch: the reference, and what runs on CPU).
+Each adapter's parts of a fused projection are one (A, B) pair (adapters.py `blocks`: q/k/v or
+gate/up stacked, the scaling in B). Two ways to apply them, chosen per step:
+- **segmented** (few of the loaded adapters in the step): per adapter, gather its rows, two thin
+  matmuls (`[n, in] @ [in, k*r]`, then `@ [k*r, out]`), add into their rows of the output;
+- **stacked** (most of them): every loaded adapter's A and B side by side (registry.py `Stack`): one
+  `x @ A_all.T` for all rows, each row's columns of other adapters zeroed by a mask, one
+  `y += xa @ B_all.T`. Three ops per projection whatever the number of adapters, at the cost of
+  multiplying by adapters a row does not use.
+Base-model rows are untouched either way. This is the torch reference and what runs on CPU.
 """
 
 from __future__ import annotations
@@ -14,39 +19,54 @@ import torch
 
 from tandem.engine.lora.adapters import LoraAdapter
 
+STACKED_SHARE = 0.5      # stacked once the step uses at least this share of the loaded adapters
+
 
 class LoraBatch:
-    def __init__(self, segments: list[tuple[LoraAdapter, torch.Tensor | None]]):
-        """`segments`: (adapter, its rows; None: every row of the step)."""
+    def __init__(self, segments: list[tuple[LoraAdapter, torch.Tensor | None]], stack=None,
+                 masks: dict | None = None):
+        """`segments`: (adapter, its rows; None: every row of the step). `stack` (registry.py): apply
+        all of them stacked, with `masks[layout]` [rows, stacked rank] keeping each row's own columns."""
         self.segments = segments
+        self.stack = stack
+        self.masks = masks or {}
 
     @staticmethod
-    def build(adapters: Sequence[LoraAdapter | None], q_lens: Sequence[int], device) -> LoraBatch | None:
+    def build(adapters: Sequence[LoraAdapter | None], q_lens: Sequence[int], device, stack=None) -> LoraBatch | None:
         """The step's batch from each sequence's adapter (None: base model) and its token count; None
-        when no sequence uses one."""
+        when no sequence uses one. `stack`: the registry's stacked weights (None: segmented only)."""
         rows: dict[int, tuple[LoraAdapter, list[int]]] = {}
+        owner: list[str | None] = []
         start = 0
         for adapter, n in zip(adapters, q_lens, strict=True):
             if adapter is not None:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + n))
+            owner.extend([adapter.name if adapter is not None else None] * n)
             start += n
         if not rows:
             return None
-        return LoraBatch([(a, None if len(r) == start else torch.tensor(r, dtype=torch.int64, device=device))
-                          for a, r in rows.values()])
+        segments = [(a, None if len(r) == start else torch.tensor(r, dtype=torch.int64, device=device))
+                    for a, r in rows.values()]
+        if stack is None or len(rows) < STACKED_SHARE * stack.count:
+            return LoraBatch(segments)
+        return LoraBatch(segments, stack, stack.masks(owner, device))
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every adapter's delta of projection `proj` of `layer` (input `x`, output `y`) into `y`."""
+        if self.stack is not None:
+            entry = self.stack.weights.get((layer, proj))
+            if entry is not None:
+                a, b, layout = entry
+                xa = x @ a.t()
+                xa.mul_(self.masks[layout])
+                y.addmm_(xa, b.t())
+            return
         for adapter, rows in self.segments:
-            mods = adapter.mods.get((layer, proj))
-            if not mods:
+            block = adapter.blocks.get((layer, proj))
+            if block is None:
                 continue
-            xs = x if rows is None else x.index_select(0, rows)
-            for offset, a, b in mods:
-                delta = (xs @ a.t()) @ b.t()
-                delta.mul_(adapter.scaling)
-                out = y[:, offset:offset + b.shape[0]]
-                if rows is None:
-                    out.add_(delta)
-                else:
-                    out.index_add_(0, rows, delta)
+            a, b = block
+            if rows is None:
+                y.addmm_(x @ a.t(), b.t())
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())

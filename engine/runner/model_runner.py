@@ -99,6 +99,7 @@ class ModelRunner:
         self._masks: ThreadPoolExecutor | None = None   # grammar masks beside a synchronous forward pass
         # batch -> its forward pass's ForwardContext.after_layer, or None (a prefill worker's KV streaming)
         self.layer_hook: Callable[[StepBatch], Callable[[int], None] | None] | None = None
+        self.lora_stack = None   # engine.lora.registry.Stack, set by the engine when adapters are loaded
         # Sampled tokens by future slot (engine/scheduler/future.py): written after each step's
         # sampling, read by the next step's inputs when overlap scheduling planned it early.
         self.future_map = torch.zeros(FutureSlots(cfg.max_running_requests).size, dtype=torch.int64,
@@ -229,7 +230,7 @@ class ModelRunner:
             is_decode=batch.is_decode,
             attn=self.attn,
             after_layer=self.layer_hook(batch) if self.layer_hook is not None else None,
-            lora=LoraBatch.build([s.req.lora for s in seqs], q_lens, dev)
+            lora=LoraBatch.build([s.req.lora for s in seqs], q_lens, dev, self.lora_stack)
             if any(s.req.lora is not None for s in seqs) else None,
         )
         self.attn.prepare(ctx)

@@ -59,8 +59,10 @@ def test_a_mixed_batch_of_adapters_and_the_base_model_equals_peft(tiny_llama, ad
     names = [None, "all8", "attn4", "mlp16"] * 2
     prompts = random_prompts([5, 9, 17, 3, 12, 7, 22, 30], engine.model_config.vocab_size, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    got = engine.generate(prompts, params, loras=names)
+    got = engine.generate(prompts, params, loras=names)      # every loaded adapter in the step: stacked
     engine.check_idle()
+    engine.runner.lora_stack = None                           # the same batch segmented, adapter by adapter
+    assert [r.token_ids for r in engine.generate(prompts, params, loras=names)] == [r.token_ids for r in got]
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     base = [hf_greedy(hf, p, 8) for p in prompts]         # before PEFT wraps (and changes) the model
