@@ -26,6 +26,11 @@ if TYPE_CHECKING:   # annotations only: the cache serves the scheduler and never
     from tandem.engine.scheduler.request import Request
 
 
+def _ns(req: Request) -> bytes | None:
+    """The request's prefix-cache namespace: its LoRA adapter's (None: the base model's)."""
+    return req.lora.cache_key if req.lora is not None else None
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
@@ -87,8 +92,7 @@ class KVManager:
         """
         if self.slots.num_free_slots == 0:
             return False
-        # An adapter's KV is its own: kept out of the prefix cache (no key names the adapter yet).
-        match = self.cache.match_prefix(fill_ids[:-1]) if req.lora is None else self.cache.no_match()
+        match = self.cache.match_prefix(fill_ids[:-1], _ns(req))
         self.cache.lock(match.node)  # before allocating: eviction must not take the matched pages
         need = pages_for(len(fill_ids), self.page_size) - len(match.pages)
         new_pages = self._take(need)
@@ -102,7 +106,7 @@ class KVManager:
         self.slots.set_pages(slot, req.pages)
         req.num_computed = match.num_tokens
         req.fill_len = len(fill_ids)
-        if self.tiers is not None and req.lora is None:
+        if self.tiers is not None:
             self._start_load(req, fill_ids, match, new_pages)
         return True
 
@@ -154,11 +158,11 @@ class KVManager:
         first = len(match.pages)
         n = first + loaded
         ours = req.pages[first:first + loaded]
-        dup = self.cache.insert(load.fill_ids[: n * ps], list(match.pages) + ours)
+        dup = self.cache.insert(load.fill_ids[: n * ps], list(match.pages) + ours, _ns(req))
         # While the load ran, another request may have cached the same pages: the tree's serve and
         # ours are freed.
         self.allocator.free(dup)
-        longer = self.cache.match_prefix(load.fill_ids[: n * ps])
+        longer = self.cache.match_prefix(load.fill_ids[: n * ps], _ns(req))
         assert len(longer.pages) == n, (len(longer.pages), n)
         self.cache.lock(longer.node)
         self.cache.unlock(match.node)
@@ -203,11 +207,8 @@ class KVManager:
             self.tiers.cancel(load.job)
         ids = req.all_ids if token_ids is None else token_ids
         n_full = min(req.num_computed, len(ids)) // self.page_size
-        if req.lora is None:
-            dup = self.cache.insert(ids[: n_full * self.page_size], req.pages[:n_full])
-            self.allocator.free(dup + req.pages[n_full:])
-        else:
-            self.allocator.free(req.pages)
+        dup = self.cache.insert(ids[: n_full * self.page_size], req.pages[:n_full], _ns(req))
+        self.allocator.free(dup + req.pages[n_full:])
         self.cache.unlock(req.cache_node)
         self.slots.free_slot(req.slot)
         req.slot, req.pages, req.cache_node = None, [], None

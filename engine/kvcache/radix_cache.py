@@ -14,6 +14,11 @@ hands each page's key, a chain `key_fn(parent_key, page_token_ids)` computed laz
 the root down and cached on the nodes: the cache never interprets keys (it stays hash-free), and
 without a hook nothing of this runs.
 
+Namespaces: KV computed under different weights (a LoRA adapter, engine/lora/) must never be
+shared, so each namespace has a root of its own; `match_prefix` and `insert` take it (None: the base
+model's). A namespace's root carries its key (`ns`, an opaque object such as the adapter's digest),
+which is the parent key of its first pages: the key chains of two namespaces never meet.
+
 Insert hook (optional, for KV events to the router and the tiers' write-through; needs `key_fn`):
 `on_insert` hears the keys and page ids of the pages an `insert` adds to the tree (pages it already
 held are not told again), so that together with `on_evict` a listener can follow exactly which pages
@@ -54,7 +59,7 @@ InsertHook = Callable[[list[object], object | None, list[int]], None]
 class RadixNode:
     """One edge of the tree (plus the node it leads to). Opaque to callers: a lock handle."""
 
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "page_keys")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "page_keys", "ns")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None, uid: int):
         self.key = key  # token ids on this edge; len == len(pages) * page_size
@@ -69,6 +74,7 @@ class RadixNode:
         # One key_fn key per page, filled at the first eviction below this node (None until then);
         # kept aligned with `pages` by split and trim.
         self.page_keys: list[object] | None = None
+        self.ns: object | None = None   # a root: its namespace, the parent key of its first pages
 
     def __repr__(self) -> str:
         return f"RadixNode(uid={self.uid}, pages={self.pages}, lock_ref={self.lock_ref})"
@@ -118,8 +124,16 @@ class RadixCache:
 
     def _new_root(self) -> None:
         self._root = self._make_node((), [], None)
+        self._roots: dict[object | None, RadixNode] = {None: self._root}
         self._evictable_pages = 0
         self._protected_pages = 0
+
+    def _root_of(self, ns: object | None) -> RadixNode:
+        root = self._roots.get(ns)
+        if root is None:
+            root = self._roots[ns] = self._make_node((), [], None)
+            root.ns = ns
+        return root
 
     def _make_node(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> RadixNode:
         node = RadixNode(key, pages, parent, self._next_uid)
@@ -142,15 +156,15 @@ class RadixCache:
 
     # ---- lookup / insert -------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], ns: object | None = None) -> PrefixMatch:
         """Longest cached prefix of `token_ids` in whole pages; a trailing partial page is ignored.
 
         Marks the matched nodes as recently used and splits an edge when the match ends inside it,
         so the returned node covers exactly the matched pages. Takes no lock: the caller locks
         `node` before anything can evict. A caller that needs at least one token to compute should
-        match `token_ids[:-1]`.
+        match `token_ids[:-1]`. `ns`: the namespace (None: the base model's).
         """
-        node = self._root
+        node = self._root_of(ns)
         pages: list[int] = []
         if not self.enabled:
             return PrefixMatch(pages, node, self.page_size)
@@ -171,17 +185,13 @@ class RadixCache:
             pos += m * ps
         return PrefixMatch(pages, node, self.page_size)
 
-    def no_match(self) -> PrefixMatch:
-        """The empty match (the root): for KV that must not be shared."""
-        return PrefixMatch([], self._root, self.page_size)
-
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> list[int]:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], ns: object | None = None) -> list[int]:
         """Cache `token_ids` (whole pages only) backed by `pages`; the tree takes ownership.
 
         Returns the caller's pages the tree did not take because that chunk is already cached
         under a different page id: the caller must free them. A page that the tree already holds
         at that position (the caller got it from `match_prefix`) is neither taken nor returned.
-        When the cache is disabled every page is returned.
+        When the cache is disabled every page is returned. `ns`: the namespace (as `match_prefix`).
         """
         ps = self.page_size
         if len(token_ids) != len(pages) * ps:
@@ -191,7 +201,7 @@ class RadixCache:
         if not self.enabled:
             return list(pages)
         self._clock += 1
-        node = self._root
+        node = self._root_of(ns)
         to_free: list[int] = []
         i = 0  # page index into `pages`
         num = len(pages)
@@ -252,7 +262,7 @@ class RadixCache:
 
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (counted; pair with `unlock`)."""
-        while node is not self._root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_pages -= len(node.pages)
                 self._protected_pages += len(node.pages)
@@ -261,7 +271,7 @@ class RadixCache:
 
     def unlock(self, node: RadixNode) -> None:
         """Release one `lock` on `node`. Raises AssertionError if it was not locked."""
-        while node is not self._root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise AssertionError(f"unlock of unlocked radix node {node!r}")
             node.lock_ref -= 1
@@ -304,7 +314,7 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
             leaf.parent = None
-            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         self.allocator.free(freed)
         return len(freed)
@@ -321,21 +331,23 @@ class RadixCache:
         self.on_evict(EvictedRun(tokens, node.pages[start:], keys, parent))
 
     def last_key(self, node: RadixNode) -> object | None:
-        """The `key_fn` key of `node`'s last page (None for the root: an empty match), computed once
-        and kept on the nodes like the eviction keys."""
+        """The `key_fn` key of `node`'s last page (a root's: its namespace, None for the base model's: an
+        empty match), computed once and kept on the nodes like the eviction keys."""
         assert self.key_fn is not None, "last_key needs a key_fn"
-        if node is self._root:
-            return None
+        if node.parent is None:
+            return node.ns
         self._fill_keys(node)
         return node.page_keys[-1]
 
     def _last_key(self, node: RadixNode | None) -> object | None:
-        return None if node is None or node is self._root else node.page_keys[-1]
+        if node is None:
+            return None
+        return node.ns if node.parent is None else node.page_keys[-1]
 
     def _fill_keys(self, node: RadixNode) -> None:
         # Ancestors first (root down), each node's keys computed once and kept.
         path = []
-        while node is not self._root and node.page_keys is None:
+        while node.parent is not None and node.page_keys is None:
             path.append(node)
             node = node.parent
         ps = self.page_size
@@ -349,7 +361,7 @@ class RadixCache:
 
     def _leaves(self) -> list[RadixNode]:
         leaves = []
-        stack = list(self._root.children.values())
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             if node.children:
@@ -374,7 +386,7 @@ class RadixCache:
         `on_insert` / `on_evict` listener starts from (a KV event snapshot). Needs `key_fn`; O(pages)."""
         assert self.key_fn is not None, "page_keys needs a key_fn"
         out: list[tuple[object, object | None]] = []
-        stack = list(self._root.children.values())
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             self._fill_keys(node)
@@ -388,7 +400,7 @@ class RadixCache:
     def cached_pages(self) -> list[int]:
         """All page ids held by the tree (for checks and debugging; O(nodes))."""
         out: list[int] = []
-        stack = [self._root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             out.extend(node.pages)
@@ -400,10 +412,10 @@ class RadixCache:
         ps = self.page_size
         evictable = protected = 0
         seen: set[int] = set()
-        stack = [self._root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
-            if node is not self._root:
+            if node.parent is not None:
                 assert node.pages, f"empty non-root node {node!r}"
                 assert len(node.key) == len(node.pages) * ps, f"key/pages size mismatch in {node!r}"
                 assert node.lock_ref >= 0, f"negative lock count in {node!r}"
@@ -419,7 +431,7 @@ class RadixCache:
                 assert child.key[:ps] == first, f"child index key mismatch at {child!r}"
                 child_locks += child.lock_ref
                 stack.append(child)
-            if node is not self._root:
+            if node.parent is not None:
                 # Each lock below counted once on this node, plus any locks taken on it directly.
                 assert node.lock_ref >= child_locks, f"lock count below children's at {node!r}"
         assert evictable == self._evictable_pages, (evictable, self._evictable_pages)

@@ -11,8 +11,9 @@ says so (DoRA, `modules_to_save`, per-module rank or alpha patterns, biases, emb
 as is a rank above `--max-lora-rank` or a tensor whose shape does not fit the model.
 
 Identity: `digest` (SHA-256 of the config and the weights) names an adapter's content wherever its KV
-could be reused: two adapters never share KV (engine/kvcache/kv_manager.py keeps adapter requests out
-of the prefix cache for now).
+could be reused: its requests have a prefix-cache namespace of their own (radix_cache.py), whose key
+(`cache_key`) starts the chain of their block keys (tiers, KV events), and D sends it to P in the
+bootstrap: two adapters never share KV; two requests of one adapter do.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class LoraAdapter:
     # (layer, fused projection) -> (A [k*r, in], B [fused out, k*r]): the k adapted parts in one pair,
     # B placed at each part's output rows and scaled: the delta is (x @ A.T) @ B.T (batch.py)
     blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def cache_key(self) -> bytes:
+        """The adapter's namespace in the KV block keys (16 bytes of its digest): the parent key of its
+        prompts' first pages, so no block key of it equals one of the base model or another adapter."""
+        return bytes.fromhex(self.digest)[:16]
 
     @property
     def targets(self) -> set[str]:

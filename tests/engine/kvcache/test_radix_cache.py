@@ -342,3 +342,32 @@ def test_random_requests_keep_every_page_accounted_for(page_size, num_pages, ena
     assert radix.evict(num_pages) == cached
     alloc.check_all_free()
     assert radix.total_pages == 0
+
+
+def test_namespaces_never_share_pages_and_start_key_chains_of_their_own():
+    """KV of a LoRA adapter lives in its own namespace: the same tokens match only there, each namespace
+    keeps its pages, eviction and locks work across them, and its keys chain from its root's key."""
+    alloc = PageAllocator(16)
+    inserted: list[tuple[list, object]] = []
+    cache = RadixCache(alloc, 2, key_fn=lambda parent, page: (parent, tuple(page)),
+                       on_insert=lambda keys, parent, pages: inserted.append((keys, parent)))
+    tokens = [1, 2, 3, 4]
+    base_pages, lora_pages = alloc.alloc(2), alloc.alloc(2)
+    assert cache.insert(tokens, base_pages) == []
+    assert cache.match_prefix(tokens, ns=b"A").num_tokens == 0          # the base model's pages are not A's
+    assert cache.insert(tokens, lora_pages, ns=b"A") == []               # A keeps its own copy
+    assert cache.match_prefix(tokens).pages == base_pages
+    assert cache.match_prefix(tokens, ns=b"A").pages == lora_pages
+    assert cache.match_prefix(tokens, ns=b"B").num_tokens == 0
+    (base_keys, base_parent), (a_keys, a_parent) = inserted
+    assert base_parent is None and a_parent == b"A" and a_keys[0] == (b"A", (1, 2)) != base_keys[0]
+    m = cache.match_prefix(tokens, ns=b"A")
+    cache.lock(m.node)
+    assert cache.last_key(m.node) == a_keys[-1] and cache.last_key(cache.match_prefix([9], ns=b"A").node) == b"A"
+    assert cache.evict(16) == 2 and cache.match_prefix(tokens).num_tokens == 0   # only the unlocked base pages
+    assert cache.match_prefix(tokens, ns=b"A").pages == lora_pages
+    cache.unlock(m.node)
+    cache.check_consistency()
+    assert sorted(cache.cached_pages()) == sorted(lora_pages)
+    cache.reset()
+    assert alloc.num_free == 16

@@ -1,6 +1,7 @@
 """LoRA adapters in PEFT's format: greedy tokens of a batch that mixes three adapters and the base
 model equal Hugging Face transformers + PEFT's, each prompt run alone there (fp32); adapters never
-share KV; a bad adapter is refused at load, an unknown one per request."""
+share KV (each caches in its own namespace); a bad adapter is refused at load, an unknown one per
+request."""
 
 from __future__ import annotations
 
@@ -92,6 +93,10 @@ def test_adapters_change_the_output_and_never_share_kv(tiny_llama, adapters):
     assert warm.usage.cached_tokens == 0
     [again] = engine.generate([prompt], params)              # the base model still hits its own cache
     assert again.token_ids == base.token_ids and again.usage.cached_tokens > 0
+    [hit] = engine.generate([prompt], params, loras=["all8"])   # ... and the adapter its own
+    assert hit.token_ids == warm.token_ids and hit.usage.cached_tokens > 0
+    [other] = engine.generate([prompt], params, loras=["attn4"])  # another adapter: none of it
+    assert other.usage.cached_tokens == 0
     engine.check_idle()
 
 
