@@ -4,9 +4,9 @@ Runs only on the engine thread (see services/worker/loop.py). A room is computed
 router's Prefill and D's Bootstrap have arrived (either may come first): D's memory pressure thus
 back-pressures P. The pages a prefill chunk completes are written to D while the chunk's forward pass
 runs, `stream_layers` layers at a time as soon as those layers' KV is in the pool (where D's data
-path takes layer writes: tcp, nixl), so that little is left to send after the last layer; else after the
-chunk. With the last chunk the first token goes along as the aux record. P keeps the prompt's pages until the transfer
-reports success or failure, then releases them into its prefix cache. Before each step P reports the
+path takes layer writes: tcp, nixl), so that little is left to send after the last layer; else after
+the chunk. With the last chunk the first token goes along as the aux record. P keeps the prompt's
+pages until the transfer reports success or failure, then releases them into its prefix cache. Before each step P reports the
 progress of its bootstrapped rooms to their decode workers (progress.py), whose transfer timeout
 follows it.
 """
