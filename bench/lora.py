@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from tandem.bench.flags import add_load_flags, add_out_flag
 from tandem.bench.results import write_result
+from tandem.bench.structured import timed_run
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.models.source import resolve_model
@@ -49,20 +48,8 @@ def make_adapters(model_dir: Path, out: Path, n: int, rank: int) -> dict[str, Pa
 def run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, params, lora=name) for p, name in zip(prompts, loras, strict=True)]
-    first, last, count = {}, {}, dict.fromkeys(rids, 0)
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            if o.token_ids:
-                first.setdefault(o.rid, now)
-                last[o.rid] = now
-                count[o.rid] += len(o.token_ids)
-    wall = time.perf_counter() - t0
-    tpot = [(last[r] - first[r]) / (count[r] - 1) for r in rids if count[r] > 1]
-    return {"tpot_ms": round(1e3 * statistics.fmean(tpot), 2), "throughput_tok_s": round(sum(count.values()) / wall, 1),
-            "wall_s": round(wall, 2)}
+    out = timed_run(engine, rids)
+    return {k: out[k] for k in ("tpot_ms", "throughput_tok_s", "wall_s")}
 
 
 def main() -> None:

@@ -45,16 +45,16 @@ def prompts(engine: LLMEngine, n: int) -> list[str]:
     return out
 
 
-def run(engine: LLMEngine, texts: list[str], params: SamplingParams) -> dict:
-    rids = [engine.add_request(t, params) for t in texts]
+def timed_run(engine: LLMEngine, rids: list[str], on_step=None) -> dict:
+    """Step the engine until every request ended: output tokens, wall time, throughput and the mean TPOT
+    per request (time between its first and last token over the tokens between). `on_step()` runs
+    after each step (e.g. to read the runner's timings)."""
     first, last, count = {}, {}, dict.fromkeys(rids, 0)
-    mask_wait = 0.0
-    steps = 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
         outs = engine.step()
-        steps += 1
-        mask_wait += engine.runner.last_timings.mask_wait_s
+        if on_step is not None:
+            on_step()
         now = time.perf_counter()
         for o in outs:
             if o.token_ids:
@@ -62,12 +62,18 @@ def run(engine: LLMEngine, texts: list[str], params: SamplingParams) -> dict:
                 last[o.rid] = now
                 count[o.rid] += len(o.token_ids)
     wall = time.perf_counter() - t0
-    engine._drain()
     tpot = [(last[r] - first[r]) / (count[r] - 1) for r in rids if count[r] > 1]
     return {"requests": len(rids), "output_tokens": sum(count.values()), "wall_s": round(wall, 3),
             "throughput_tok_s": round(sum(count.values()) / wall, 2),
-            "tpot_ms": round(1e3 * statistics.fmean(tpot), 3) if tpot else None,
-            "mask_wait_ms_per_step": round(1e3 * mask_wait / max(1, steps), 4)}
+            "tpot_ms": round(1e3 * statistics.fmean(tpot), 3) if tpot else None}
+
+
+def run(engine: LLMEngine, texts: list[str], params: SamplingParams) -> dict:
+    rids = [engine.add_request(t, params) for t in texts]
+    waits: list[float] = []
+    out = timed_run(engine, rids, lambda: waits.append(engine.runner.last_timings.mask_wait_s))
+    engine._drain()
+    return {**out, "mask_wait_ms_per_step": round(1e3 * sum(waits) / max(1, len(waits)), 4)}
 
 
 def compile_times() -> dict:

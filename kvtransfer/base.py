@@ -71,6 +71,10 @@ class PoolLayout:
         """Bytes of one page of one layer's K (or V)."""
         return self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.torch_dtype).element_size()
 
+    def span(self, layers: tuple[int, int] | None) -> int:
+        """Layers in a write of `layers` (first, end); None: every layer."""
+        return layers[1] - layers[0] if layers else self.num_layers
+
     def compatible(self, other: PoolLayout) -> bool:
         """Same page geometry (the page counts of the two pools may differ)."""
         return (self.num_layers, self.page_size, self.kv_heads, self.head_dim, self.dtype) == (

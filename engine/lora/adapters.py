@@ -3,8 +3,8 @@ loaded and checked against the model they are for.
 
 An adapter adds `scaling * (x @ A.T) @ B.T` to the output of a projection (A: `[r, in]`, B: `[out, r]`,
 scaling `lora_alpha / r`, or `/ sqrt(r)` with `use_rslora`). Tandem fuses q/k/v into `qkv_proj` and
-gate/up into `gate_up_proj`, so each adapted projection becomes a slice of a fused output: `mods`
-maps (layer, fused projection) to the (output offset, A, B) of each adapted part. Targets: the
+gate/up into `gate_up_proj`, so each adapted projection becomes a slice of a fused output: `blocks`
+maps (layer, fused projection) to one (A, B) pair of all its adapted parts. Targets: the
 attention and MLP projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
 `down_proj`). What PEFT can save but this does not apply is refused at load with a message that
 says so (DoRA, `modules_to_save`, per-module rank or alpha patterns, biases, embeddings, `fan_in_fan_out`),
@@ -44,21 +44,15 @@ class LoraAdapter:
     rank: int
     scaling: float
     digest: str
-    # (layer, fused projection) -> [(output offset, A [r, in], B [out, r])]
-    mods: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = field(repr=False)
     # (layer, fused projection) -> (A [k*r, in], B [fused out, k*r]): the k adapted parts in one pair,
     # B placed at each part's output rows and scaled: the delta is (x @ A.T) @ B.T (batch.py)
-    blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
     @property
     def cache_key(self) -> bytes:
         """The adapter's namespace in the KV block keys (16 bytes of its digest): the parent key of its
         prompts' first pages, so no block key of it equals one of the base model or another adapter."""
         return bytes.fromhex(self.digest)[:16]
-
-    @property
-    def targets(self) -> set[str]:
-        return {proj for _, proj in self.mods}
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -150,4 +144,4 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, *, max_ran
         for i, (offset, _, part_b) in enumerate(parts_):
             b[offset:offset + part_b.shape[0], i * rank:(i + 1) * rank] = part_b * scaling
         blocks[key] = (a.contiguous(), b.contiguous())
-    return LoraAdapter(name, str(path), rank, scaling, digest, mods, blocks)
+    return LoraAdapter(name, str(path), rank, scaling, digest, blocks)

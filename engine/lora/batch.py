@@ -24,12 +24,12 @@ STACKED_SHARE = 0.5      # stacked once the step uses at least this share of the
 
 class LoraBatch:
     def __init__(self, segments: list[tuple[LoraAdapter, torch.Tensor | None]], stack=None,
-                 masks: dict | None = None):
+                 masks: list[torch.Tensor] | None = None):
         """`segments`: (adapter, its rows; None: every row of the step). `stack` (registry.py): apply
-        all of them stacked, with `masks[layout]` [rows, stacked rank] keeping each row's own columns."""
+        all of them stacked, with `masks[layout id]` [rows, stacked rank] keeping each row's own columns."""
         self.segments = segments
         self.stack = stack
-        self.masks = masks or {}
+        self.masks = masks or []
 
     @staticmethod
     def build(adapters: Sequence[LoraAdapter | None], q_lens: Sequence[int], device, stack=None) -> LoraBatch | None:

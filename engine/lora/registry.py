@@ -33,37 +33,26 @@ class LoraRegistry:
 
 class Stack:
     """Every loaded adapter's blocks side by side, per (layer, fused projection): A_all `[S, in]`, B_all
-    `[out, S]`, and the layout (adapter name -> its columns) that row masks follow (batch.py)."""
+    `[out, S]`, and its layout (which adapter each of the S columns belongs to) that row masks follow."""
 
     def __init__(self, adapters: list[LoraAdapter]):
         self.count = len(adapters)
-        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, tuple]] = {}
-        self._layouts: dict[tuple, tuple[tuple[str, int, int], ...]] = {}
-        keys = sorted({k for a in adapters for k in a.blocks})
-        for key in keys:
-            a_parts, b_parts, layout, at = [], [], [], 0
-            for adapter in adapters:
-                block = adapter.blocks.get(key)
-                if block is None:
-                    continue
-                a_parts.append(block[0])
-                b_parts.append(block[1])
-                layout.append((adapter.name, at, at + block[0].shape[0]))
-                at += block[0].shape[0]
-            layout_t = tuple(layout)
-            self._layouts.setdefault(layout_t, layout_t)
-            self.weights[key] = (torch.cat(a_parts).contiguous(), torch.cat(b_parts, dim=1).contiguous(), layout_t)
+        self.index = {a.name: i for i, a in enumerate(adapters)}
+        # (layer, projection) -> (A_all, B_all, layout id); layout id -> (owner of each column, dtype)
+        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._columns: list[tuple[torch.Tensor, torch.dtype]] = []
+        layouts: dict[tuple[int, ...], int] = {}
+        for key in sorted({k for a in adapters for k in a.blocks}):
+            present = [(i, a.blocks[key]) for i, a in enumerate(adapters) if key in a.blocks]
+            a_all = torch.cat([a for _, (a, _) in present]).contiguous()
+            layout = tuple(i for i, (a, _) in present for _ in range(a.shape[0]))
+            if layout not in layouts:
+                layouts[layout] = len(self._columns)
+                self._columns.append((torch.tensor(layout, dtype=torch.int64), a_all.dtype))
+            self.weights[key] = (a_all, torch.cat([b for _, (_, b) in present], dim=1).contiguous(), layouts[layout])
 
-    def masks(self, owner: list[str | None], device) -> dict[tuple, torch.Tensor]:
-        """Per layout, `[rows, S]`: 1 in each row's own adapter's columns (rows of the base model: 0)."""
-        out = {}
-        for layout in self._layouts:
-            dtype = next(w[0].dtype for w in self.weights.values() if w[2] is layout)
-            mask = torch.zeros(len(owner), layout[-1][2], dtype=dtype)
-            cols = {name: (lo, hi) for name, lo, hi in layout}
-            for row, name in enumerate(owner):
-                if name in cols:
-                    lo, hi = cols[name]
-                    mask[row, lo:hi] = 1
-            out[layout] = mask.to(device)
-        return out
+    def masks(self, owner: list[str | None], device) -> list[torch.Tensor]:
+        """Per layout id, `[rows, S]`: 1 in each row's own adapter's columns (rows of the base model: 0)."""
+        rows = torch.tensor([self.index.get(name, -1) if name is not None else -1 for name in owner],
+                            dtype=torch.int64)
+        return [(rows[:, None] == cols[None, :]).to(device=device, dtype=dtype) for cols, dtype in self._columns]

@@ -68,7 +68,7 @@ def _build(spec: StructuredSpec, compact: bool) -> str:
     kind, v = spec.kind, spec.value
     if kind is Kind.JSON_SCHEMA:
         param = "structured.json_schema"
-        schema = close_objects(json.loads(_json_text(v, param)), spec.strict, param)
+        schema = close_objects(_json_schema(v, param), spec.strict, param)
         if isinstance(schema, bool):    # options apply to an object schema only
             schema = {} if schema else {"not": {}}
         text = json.dumps(schema)
@@ -142,7 +142,7 @@ def close_objects(schema, strict: bool, param: str, at: str = ""):
     return out
 
 
-def _json_text(v, param: str) -> str:
+def _json_schema(v, param: str) -> dict | bool:
     if not isinstance(v, str) or not v.strip():
         raise InvalidRequest(f"{param} is empty", param)
     _check_size(v, param)
@@ -152,7 +152,7 @@ def _json_text(v, param: str) -> str:
         raise InvalidRequest(f"{param} is not valid JSON: {e}", param) from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequest(f"{param} must be a JSON object (a JSON Schema), got {type(schema).__name__}", param)
-    return v
+    return schema
 
 
 def _tool_calls_lark(t: ToolCallSpec, strict: bool, compact: bool) -> str:
@@ -171,7 +171,7 @@ def _tool_calls_lark(t: ToolCallSpec, strict: bool, compact: bool) -> str:
     alts = []
     for i, text in enumerate(t.schemas):
         param = f"structured.tool_calls.schemas[{i}]"
-        schema = json.loads(_json_text(text, param))
+        schema = _json_schema(text, param)
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         schema = close_objects(schema, strict, param)

@@ -404,8 +404,7 @@ class Receiver(RoomChecks, RoomTable, KVReceiver):
         path = self._paths[conn.path]
         body, layers = self._layers(conn, body, ranged)
         incoming = path.incoming(conn.ch, body, payload_len, layers) if ranged else path.incoming(conn.ch, body, payload_len)
-        r, why = self._admit_write(conn, room, incoming.runs, payload_len,
-                                   layers[1] - layers[0] if layers else self.layout.num_layers)
+        r, why = self._admit_write(conn, room, incoming.runs, payload_len, self.layout.span(layers))
         if why:
             incoming.discard()
             conn.ch.try_send(Kind.ABORT, room, why.encode())

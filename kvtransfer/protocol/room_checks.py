@@ -53,7 +53,7 @@ class RoomChecks:
         """A write of runs `[n, 2]` (dst_start, length), of `layers` (first, end; None: all), put `nbytes`
         into the room's pages: a whole one waits for its SUMS. `value`: the checksum the data path
         computed of it as it landed (None: the checksum threads compute it). Caller holds the lock."""
-        units = int(runs[:, 1].sum()) * (layers[1] - layers[0] if layers else self.layout.num_layers)
+        units = int(runs[:, 1].sum()) * self.layout.span(layers)
         if nbytes == units * 2 * self.layout.page_bytes:
             r.landed_pages += units
             r.last_runs, r.last_sum, r.last_layers = runs, value, layers
@@ -72,7 +72,7 @@ class RoomChecks:
                 r.mismatch = r.mismatch or "checksums for other pages than the write before them"
                 return
             layers = r.last_layers
-            r.summed_pages += int(runs[:, 1].sum()) * (layers[1] - layers[0] if layers else self.layout.num_layers)
+            r.summed_pages += int(runs[:, 1].sum()) * self.layout.span(layers)
             r.landed_at = time.monotonic()   # bytes are arriving: a slow link is not a dead one
             r.checking += 1
         if value is None:

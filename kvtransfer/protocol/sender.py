@@ -231,7 +231,7 @@ class Sender(RoomTable, KVSender):
         if dst.size and (dst.min() < 0 or dst.max() >= peer.meta.layout.num_pages):
             raise ValueError(f"room {room}: destination pages outside [0, {peer.meta.layout.num_pages})")
         runs = np.asarray(merge_runs(src.tolist(), dst.tolist()), dtype=np.int64).reshape(-1, 3)
-        per = checksum.piece_pages(self.layout, layers[1] - layers[0]) if layers else self._piece_pages
+        per = checksum.piece_pages(self.layout, self.layout.span(layers)) if layers else self._piece_pages
         pieces = split_runs(runs, per) if peer.checksum else [runs]
         self._enqueue(peer_id, room, *(_Job(Kind.WRITE, room, runs=piece, layers=layers)
                                        for piece in pieces if len(piece)))
@@ -443,8 +443,7 @@ class Sender(RoomTable, KVSender):
     def _send_sums(self, peer: _Peer, job: _Job, r: _Room, nbytes: int, value: int | None) -> None:
         """The SUMS frame of a write the link moved whole (one it cut short belongs to a failed room):
         `value`, the link's own checksum of it, or the checksum threads'."""
-        first, end = job.layers or (0, self.layout.num_layers)
-        whole = int(job.runs[:, 2].sum()) * (end - first) * 2 * self.layout.page_bytes
+        whole = int(job.runs[:, 2].sum()) * self.layout.span(job.layers) * 2 * self.layout.page_bytes
         if nbytes != whole or r.state.done:
             if job.sums is not None:
                 job.sums.cancel()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.services.gateway.tool_parser import _hold
+
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 
@@ -31,14 +33,6 @@ class Split:
         self.reasoning += other.reasoning
         self.content += other.content
         return self
-
-
-def _hold(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -59,14 +53,11 @@ class ReasoningParser:
         self._text += text
         while True:
             if self._state == "before":           # qwen3, until <think> (or its start) shows
-                at = self._text.find(THINK_BEGIN)
-                if at < 0:
-                    keep = _hold(self._text, THINK_BEGIN)
-                    out.content += self._text[:len(self._text) - keep]
-                    self._text = self._text[len(self._text) - keep:]
+                before, found = self._until(THINK_BEGIN)
+                out.content += before
+                if not found:
                     return out
-                out.content += self._text[:at]
-                self._text, self._state = self._text[at + len(THINK_BEGIN):], "reasoning"
+                self._state = "reasoning"
             elif self._state == "reasoning":
                 if self._fresh and self.name == "deepseek_r1":
                     stripped = self._text.lstrip()
@@ -75,14 +66,11 @@ class ReasoningParser:
                     if stripped.startswith(THINK_BEGIN):
                         self._text = stripped[len(THINK_BEGIN):]
                     self._fresh = False
-                at = self._text.find(THINK_END)
-                if at < 0:
-                    keep = _hold(self._text, THINK_END)
-                    out.reasoning += self._text[:len(self._text) - keep]
-                    self._text = self._text[len(self._text) - keep:]
+                before, found = self._until(THINK_END)
+                out.reasoning += before
+                if not found:
                     return out
-                out.reasoning += self._text[:at]
-                self._text, self._state, self._after_end = self._text[at + len(THINK_END):], "answer", True
+                self._state, self._after_end = "answer", True
             else:
                 if self._after_end:
                     self._text = self._text.lstrip()
@@ -90,6 +78,17 @@ class ReasoningParser:
                 out.content += self._text
                 self._text = ""
                 return out
+
+    def _until(self, marker: str) -> tuple[str, bool]:
+        """The text before `marker` and whether it came (then the text after it stays); without it,
+        all but an end that may be its start."""
+        at = self._text.find(marker)
+        if at < 0:
+            at = len(self._text) - _hold(self._text, marker)
+            before, self._text = self._text[:at], self._text[at:]
+            return before, False
+        before, self._text = self._text[:at], self._text[at + len(marker):]
+        return before, True
 
     def finish(self) -> Split:
         """The text held back (a tag's start that never completed) goes where it stood."""
