@@ -87,7 +87,7 @@ def time_backends(ops, pool, q, make_ctx, n: int = 50) -> dict:
         backend = create_backend("torch", pool, HEADS, DIM)
         backend.cpu_ops = cpu_ops
         ctx = make_ctx(backend)
-        new_k, new_v = pool.k_slots(0)[ctx.out_slots].clone(), pool.v_slots(0)[ctx.out_slots].clone()
+        new_k, new_v = pool.k(0)[pool.slot_index(ctx.out_slots)].clone(), pool.v(0)[pool.slot_index(ctx.out_slots)].clone()
         times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx), n)
     return {"torch_ms": times["torch"], "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
 

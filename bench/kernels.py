@@ -111,8 +111,8 @@ def bench_case(batch: int, context: int, args, device: torch.device, peak: float
 
     torch_backend = create_backend("torch", pool, args.heads, args.head_dim)
     ctx = decode_context(pool, page_table, batch, context, torch_backend)
-    new_k = pool.k_slots(0)[ctx.out_slots].clone()   # rewriting the same values keeps the pool as is
-    new_v = pool.v_slots(0)[ctx.out_slots].clone()
+    new_k = pool.k(0)[pool.slot_index(ctx.out_slots)].clone()   # rewriting the same values keeps the pool as is
+    new_v = pool.v(0)[pool.slot_index(ctx.out_slots)].clone()
 
     def torch_fn():
         return torch_backend.forward(0, q, new_k, new_v, ctx)
@@ -153,7 +153,7 @@ def smoke() -> int:
     device = torch.device("cpu")
     pool, page_table, q = make_case(2, 11, args, device)
     ctx = decode_context(pool, page_table, 2, 11, create_backend("torch", pool, 4, 16))
-    k, v = pool.k_slots(0)[ctx.out_slots].clone(), pool.v_slots(0)[ctx.out_slots].clone()
+    k, v = pool.k(0)[pool.slot_index(ctx.out_slots)].clone(), pool.v(0)[pool.slot_index(ctx.out_slots)].clone()
     expected = ctx.attn.forward(0, q, k, v, ctx)
     kv_lens = torch.tensor([11, 11], dtype=torch.int32)
     out = paged_decode_attention(q, pool.k(0), pool.v(0), page_table, kv_lens, 16 ** -0.5,

@@ -5,10 +5,11 @@ shared, so ratios within one run are what count).
     python -m tandem.bench.kvtransfer --out bench/results/kvtransfer.json
 
 SmolLM2-shaped pages (30 layers, K and V, page_size 16, 3 KV heads, head_dim 64, bf16: 6 KiB per
-page per layer-K), a pool of `--pool-pages` on each side, `--move` pages scattered at random over both
-pools. Rows:
+page per layer-K, 360 KiB per page), a pool of `--pool-pages` on each side in `--kv-layout` (page_first:
+a page is one piece; layer_first: 60 pieces), `--move` pages scattered at random over both pools. Rows:
 - `copy_1proc`: the same scattered src->dst copy inside one process with the best torch path (one
-  strided `copy_` per merged run over all layers and K/V; `index_put` is shown beside it).
+  `copy_` per merged run over all layers and K/V, strided in a layer-first pool; `index_put` is shown
+  beside it).
 - `copy_1proc_one_run`: the same byte count copied as one run of consecutive pages (the cost of
   scattered memory access, without any socket).
 - `raw_socket`: plain `sendall` / `recv_into` of the same byte count, contiguous, over 127.0.0.1.
@@ -70,8 +71,9 @@ SAME_HOST = ("shm", "tcp", "nixl", "ucx")
 REMOTE = ("tcp", "nixl_tcp", "ucx")     # ucx here already runs over tcp (it keeps peer-failure detection)
 
 
-def smollm2_layout(pages: int) -> PoolLayout:
-    return PoolLayout(num_layers=30, num_pages=pages, page_size=16, kv_heads=3, head_dim=64, dtype="bfloat16")
+def smollm2_layout(pages: int, kv_layout: str = "page_first") -> PoolLayout:
+    return PoolLayout(num_layers=30, num_pages=pages, page_size=16, kv_heads=3, head_dim=64, dtype="bfloat16",
+                      kv_layout=kv_layout)
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
@@ -79,8 +81,7 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _sg_iov(buf: torch.Tensor, layout: PoolLayout, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    regions = np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
-    return page_iov(buf.data_ptr(), regions, starts, lengths, layout.page_bytes)
+    return page_iov(buf.data_ptr(), layout.geometry(), starts, lengths)
 
 
 # ---- child processes -----------------------------------------------------------------------------------
@@ -148,22 +149,24 @@ def raw_child(conn, layout: PoolLayout, nbytes: int, dst_runs: np.ndarray) -> No
 # ---- the measured operations -----------------------------------------------------------------------------
 
 class OneProcessCopy:
-    def __init__(self, src: torch.Tensor, runs: list[tuple[int, int, int]], src_pages, dst_pages):
-        self.src, self.runs = src, runs
-        self.dst = torch.zeros_like(src)
+    def __init__(self, src: torch.Tensor, layout: PoolLayout, runs: list[tuple[int, int, int]], src_pages,
+                 dst_pages):
+        self.runs = runs
+        self.dst_pool = torch.zeros_like(src)
+        self.src, self.dst = layout.by_page(src), layout.by_page(self.dst_pool)     # [page, layer, K|V, ...]
         self.si, self.di = torch.tensor(src_pages), torch.tensor(dst_pages)
 
     def copy_loop(self) -> None:
         src, dst = self.src, self.dst
         for s, d, n in self.runs:
-            dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+            dst[d:d + n].copy_(src[s:s + n])
 
     def one_run(self) -> None:
         n = len(self.si)
-        self.dst[:, :, -n:].copy_(self.src[:, :, :n])
+        self.dst[-n:].copy_(self.src[:n])
 
     def index_put(self) -> None:
-        self.dst[:, :, self.di] = self.src[:, :, self.si]
+        self.dst[self.di] = self.src[self.si]
 
 
 class RawSocket:
@@ -272,6 +275,8 @@ def main() -> None:
     ap.add_argument("--move", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-layout", choices=("page_first", "layer_first"), default="page_first",
+                    help="both pools' layout (engine/kvcache/kv_pool.py)")
     ap.add_argument("--backends", default=",".join(SAME_HOST),
                     help="the backends whose rows run (default: all four)")
     ap.add_argument("--piece-mib", type=float, default=checksum.PIECE_BYTES / 2**20,
@@ -286,7 +291,7 @@ def main() -> None:
 
     checksum.PIECE_BYTES = int(args.piece_mib * 2**20)   # read by the senders made below (and Checksums)
     checksum.MAX_THREADS = args.checksum_threads
-    layout = smollm2_layout(args.pool_pages)
+    layout = smollm2_layout(args.pool_pages, args.kv_layout)
     rng = random.Random(args.seed)
     src = rng.sample(range(layout.num_pages), args.move)
     dst = rng.sample(range(layout.num_pages), args.move)
@@ -326,7 +331,7 @@ def main() -> None:
     # against the contiguous raw socket, without the scattered-memory cost.
     one_run_src = list(range(args.move))
     one_run_dst = list(range(layout.num_pages - args.move, layout.num_pages))
-    local = OneProcessCopy(pool, runs, src, dst)
+    local = OneProcessCopy(pool, layout, runs, src, dst)
     sums = Checksums(pool, layout, runs_np)
 
     ops = {
@@ -363,7 +368,7 @@ def main() -> None:
                 times[name].append(t)
     # The one-process copy did what was timed (the backends' bytes are checked by tests/kvtransfer).
     local.copy_loop()
-    assert torch.equal(local.dst[:, :, dst[:8]].view(torch.int16), pool[:, :, src[:8]].view(torch.int16))
+    assert torch.equal(local.dst[dst[:8]].view(torch.int16), layout.by_page(pool)[src[:8]].view(torch.int16))
 
     d_ms = {row: 1e3 * statistics.median(ds[1:]) for row, ds in d_seconds.items()}
     for link in links.values():

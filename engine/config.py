@@ -8,6 +8,7 @@ from tandem.engine.errors import InvalidRequest
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+KV_LAYOUTS = ("page_first", "layer_first")           # engine/kvcache/kv_pool.py
 PREFILL_SCHEDULE_POLICIES = ("shortest-first", "fcfs")   # engine/scheduler/prefill_order.py
 
 
@@ -18,6 +19,9 @@ class EngineConfig:
     device: str = "auto"                  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"       # auto | torch | triton
     page_size: int = 16                   # tokens per KV page
+    # page_first: a page of every layer is one contiguous block (one piece to transfer or tier);
+    # layer_first: one block per (layer, K|V). Attention reads either (engine/kvcache/kv_pool.py).
+    kv_layout: str = "page_first"
     max_total_tokens: int | None = None   # KV pool size in tokens; None: from kv_cache_gb
     kv_cache_gb: float = 1.0
     context_length: int | None = None     # None: the model's max_position_embeddings
@@ -149,6 +153,8 @@ class EngineConfig:
                                  "kv_host_cache_gb")
         if self.kv_disk_cache_dir is not None and not self.kv_disk_cache_dir.strip():
             raise InvalidRequest("--kv-disk-cache-dir is empty (unset it to turn L3 off)", "kv_disk_cache_dir")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise InvalidRequest(f"--kv-layout must be page_first or layer_first, got {self.kv_layout!r}", "kv_layout")
         if self.kv_write_policy not in ("write_through", "write_back"):
             raise InvalidRequest(f"--kv-write-policy must be write_through or write_back, got {self.kv_write_policy!r}",
                                  "kv_write_policy")

@@ -9,10 +9,12 @@ D owns a `KVReceiver`: it allocates (and exposes) D's whole KV pool memory and l
 complete. P owns a `KVSender`: it writes page runs of its own pool into D's pool and finally sends
 the room's aux record, which completes the room on D.
 
-Pool layout (both sides, see engine/kvcache/kv_pool.py): one tensor
-`[num_layers, 2, num_pages, page_size, kv_heads, head_dim]`. A transfer copies whole pages of every
-layer, K and V. Consecutive page ids on both sides are merged into runs, so a run is one contiguous
-byte range per (layer, K|V) on each side.
+Pool layout (both sides the same, see engine/kvcache/kv_pool.py): one tensor, page-first
+`[num_pages, num_layers, 2, page_size, kv_heads, head_dim]` (a page of every layer is one piece, a run
+of consecutive pages one byte range) or layer-first `[num_layers, 2, num_pages, ...]` (a run is one
+byte range per (layer, K|V)). A transfer copies whole pages of every layer (or of a group of layers),
+K and V; consecutive page ids on both sides are merged into runs. `PoolLayout.geometry` says where a
+write's bytes lie; every data path and checksum walks them in its order.
 
 Room states (both sides): Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed.
 Integrity: a room succeeds only if D's pages match what P read from its pool (protocol/checksum.py;
@@ -50,6 +52,31 @@ class TransferError(Exception):
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """Where the bytes of a write (of some layers) lie in a pool: `regions` regions `region_stride`
+    bytes apart, starting `offset` bytes into the pool; in each, page p's `piece` bytes start at
+    `p * page_stride`. Where `piece == page_stride` a run of pages is one byte range per region.
+
+    The order every data path moves them in and every checksum reads them in: region-major, then
+    run, then page (`page_iov`)."""
+
+    offset: int
+    regions: int
+    region_stride: int
+    piece: int
+    page_stride: int
+
+    @property
+    def runs_contiguous(self) -> bool:
+        return self.piece == self.page_stride
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in a write of this geometry."""
+        return self.regions * self.piece
+
+
+@dataclass(frozen=True)
 class PoolLayout:
     num_layers: int
     num_pages: int
@@ -57,10 +84,35 @@ class PoolLayout:
     kv_heads: int
     head_dim: int
     dtype: str                       # "bfloat16" | "float16" | "float32"
+    kv_layout: str = "page_first"    # "page_first" | "layer_first" (engine/kvcache/kv_pool.py)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PoolLayout:
+        """A peer's layout as sent in its metadata; a peer that names no layout predates page-first pools."""
+        return cls(**{"kv_layout": "layer_first", **d})
+
+    @property
+    def page_first(self) -> bool:
+        return self.kv_layout == "page_first"
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+        page = (self.page_size, self.kv_heads, self.head_dim)
+        if self.page_first:
+            return (self.num_pages, self.num_layers, 2, *page)
+        return (self.num_layers, 2, self.num_pages, *page)
+
+    def by_page(self, pool: torch.Tensor) -> torch.Tensor:
+        """`pool` (shape `self.shape`) viewed as `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]`."""
+        return pool if self.page_first else pool.movedim(2, 0)
+
+    def geometry(self, layers: tuple[int, int] | None = None) -> Geometry:
+        """Where a write of `layers` (first, end; None: every layer) lies in this pool."""
+        first, end = layers or (0, self.num_layers)
+        pb = self.page_bytes
+        if self.page_first:
+            return Geometry(2 * first * pb, 1, 0, 2 * (end - first) * pb, 2 * self.num_layers * pb)
+        return Geometry(2 * first * self.num_pages * pb, 2 * (end - first), self.num_pages * pb, pb, pb)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -76,9 +128,9 @@ class PoolLayout:
         return layers[1] - layers[0] if layers else self.num_layers
 
     def compatible(self, other: PoolLayout) -> bool:
-        """Same page geometry (the page counts of the two pools may differ)."""
-        return (self.num_layers, self.page_size, self.kv_heads, self.head_dim, self.dtype) == (
-            other.num_layers, other.page_size, other.kv_heads, other.head_dim, other.dtype)
+        """Same page geometry and layout (the page counts of the two pools may differ)."""
+        return (self.num_layers, self.page_size, self.kv_heads, self.head_dim, self.dtype, self.kv_layout) == (
+            other.num_layers, other.page_size, other.kv_heads, other.head_dim, other.dtype, other.kv_layout)
 
 
 @dataclass(frozen=True)

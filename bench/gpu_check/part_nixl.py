@@ -108,6 +108,7 @@ class Peer:
 def transfer(device: str, shape: tuple[int, ...], dtype: str, error_handling: str, timeout_s: float) -> dict:
     from tandem.kvtransfer.backends.nixl import MAX_DESCS, _Agent, _agent_name, _descs
     from tandem.kvtransfer.backends.ucx_env import UcxSettings
+    from tandem.kvtransfer.base import Geometry
     from tandem.kvtransfer.protocol.iovec import page_iov
 
     layers, _, pages = shape[:3]
@@ -115,7 +116,9 @@ def transfer(device: str, shape: tuple[int, ...], dtype: str, error_handling: st
     src = torch.randn(shape, generator=g, device=device).to(DTYPES[dtype])
     page_bytes = src[0, 0, 0].numel() * src.element_size()
     runs = page_runs(pages)
-    regions = np.arange(layers * 2, dtype=np.int64) * pages
+    # the pools here are layer-first: a run is one piece per (layer, K|V) region
+    geometry = Geometry(offset=0, regions=layers * 2, region_stride=pages * page_bytes, piece=page_bytes,
+                        page_stride=page_bytes)
     out = {"error_handling": error_handling, "pool_mib": src.numel() * src.element_size() >> 20,
            "page_bytes": page_bytes, "runs": len(runs), "pages": int(runs[:, 2].sum())}
     peer = Peer(device, shape, dtype, error_handling, timeout_s)
@@ -126,25 +129,25 @@ def transfer(device: str, shape: tuple[int, ...], dtype: str, error_handling: st
         if device == "cuda":
             require(agent.mem == "VRAM" and info["mem"] == "VRAM", f"pools registered as {out['mem']}, not VRAM")
         agent.add_peer(base64.b64decode(info["md"]), info["agent"])
-        step = max(1, MAX_DESCS // len(regions))
+        step = max(1, MAX_DESCS // geometry.regions)
 
         def write_all() -> float:
             t0 = time.perf_counter()
             for i in range(0, len(runs), step):
                 chunk = runs[i:i + step]
-                local = page_iov(src.data_ptr(), regions, chunk[:, 0], chunk[:, 2], page_bytes)
-                remote = page_iov(info["base"], regions, chunk[:, 1], chunk[:, 2], page_bytes)
+                local = page_iov(src.data_ptr(), geometry, chunk[:, 0], chunk[:, 2])
+                remote = page_iov(info["base"], geometry, chunk[:, 1], chunk[:, 2])
                 agent.write(_descs(local, agent.dev), _descs(remote, info["dev"]), info["agent"], info["mem"],
                             lambda: peer.proc.poll() is None, timeout=timeout_s)
             return time.perf_counter() - t0
 
-        nbytes = out["pages"] * len(regions) * page_bytes
+        nbytes = out["pages"] * geometry.page_bytes
         out["bytes"] = nbytes
         out["first_write_s"] = round(write_all(), 4)          # includes UCX wireup and memory mapping
         times = [write_all() for _ in range(REPEATS)]
         out["write_s"] = [round(t, 4) for t in times]
         out["gbps"] = round(nbytes / statistics.median(times) / 1e9, 2)
-        out["descriptors"] = len(runs) * len(regions)
+        out["descriptors"] = len(runs) * geometry.regions
         if device == "cuda":
             torch.cuda.synchronize()
         theirs = peer.ask({"cmd": "digest", "pages": expand(runs, 1)})

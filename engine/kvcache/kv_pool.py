@@ -1,9 +1,16 @@
 """The paged KV cache: allocated once per worker, viewed by attention and by the transfer layer.
 
-Layout: one tensor `buffer[num_layers, 2, num_pages, page_size, kv_heads, head_dim]` (index 0 of
-the second axis is K, 1 is V). A page of one layer's K is one contiguous block of
-`page_size * kv_heads * head_dim` elements, so a run of consecutive page ids is one contiguous
-byte range per (layer, K|V): that is what the transfer layer merges and registers.
+Two layouts of one tensor (`--kv-layout`); in both, a page of one layer's K (or V) is one contiguous
+block of `page_size * kv_heads * head_dim` elements, which is all attention needs (it takes each
+layer's K and V as `[num_pages, page_size, kv_heads, head_dim]` views with a page stride):
+
+- `page_first` (default): `buffer[num_pages, num_layers, 2, page_size, kv_heads, head_dim]`. A page
+  of every layer, K and V, is one contiguous block: one piece for the transfer layer and the tiers,
+  and a run of consecutive page ids is one byte range.
+- `layer_first`: `buffer[num_layers, 2, num_pages, page_size, kv_heads, head_dim]`. A run of
+  consecutive page ids is one byte range per (layer, K|V): 2 * num_layers pieces per page.
+
+Index 0 of the K|V axis is K, 1 is V.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
+from tandem.engine.config import KV_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,10 @@ class KVPoolSpec:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_layout: str = "page_first"
+
+    def __post_init__(self):
+        assert self.kv_layout in KV_LAYOUTS, self.kv_layout
 
     @property
     def page_bytes(self) -> int:
@@ -30,7 +43,10 @@ class KVPoolSpec:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+        page = (self.page_size, self.kv_heads, self.head_dim)
+        if self.kv_layout == "page_first":
+            return (self.num_pages, self.num_layers, 2, *page)
+        return (self.num_layers, 2, self.num_pages, *page)
 
     @property
     def total_bytes(self) -> int:
@@ -48,23 +64,30 @@ class KVPool:
         assert tuple(buffer.shape) == spec.shape and buffer.dtype == spec.dtype and buffer.is_contiguous(), (
             f"KV buffer {tuple(buffer.shape)} {buffer.dtype} does not match {spec.shape} {spec.dtype}")
         self.buffer = buffer
-        slots = spec.num_pages * spec.page_size
-        self._k_flat = [self.buffer[i, 0].view(slots, spec.kv_heads, spec.head_dim) for i in range(spec.num_layers)]
-        self._v_flat = [self.buffer[i, 1].view(slots, spec.kv_heads, spec.head_dim) for i in range(spec.num_layers)]
+        # Each layer's K and V as `[num_pages, page_size, kv_heads, head_dim]` views (page-first: pages
+        # num_layers * 2 blocks apart); every page's slots contiguous.
+        if spec.kv_layout == "page_first":
+            self._k = [buffer[:, i, 0] for i in range(spec.num_layers)]
+            self._v = [buffer[:, i, 1] for i in range(spec.num_layers)]
+        else:
+            self._k = [buffer[i, 0] for i in range(spec.num_layers)]
+            self._v = [buffer[i, 1] for i in range(spec.num_layers)]
 
     def k(self, layer: int) -> torch.Tensor:
-        """Layer's K as `[num_pages, page_size, kv_heads, head_dim]`."""
-        return self.buffer[layer, 0]
+        """Layer's K as `[num_pages, page_size, kv_heads, head_dim]` (a view; pages may be strided)."""
+        return self._k[layer]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.buffer[layer, 1]
+        return self._v[layer]
 
-    def k_slots(self, layer: int) -> torch.Tensor:
-        """Layer's K as `[num_pages * page_size, kv_heads, head_dim]`: row = page * page_size + offset."""
-        return self._k_flat[layer]
+    def slot_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots (`page * page_size + offset`) as the (page, offset) index of `k(layer)` / `v(layer)`:
+        `pool.k(layer)[pool.slot_index(slots)]` reads or writes those slots in either layout."""
+        return slots // self.spec.page_size, slots % self.spec.page_size
 
-    def v_slots(self, layer: int) -> torch.Tensor:
-        return self._v_flat[layer]
+    def _page(self, page: int) -> torch.Tensor:
+        """Page `page` of every layer, K and V, as `[num_layers, 2, page_size, kv_heads, head_dim]`."""
+        return self.buffer[page] if self.spec.kv_layout == "page_first" else self.buffer[:, :, page]
 
     # --- one page as a block for the tiers below the pool (engine/kvcache/tiers/) ---------------
     @property
@@ -75,7 +98,7 @@ class KVPool:
     def pack_page(self, page: int) -> memoryview:
         """Page `page` of every layer, K and V, as `[num_layers, 2, page_size, kv_heads, head_dim]`
         bytes in the pool's dtype (one gather copy; one device-to-host copy on a GPU)."""
-        block = self.buffer[:, :, page].contiguous().view(torch.uint8)
+        block = self._page(page).contiguous().view(torch.uint8)
         return memoryview(block.cpu().numpy()).cast("B")
 
     def unpack_page(self, page: int, payload: memoryview | bytes) -> None:
@@ -87,5 +110,5 @@ class KVPool:
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(view, dtype=torch.uint8)
         s = self.spec
-        dst = self.buffer[:, :, page]
+        dst = self._page(page)
         dst.copy_(src.view(s.dtype).view(s.num_layers, 2, s.page_size, s.kv_heads, s.head_dim))

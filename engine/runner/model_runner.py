@@ -129,7 +129,8 @@ class ModelRunner:
             per_token = m.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
             tokens = int(cfg.kv_cache_gb * (1 << 30)) // per_token
         num_pages = max(1, tokens // cfg.page_size)
-        return KVPoolSpec(m.num_layers, num_pages, cfg.page_size, m.num_kv_heads, m.head_dim, self.dtype)
+        return KVPoolSpec(m.num_layers, num_pages, cfg.page_size, m.num_kv_heads, m.head_dim, self.dtype,
+                          cfg.kv_layout)
 
     def _load_model(self, context_len: int) -> torch.nn.Module:
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ struct Decode {
   explicit Decode(const DecodeArgs& a)
       : rows(a.rows), heads(a.heads), dim(a.cache.dim), page_size(a.cache.page_size), kv_heads(a.cache.kv_heads),
         group(heads / kv_heads), q_row(a.q_row), q_head(a.q_head), out_row(a.out_row), out_head(a.out_head),
-        slot(kv_heads * dim), page_stride(page_size * slot), table_stride(a.table_stride),
+        slot(kv_heads * dim), page_stride(a.cache.page_stride), table_stride(a.table_stride),
         q(static_cast<const T*>(a.q)), k(static_cast<const T*>(a.cache.k)), v(static_cast<const T*>(a.cache.v)),
         tables(a.tables), kv_lens(a.kv_lens), out(static_cast<T*>(a.out)), scale(a.scale), threads(a.threads) {}
 

@@ -32,14 +32,19 @@ DType kernel_dtype(at::ScalarType t) {
 int threads() { return at::get_num_threads(); }
 
 Paged check_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous [pages, page_size, kv_heads, dim]");
+  // Each page contiguous, pages any (equal) stride apart: a layer's view of a page-first pool.
+  const auto page_contiguous = [](const at::Tensor& c) {
+    return c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3) &&
+           c.stride(0) >= c.size(1) * c.stride(1);
+  };
+  TORCH_CHECK(page_contiguous(k_cache) && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k_cache and v_cache must be [pages, page_size, kv_heads, dim], each page contiguous, with equal strides");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "q's heads must be a multiple of the cache's kv heads, with the same head dim");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "q and the caches must share a dtype");
-  return Paged{k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(1), k_cache.size(2), k_cache.size(3)};
+  return Paged{k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+               k_cache.stride(0)};
 }
 
 // The first `len` keys' pages of `table` must lie in the cache.

@@ -179,7 +179,7 @@ void finish_block(const ExtendArgs& a, int64_t h, const RowBlock<D>& b) {
 
 template <typename T, int D>
 void extend_fp32(const ExtendArgs& a) {
-  const int64_t kv_heads = a.cache.kv_heads, slot = kv_heads * D, page_stride = a.cache.page_size * slot;
+  const int64_t kv_heads = a.cache.kv_heads, slot = kv_heads * D, page_stride = a.cache.page_stride;
   const int64_t padded = (a.kv_len + KC - 1) / KC * KC + SK, stride = padded * D;
   std::vector<float> keys(kv_heads * stride), values(kv_heads * stride);
   // Pack: page p's keys for every head, converted to fp32; the zero tail stays zero.
@@ -239,7 +239,7 @@ struct Bf16Extend {
 
   explicit Bf16Extend(const ExtendArgs& a)
       : n(a.n), heads(a.heads), kv_heads(a.cache.kv_heads), group(heads / kv_heads), dim(a.cache.dim),
-        words(dim / 2), page_size(a.cache.page_size), slot(kv_heads * dim), page_stride(page_size * slot),
+        words(dim / 2), page_size(a.cache.page_size), slot(kv_heads * dim), page_stride(a.cache.page_stride),
         q_row(a.q_row), q_head(a.q_head), out_row(a.out_row), out_head(a.out_head), kv_len(a.kv_len),
         padded((kv_len + 63) / 64 * 64), q(static_cast<const uint16_t*>(a.q)),
         k(static_cast<const uint16_t*>(a.cache.k)), v(static_cast<const uint16_t*>(a.cache.v)), table(a.table),

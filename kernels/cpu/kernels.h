@@ -14,9 +14,9 @@ namespace tandem_cpu {
 
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 
-struct Paged {              // one layer's KV pages
+struct Paged {              // one layer's KV pages; a page's slots are contiguous, pages page_stride apart
   const void *k, *v;
-  int64_t page_size, kv_heads, dim;
+  int64_t page_size, kv_heads, dim, page_stride;  // page_stride in elements, the same for K and V
 };
 
 struct DecodeArgs {         // rows queries, row r over the first kv_lens[r] keys of tables[r]'s pages

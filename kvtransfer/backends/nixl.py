@@ -13,7 +13,8 @@ Who does what
 - P (`NixlSenderPath`) registers its pool once with its own agent. Its `link` loads D's agent
   metadata, before the protocol opens the usual control connection (wire.py) with data path "nixl".
 - For each queued write, P's sender thread issues NIXL WRITEs of the merged page runs (one descriptor
-  per run per (layer, K|V), at most MAX_DESCS per transfer), waits for each to report DONE, then sends
+  per run in a page-first pool, per run per (layer, K|V) in a layer-first one, per page where a write
+  of some layers of a page-first pool leaves the pages of a run apart; at most MAX_DESCS per transfer), waits for each to report DONE, then sends
   a WROTE note on the control connection. FINISH (the aux record) follows on the same connection.
 
 Ordering: NIXL's UCX backend ends every transfer with an endpoint flush, so DONE on P means the bytes
@@ -51,7 +52,7 @@ import numpy as np
 import torch
 
 from tandem.kvtransfer.backends.ucx_env import UcxSettings
-from tandem.kvtransfer.base import PoolLayout, TransferError
+from tandem.kvtransfer.base import Geometry, PoolLayout, TransferError
 from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol.iovec import page_iov
 from tandem.kvtransfer.protocol.liveness import connection_up
@@ -333,9 +334,7 @@ class NixlLink(Link):
         self._info = info
         self._src = src
         self._src_base = src.data_ptr()
-        self._page_bytes = layout.page_bytes
-        self._src_regions = np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
-        self._dst_regions = np.arange(dst_layout.num_layers * 2, dtype=np.int64) * dst_layout.num_pages
+        self._layout, self._dst_layout = layout, dst_layout
         self._timeouts = timeouts
         self._closed = False
 
@@ -345,24 +344,24 @@ class NixlLink(Link):
         stopping between transfers once `stop()`; then tell D with a WROTE (WROTE_LAYERS) note. Returns
         the bytes written."""
         started = time.monotonic()
-        first, end = (layers[0] * 2, layers[1] * 2) if layers else (0, len(self._src_regions))
-        src_regions, dst_regions = self._src_regions[first:end], self._dst_regions[first:end]
-        per_run = len(src_regions)
-        step = max(1, MAX_DESCS // per_run)
+        src_geometry, dst_geometry = self._layout.geometry(layers), self._dst_layout.geometry(layers)
+        # Descriptors per run: one per region, or one per page and region where a run's pages are not
+        # one range (some layers of a page-first pool).
+        descs = src_geometry.regions * (1 if src_geometry.runs_contiguous else runs[:, 2])
         pages = copied = 0
-        for i in range(0, len(runs), step):
+        for lo, hi in _batches(np.broadcast_to(descs, len(runs)), MAX_DESCS):
             if stop():
                 break
-            chunk = runs[i:i + step]
-            local = page_iov(self._src_base, src_regions, chunk[:, 0], chunk[:, 2], self._page_bytes)
-            remote = page_iov(self._info.base, dst_regions, chunk[:, 1], chunk[:, 2], self._page_bytes)
+            chunk = runs[lo:hi]
+            local = page_iov(self._src_base, src_geometry, chunk[:, 0], chunk[:, 2])
+            remote = page_iov(self._info.base, dst_geometry, chunk[:, 1], chunk[:, 2])
             self._agent.write(_descs(local, self._agent.dev), _descs(remote, self._info.dev), self._info.agent,
                               self._info.mem, lambda: connection_up(self.ch.sock), self._timeouts.send)
             pages += int(chunk[:, 2].sum())
-            copied += len(chunk)
+            copied = hi
         if corrupt and copied:
-            self._overwrite_flipped(runs[0], first)
-        nbytes = pages * per_run * self._page_bytes
+            self._overwrite_flipped(runs[0], src_geometry, dst_geometry)
+        nbytes = pages * src_geometry.page_bytes
         # Same host: D times the room from here (CLOCK_MONOTONIC is shared); elsewhere D uses its own clock.
         note = wrote_body(started, runs[:copied])
         if layers:
@@ -371,17 +370,17 @@ class NixlLink(Link):
             self.ch.send(Kind.WROTE, room, note, payload_len=nbytes)
         return nbytes
 
-    def _overwrite_flipped(self, run: np.ndarray, region: int = 0) -> None:
-        """Fault injection: once the write landed, WRITE the run's first page of `region` (the write's
-        first) again, from a registered copy with a byte flipped (NIXL writes only from registered memory)."""
-        pb = self._page_bytes
-        start = (int(self._src_regions[region]) + int(run[0])) * pb
-        scratch = self._agent.scratch(pb)
-        scratch[:pb].copy_(self._src.view(-1).view(torch.uint8)[start:start + pb])
-        flip_byte(scratch[:pb].numpy())
-        local = np.array([[scratch.data_ptr(), pb]], dtype=np.uint64)
-        remote = page_iov(self._info.base, self._dst_regions[region:region + 1], run[1:2], np.ones(1, dtype=np.int64),
-                          pb)
+    def _overwrite_flipped(self, run: np.ndarray, src: Geometry, dst: Geometry) -> None:
+        """Fault injection: once the write landed, WRITE the piece of the run's first page in the write's
+        first region again, from a registered copy with a byte flipped (NIXL writes only from registered
+        memory)."""
+        n = src.piece
+        start = src.offset + int(run[0]) * src.page_stride
+        scratch = self._agent.scratch(n)
+        scratch[:n].copy_(self._src.view(-1).view(torch.uint8)[start:start + n])
+        flip_byte(scratch[:n].numpy())
+        local = np.array([[scratch.data_ptr(), n]], dtype=np.uint64)
+        remote = np.array([[self._info.base + dst.offset + int(run[1]) * dst.page_stride, n]], dtype=np.uint64)
         self._agent.write(_descs(local, 0), _descs(remote, self._info.dev), self._info.agent, self._info.mem,
                           lambda: connection_up(self.ch.sock), self._timeouts.send)
 
@@ -389,3 +388,16 @@ class NixlLink(Link):
         if not self._closed:
             self._closed = True
             self._agent.remove_peer(self._info.agent)
+
+
+def _batches(sizes: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive items whose sizes add up to at most `limit` (one item at least)."""
+    out, lo, total = [], 0, 0
+    for i, n in enumerate(sizes.tolist()):
+        if i > lo and total + n > limit:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out

@@ -88,10 +88,11 @@ class _Slots:
         return self._scratch[:nbytes]
 
     def runs_view(self, buf: torch.Tensor, n_pages: int, offset: int) -> torch.Tensor:
-        """Pages of one run, all layers and K/V, packed at `offset` of a staging buffer."""
+        """Pages of one run, all layers and K/V, packed page by page at `offset` of a staging buffer
+        (`[n_pages, num_layers, 2, ...]`: what `PoolLayout.by_page` gives of a pool, either layout)."""
         lay = self._layout
-        shape = (lay.num_layers, 2, n_pages, lay.page_size, lay.kv_heads, lay.head_dim)
-        nbytes = n_pages * lay.num_layers * 2 * lay.page_bytes
+        shape = (n_pages, lay.num_layers, 2, lay.page_size, lay.kv_heads, lay.head_dim)
+        nbytes = n_pages * lay.geometry().page_bytes
         return buf[offset:offset + nbytes].view(lay.torch_dtype).view(shape)
 
 
@@ -159,7 +160,8 @@ class UcxLink(Link):
         self._src = src
         self._src_bytes = _bytes_of(src)
         self._layout = layout
-        self._regions = layout.num_layers * 2
+        self._geometry = layout.geometry()
+        self._by_page = layout.by_page(src)
         self._slots = _Slots(layout)
         self._number = 0
         self._closed = False
@@ -204,12 +206,12 @@ class UcxLink(Link):
     def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
         """Send runs `[n, 3]` (src_start, dst_start, length) whole (D discards what it no longer wants,
         so `stop` is not consulted). Returns payload bytes."""
-        lay, pb = self._layout, self._layout.page_bytes
-        msgs = plan_messages(runs[:, 2], pb, self._regions)
+        g = self._geometry
+        msgs = plan_messages(runs[:, 2], g.piece, g.regions)
         first = self._number
         self._number = (first + len(msgs)) & 0xFFFFFFFF
         body = WRITE_HEAD.pack(self._token, first) + np.ascontiguousarray(runs[:, 1:], dtype="<i8").tobytes()
-        payload = int(runs[:, 2].sum()) * self._regions * pb
+        payload = int(runs[:, 2].sum()) * g.page_bytes
         self.ch.send(Kind.WRITE, room, body, payload_len=payload)
 
         def up() -> bool:
@@ -231,13 +233,13 @@ class UcxLink(Link):
                     off = 0
                     for s, _, n in runs[m.run:m.end].tolist():
                         view = self._slots.runs_view(buf, n, off)
-                        view.copy_(self._src[:, :, s:s + n])
+                        view.copy_(self._by_page[s:s + n])
                         off += view.numel() * view.element_size()
                     data = buf.numpy()
                 else:
                     s, _, n = runs[m.run].tolist()
-                    start = (m.region * lay.num_pages + s) * pb
-                    data = self._src_bytes[start:start + n * pb]
+                    start = g.offset + m.region * g.region_stride + s * g.page_stride
+                    data = self._src_bytes[start:start + n * g.piece]
                 if corrupt and i == 0:       # the first message goes out from a copy with a byte flipped
                     data = data.copy()
                     flip_byte(data)
@@ -314,9 +316,9 @@ class UcxReceiverPath(ReceiverPath):
                  stop: Callable[[], bool], up: Callable[[], bool]) -> int:
         """Receive a write's messages; once `stop()` is true the rest go to scratch memory. Returns the
         bytes that landed in the pool."""
-        lay, pb, node = self._layout, self._layout.page_bytes, self._node
-        regions = lay.num_layers * 2
-        msgs = plan_messages(runs[:, 1], pb, regions)
+        g, node = self._layout.geometry(), self._node
+        by_page = self._layout.by_page(self._pool)
+        msgs = plan_messages(runs[:, 1], g.piece, g.regions)
         posted: collections.deque = collections.deque()     # (msg, request, slot or -1, into the pool?)
         owner: list[bool] = [False] * SLOTS                 # a staging buffer holds an unprocessed message
         staged, landed, i = 0, 0, 0
@@ -336,8 +338,8 @@ class UcxReceiverPath(ReceiverPath):
                         target = slots.scratch(m.nbytes)
                     else:
                         d, n = runs[m.run].tolist()
-                        start = (m.region * lay.num_pages + d) * pb
-                        target = self._pool_bytes[start:start + n * pb]
+                        start = g.offset + m.region * g.region_stride + d * g.page_stride
+                        target = self._pool_bytes[start:start + n * g.piece]
                         into_pool = True
                     req = ep.tag_recv(node.array(target), node.api.UCXXTag(tag(token, first + i)))
                     posted.append((m, req, k, into_pool))
@@ -350,7 +352,7 @@ class UcxReceiverPath(ReceiverPath):
                         buf, off = slots.get(k, m.nbytes), 0
                         for d, n in runs[m.run:m.end].tolist():
                             view = slots.runs_view(buf, n, off)
-                            self._pool[:, :, d:d + n].copy_(view)
+                            by_page[d:d + n].copy_(view)
                             off += view.numel() * view.element_size()
                         landed += m.nbytes
                     owner[k] = False

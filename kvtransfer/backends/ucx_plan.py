@@ -1,7 +1,7 @@
 """The ucx backend's message plan: how one write's page runs become UCX tagged messages.
 
 Shared by both sides and a function of the run lengths only, so P and D derive the same messages
-without exchanging them: a run whose per-(layer, K|V) piece is at least `DIRECT_MIN` bytes goes one
+without exchanging them: a run whose piece in one region (`PoolLayout.geometry`) is at least `DIRECT_MIN` bytes goes one
 piece per message straight between the pools; smaller runs are packed whole into staging messages of
 at most `STAGE_BYTES`.
 """
@@ -21,7 +21,7 @@ class Msg:
     nbytes: int
     run: int                  # direct: the run; staged: the first run
     end: int = -1             # staged: one past the last run; -1 for a direct piece
-    region: int = -1          # direct: the (layer, K|V) region
+    region: int = -1          # direct: the region (layer-first: a (layer, K|V); page-first: the only one)
 
     @property
     def staged(self) -> bool:

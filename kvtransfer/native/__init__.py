@@ -18,6 +18,7 @@ import torch
 
 from tandem.kernels.cpu import cache_dir
 from tandem.kernels.cpu.build import Artifact, cached, compiler_id, digest, run
+from tandem.kvtransfer.base import Geometry
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,9 @@ class Crc32c:
         u32, size, i64, ptr = ctypes.c_uint32, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
         lib.tandem_crc32c_init.restype = ctypes.c_int
         lib.tandem_crc32c_update.argtypes = [u32, ptr, size]
-        lib.tandem_crc32c_runs.argtypes = [u32, ptr, i64, i64, i64, ptr, i64]
+        lib.tandem_crc32c_runs.argtypes = [u32, ptr, i64, i64, i64, i64, ptr, i64]
         lib.tandem_crc32c_iov.argtypes = [u32, ptr, i64]
-        lib.tandem_copy_runs.argtypes = [u32, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, i64]
+        lib.tandem_copy_runs.argtypes = [u32, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64]
         for fn in (lib.tandem_crc32c_update, lib.tandem_crc32c_runs, lib.tandem_crc32c_iov, lib.tandem_copy_runs):
             fn.restype = u32
         self._lib = lib
@@ -65,14 +66,14 @@ class Crc32c:
 
     def pages(self, pages: np.ndarray, runs: np.ndarray) -> int:
         """The CRC-32C of the pages of `runs` `[n, 2]` (start, length) of `pages`, a `[page, region,
-        byte]` view of a pool (checksum.page_view), region-major and run-minor: for each region, each
-        run's pages (the order a tcp WRITE sends them), without copying them anywhere."""
-        n_pages, regions, block = pages.shape
-        if pages.strides[2] != 1 or pages.strides[0] != block:
-            raise ValueError("not a page view of a contiguous pool")
+        byte]` view of a pool (checksum.page_view: each page's piece contiguous), region-major, then
+        run, then page (the order a tcp WRITE sends them), without copying them anywhere."""
+        n_pages, regions, piece = pages.shape
+        if pages.strides[2] != 1 or pages.strides[0] < piece:
+            raise ValueError("not a page view of a pool")
         runs = _runs(runs, 2, n_pages, n_pages)
-        raw = self._lib.tandem_crc32c_runs(_MASK, pages.ctypes.data, regions, pages.strides[1], block,
-                                           runs.ctypes.data, len(runs))
+        raw = self._lib.tandem_crc32c_runs(_MASK, pages.ctypes.data, regions, pages.strides[1], piece,
+                                           pages.strides[0], runs.ctypes.data, len(runs))
         return ~raw & _MASK
 
     def iov(self, iov: np.ndarray, value: int = 0) -> int:
@@ -81,21 +82,28 @@ class Crc32c:
         iov = np.ascontiguousarray(iov, dtype=np.uint64)
         return ~self._lib.tandem_crc32c_iov(~value & _MASK, iov.ctypes.data, len(iov)) & _MASK
 
-    def copy_runs(self, dst: torch.Tensor, src: torch.Tensor, regions: int, page_bytes: int, runs: np.ndarray,
-                  sum: bool) -> int | None:
-        """Copies runs `[n, 3]` (src_start, dst_start, length) of every region from pool `src` to pool
-        `dst` (both contiguous, `regions` regions of pages of `page_bytes`); with `sum`, returns the
-        CRC-32C of the source bytes region-major and run-minor (what `pages` gives on either pool after
-        the copy), hashed while they are in cache."""
-        src_pages = src.numel() * src.element_size() // (regions * page_bytes)
-        dst_pages = dst.numel() * dst.element_size() // (regions * page_bytes)
+    def copy_runs(self, dst: torch.Tensor, src: torch.Tensor, dst_geometry: Geometry, src_geometry: Geometry,
+                  runs: np.ndarray, sum: bool) -> int | None:
+        """Copies runs `[n, 3]` (src_start, dst_start, length) of a write of `src_geometry` in pool `src`
+        to the same place (`dst_geometry`: the same write in a pool of another size) in pool `dst`
+        (both contiguous); with `sum`, returns the CRC-32C of the source bytes in `pages`'s order (what
+        `pages` gives on either pool after the copy), hashed while they are in cache."""
+        s, d = src_geometry, dst_geometry
+        if (s.regions, s.piece, s.page_stride, s.offset) != (d.regions, d.piece, d.page_stride, d.offset):
+            raise ValueError(f"copy between different geometries {s} and {d}")
         if not (src.is_contiguous() and dst.is_contiguous()):
             raise ValueError("pools must be contiguous")
-        runs = _runs(runs, 3, src_pages, dst_pages)
-        raw = self._lib.tandem_copy_runs(_MASK, int(sum), dst.data_ptr(), src.data_ptr(), regions,
-                                         dst_pages * page_bytes, src_pages * page_bytes, page_bytes,
+        runs = _runs(runs, 3, _pages(src, s), _pages(dst, d))
+        raw = self._lib.tandem_copy_runs(_MASK, int(sum), dst.data_ptr() + d.offset, src.data_ptr() + s.offset,
+                                         s.regions, d.region_stride, s.region_stride, s.piece, s.page_stride,
                                          runs.ctypes.data, len(runs))
         return ~raw & _MASK if sum else None
+
+
+def _pages(pool: torch.Tensor, g: Geometry) -> int:
+    """Pages of `pool` a write of geometry `g` may touch (its last region ends inside the pool)."""
+    end = pool.numel() * pool.element_size() - g.offset - (g.regions - 1) * g.region_stride - g.piece
+    return end // g.page_stride + 1 if end >= 0 else 0
 
 
 _MASK = 0xFFFFFFFF

@@ -109,14 +109,20 @@ int tandem_crc32c_init(void) {
 uint32_t tandem_crc32c_update(uint32_t r, const uint8_t *p, size_t n) { return update(r, p, n); }
 
 /* The raw register after the pages of `runs` ([n_runs][2]: first page, page count) of every region,
-   region-major and run-minor: for each region in order, each run's pages in run order (one span of
-   `count * page_bytes` bytes each: a region's pages are consecutive). Region `g` starts at
-   base + g * region_stride. The order a tcp WRITE puts the bytes on the wire. */
+   region-major, then run, then page: region g starts at base + g * region_stride, and page p's
+   `piece` bytes in it at p * page_stride (a run is one span of count * piece bytes where
+   piece == page_stride). The order a tcp WRITE puts the bytes on the wire (kvtransfer/base.py,
+   Geometry). */
 uint32_t tandem_crc32c_runs(uint32_t r, const uint8_t *base, int64_t regions, int64_t region_stride,
-                            int64_t page_bytes, const int64_t *runs, int64_t n_runs) {
+                            int64_t piece, int64_t page_stride, const int64_t *runs, int64_t n_runs) {
+    const int whole = piece == page_stride;
     for (int64_t g = 0; g < regions; g++)
-        for (int64_t i = 0; i < n_runs; i++)
-            r = update(r, base + g * region_stride + runs[2 * i] * page_bytes, (size_t)(runs[2 * i + 1] * page_bytes));
+        for (int64_t i = 0; i < n_runs; i++) {
+            const uint8_t *p = base + g * region_stride + runs[2 * i] * page_stride;
+            if (whole) r = update(r, p, (size_t)(runs[2 * i + 1] * piece));
+            else
+                for (int64_t k = 0; k < runs[2 * i + 1]; k++) r = update(r, p + k * page_stride, (size_t)piece);
+        }
     return r;
 }
 
@@ -128,24 +134,33 @@ uint32_t tandem_crc32c_iov(uint32_t r, const uint64_t *iov, int64_t n) {
 
 #define COPY_CHUNK (32 << 10) /* hashed, then copied while it is in the L1/L2 cache */
 
+static uint32_t copy_span(uint32_t r, int sum, uint8_t *d, const uint8_t *s, size_t left) {
+    while (left) {
+        size_t n = left < COPY_CHUNK ? left : COPY_CHUNK;
+        memcpy(d, s, n);
+        if (sum) r = update(r, s, n);
+        s += n, d += n, left -= n;
+    }
+    return r;
+}
+
 /* Copies runs ([n_runs][3]: src page, dst page, count) of every region from src to dst (regions
-   `src_stride` / `dst_stride` bytes apart), region-major and run-minor like tandem_crc32c_runs; with
-   `sum`, returns the raw register after the source bytes in that order, starting from r (each chunk
-   is hashed just before it is copied: one read of the source from memory for both). */
+   `src_stride` / `dst_stride` bytes apart; a page's `piece` bytes every `page_stride` bytes in a
+   region), in tandem_crc32c_runs's order; with `sum`, returns the raw register after the source
+   bytes in that order, starting from r (each chunk is hashed just before it is copied: one read of
+   the source from memory for both). */
 uint32_t tandem_copy_runs(uint32_t r, int sum, uint8_t *dst, const uint8_t *src, int64_t regions,
-                          int64_t dst_stride, int64_t src_stride, int64_t page_bytes, const int64_t *runs,
-                          int64_t n_runs) {
+                          int64_t dst_stride, int64_t src_stride, int64_t piece, int64_t page_stride,
+                          const int64_t *runs, int64_t n_runs) {
+    const int whole = piece == page_stride;
     for (int64_t g = 0; g < regions; g++)
         for (int64_t i = 0; i < n_runs; i++) {
-            const uint8_t *s = src + g * src_stride + runs[3 * i] * page_bytes;
-            uint8_t *d = dst + g * dst_stride + runs[3 * i + 1] * page_bytes;
-            size_t left = (size_t)(runs[3 * i + 2] * page_bytes);
-            while (left) {
-                size_t n = left < COPY_CHUNK ? left : COPY_CHUNK;
-                memcpy(d, s, n);
-                if (sum) r = update(r, s, n);
-                s += n, d += n, left -= n;
-            }
+            const uint8_t *s = src + g * src_stride + runs[3 * i] * page_stride;
+            uint8_t *d = dst + g * dst_stride + runs[3 * i + 1] * page_stride;
+            if (whole) r = copy_span(r, sum, d, s, (size_t)(runs[3 * i + 2] * piece));
+            else
+                for (int64_t k = 0; k < runs[3 * i + 2]; k++)
+                    r = copy_span(r, sum, d + k * page_stride, s + k * page_stride, (size_t)piece);
         }
     return r;
 }

@@ -8,8 +8,9 @@ succeed.
 
 Algorithms, in order of preference (a receiver advertises those it has, the sender uses the first of
 them it has too, wire.py):
-- `crc32c`: the standard CRC-32C of the piece's pages region-major and run-minor (for each (layer,
-  K|V) region, each run's pages: the order a tcp WRITE puts them on the wire), computed by Tandem's
+- `crc32c`: the standard CRC-32C of the piece's pages in the order a tcp WRITE puts them on the wire
+  (region-major, then run, then page: `PoolLayout.geometry`; page-first pools have one region, a
+  page of every layer of the write in one piece), computed by Tandem's
   native helper (kvtransfer/native: the CPU's crc32 instruction on three lanes, straight from pool
   memory, no copy) where it builds and the CPU has SSE4.2. The data paths that move bytes with the
   CPU compute it on the way, while each chunk is in cache (`Link.sums_inline`,
@@ -116,10 +117,13 @@ def choose(offered: tuple[str, ...] | list[str], usable: tuple[str, ...]) -> str
     return next((name for name in offered if name in usable), "")
 
 
-def page_view(pool: torch.Tensor, layout: PoolLayout) -> np.ndarray:
-    """A contiguous CPU pool's bytes as `[page, region, byte]` (a view, no copy)."""
+def page_view(pool: torch.Tensor, layout: PoolLayout, layers: tuple[int, int] | None = None) -> np.ndarray:
+    """A contiguous CPU pool's bytes of a write of `layers` (None: every layer) as `[page, region,
+    byte]` (a view, no copy; `PoolLayout.geometry`)."""
     data = pool.view(-1).view(torch.uint8).numpy()
-    return data.reshape(layout.num_layers * 2, layout.num_pages, layout.page_bytes).transpose(1, 0, 2)
+    g = layout.geometry(layers)
+    return np.lib.stride_tricks.as_strided(data[g.offset:], (layout.num_pages, g.regions, g.piece),
+                                           (g.page_stride, g.region_stride, 1), writeable=False)
 
 
 _staging = threading.local()
@@ -166,13 +170,14 @@ class ChecksumPool:
     drops what has not started; safe to call twice."""
 
     def __init__(self, pool: torch.Tensor, layout: PoolLayout, name: str, threads: int | None = None):
+        self._pool, self._layout = pool, layout
         self._pages = page_view(pool, layout)
         threads = threads or min(MAX_THREADS, os.cpu_count() or 1)
         self._ex = ThreadPoolExecutor(threads, thread_name_prefix=name)
 
     def submit(self, runs: np.ndarray, algorithm: str, layers: tuple[int, int] | None = None) -> Future:
         """The future `pages_sum` of runs `[n, 2]` (start, length), of `layers` (first, end) only if given."""
-        pages = self._pages if layers is None else self._pages[:, layers[0] * 2:layers[1] * 2]
+        pages = self._pages if layers is None else page_view(self._pool, self._layout, layers)
         return self._ex.submit(pages_sum, pages, np.array(runs, dtype=np.int64), algorithm)
 
     def close(self) -> None:

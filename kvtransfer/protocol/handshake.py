@@ -97,7 +97,7 @@ def check_hello(body: bytes, *, key: bytes | None, challenge: bytes, receiver_id
     try:
         hello = Hello(peer_id=str(d["worker_id"]), epoch=int(d.get("epoch", 0)), path=str(d["path"]),
                       nonce=str(d.get("nonce", "")), checksum=str(d.get("checksum") or ""))
-        their_layout = PoolLayout(**d["layout"])
+        their_layout = PoolLayout.from_dict(d["layout"])
     except (KeyError, TypeError, ValueError) as e:
         return None, f"bad hello: {e!r}"
     if key is not None:

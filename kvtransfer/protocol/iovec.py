@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tandem.kvtransfer.base import Geometry
+
 IOV_MAX = 1024
 
 
@@ -47,17 +49,40 @@ def _load_libc() -> ctypes.CDLL | None:
     return _libc
 
 
-def page_iov(base: int, region_pages: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-             page_bytes: int) -> np.ndarray:
-    """Iovecs for runs of pages in every (layer, K|V) region of a pool, region-major, run-minor.
-
-    `region_pages[r]` is the page index (counted over the whole flattened pool) where region r starts,
-    e.g. `arange(num_layers * 2) * num_pages`.
-    """
-    iov = np.empty((len(region_pages), len(starts), 2), dtype=np.uint64)
-    iov[:, :, 0] = base + (region_pages[:, None] + starts[None, :]) * page_bytes
-    iov[:, :, 1] = (lengths * page_bytes)[None, :]
+def page_iov(base: int, geometry: Geometry, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Iovecs for runs of pages (`starts`, `lengths`) of a write of `geometry` in a pool at `base`:
+    region-major, then run, then page (a run is one entry per region where its pages are contiguous)."""
+    g = geometry
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    if not g.runs_contiguous:
+        starts, lengths = expand_runs(starts, lengths), None
+    iov = np.empty((g.regions, len(starts), 2), dtype=np.uint64)
+    iov[:, :, 0] = (base + g.offset + np.arange(g.regions, dtype=np.int64)[:, None] * g.region_stride
+                    + starts[None, :] * g.page_stride)
+    iov[:, :, 1] = g.piece if lengths is None else (lengths * g.piece)[None, :]
     return iov.reshape(-1, 2)
+
+
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Every page of runs (`starts`, `lengths`), in order."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    first = np.cumsum(lengths) - lengths
+    return np.repeat(np.asarray(starts, dtype=np.int64) - first, lengths) + np.arange(int(lengths.sum()))
+
+
+def split_iov(iov: np.ndarray, max_bytes: int) -> np.ndarray:
+    """`iov` with every entry longer than `max_bytes` cut into consecutive entries of at most that."""
+    iov = np.asarray(iov, dtype=np.uint64).reshape(-1, 2)
+    parts = np.maximum(1, -(-iov[:, 1].astype(np.int64) // max_bytes))
+    if (parts == 1).all():
+        return iov
+    rows = np.repeat(np.arange(len(iov)), parts)
+    k = np.arange(len(rows)) - np.repeat(np.cumsum(parts) - parts, parts)     # part index in its entry
+    addr, length = iov[rows, 0].astype(np.int64), iov[rows, 1].astype(np.int64)
+    out = np.empty((len(rows), 2), dtype=np.uint64)
+    out[:, 0] = addr + k * max_bytes
+    out[:, 1] = np.minimum(max_bytes, length - k * max_bytes)
+    return out
 
 
 def send_iov(sock: socket.socket, iov: np.ndarray, native: bool = True) -> None:

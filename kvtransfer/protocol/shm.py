@@ -228,13 +228,14 @@ class ShmSenderPath(SenderPath):
     kind = "shm"
 
     def __init__(self, layout: PoolLayout, worker_id: str):
+        self._layout = layout
         self._src: torch.Tensor | None = None
 
     def attach(self, pool: torch.Tensor) -> None:
         self._src = pool
 
     def link(self, peer_id: str, meta: ReceiverMetadata) -> ShmLink:
-        return ShmLink(self._src, Segment.open(ShmInfo.from_metadata(meta), meta.layout), meta.layout)
+        return ShmLink(self._src, self._layout, Segment.open(ShmInfo.from_metadata(meta), meta.layout), meta.layout)
 
 
 class ShmLink(Link):
@@ -242,15 +243,16 @@ class ShmLink(Link):
 
     kind = "shm"
 
-    def __init__(self, src: torch.Tensor, segment: Segment, dst_layout: PoolLayout):
+    def __init__(self, src: torch.Tensor, src_layout: PoolLayout, segment: Segment, dst_layout: PoolLayout):
         self._src = src
         self._segment = segment
         self._dst = segment.tensor(dst_layout)
-        self._layout = dst_layout
-        self._bytes_per_page = dst_layout.page_bytes * dst_layout.num_layers * 2
+        self._src_layout, self._layout = src_layout, dst_layout
+        self._bytes_per_page = dst_layout.geometry().page_bytes
 
     def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False) -> int:
-        """One strided copy per run over all layers and K/V; stops between runs once `stop()` is true."""
+        """One copy per run over all layers and K/V (strided in a layer-first pool); stops between runs
+        once `stop()` is true."""
         return self._copy(room, runs, stop, corrupt, None)[0]
 
     def sums_inline(self) -> tuple[str, ...]:
@@ -259,7 +261,7 @@ class ShmLink(Link):
     def write_summed(self, room: int, runs: np.ndarray, stop: Callable[[], bool], algorithm: str,
                      corrupt: bool = False) -> tuple[int, int]:
         """`write` of one piece by the native copy, which hashes each chunk of the source right after
-        copying it (in cache): the CRC-32C region-major and run-minor. A piece is copied whole."""
+        copying it (in cache): the CRC-32C in wire order. A piece is copied whole."""
         return self._copy(room, runs, stop, corrupt, checksum.native_crc32c())
 
     def _copy(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool, crc) -> tuple[int, int]:
@@ -267,17 +269,18 @@ class ShmLink(Link):
         started = time.monotonic()
         pages = copied = value = 0
         if crc is not None:
-            value = crc.copy_runs(dst, src, self._layout.num_layers * 2, self._layout.page_bytes, runs, True)
+            value = crc.copy_runs(dst, src, self._layout.geometry(), self._src_layout.geometry(), runs, True)
             pages, copied = int(runs[:, 2].sum()), len(runs)
         else:
+            by_page_src, by_page_dst = self._src_layout.by_page(src), self._layout.by_page(dst)
             for s, d, n in runs.tolist():
                 if stop():
                     break
-                dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+                by_page_dst[d:d + n].copy_(by_page_src[s:s + n])
                 pages += n
                 copied += 1
         if corrupt and copied:    # in D's memory, after the copy
-            flip_byte(dst[0, 0, int(runs[0, 1])].view(-1).view(torch.uint8).numpy())
+            flip_byte(self._layout.by_page(dst)[int(runs[0, 1]), 0, 0].view(-1).view(torch.uint8).numpy())
         nbytes = pages * self._bytes_per_page
         # Same host, so CLOCK_MONOTONIC is shared: D times the room from the copy's start.
         self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)

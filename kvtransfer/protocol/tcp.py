@@ -1,8 +1,9 @@
 """tcp data path: page bytes travel on the control connection itself, so it works between any two hosts.
 
-A WRITE frame's payload is the source pages of every (layer, K|V) region (a WRITE_LAYERS frame's: of
-its layers' regions), region-major and run-minor, sent with one gather `sendmsg` per IOV_MAX pages
-straight from P's pool and received with one scatter `recvmsg` per IOV_MAX pages straight into D's
+A WRITE frame's payload is the source pages of every layer (a WRITE_LAYERS frame's: of its layers),
+in the order of the pool's `PoolLayout.geometry` (page-first: page by page; layer-first: region-major
+and run-minor), sent with one gather `sendmsg` per IOV_MAX pieces
+straight from P's pool and received with one scatter `recvmsg` per IOV_MAX pieces straight into D's
 pool: no staging buffer, no copy besides the kernel's.
 With crc32c checksums (protocol/checksum.py) both sides move ~1 MiB at a time instead and hash each
 chunk right after the kernel copied it, while it is in cache.
@@ -18,7 +19,7 @@ import torch
 from tandem.kvtransfer.base import PoolLayout
 from tandem.kvtransfer.datapath import Incoming, Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol import checksum
-from tandem.kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov
+from tandem.kvtransfer.protocol.iovec import IOV_MAX, page_iov, recv_iov, send_iov, split_iov
 from tandem.kvtransfer.protocol.wire import (
     HEADER,
     Channel,
@@ -27,12 +28,6 @@ from tandem.kvtransfer.protocol.wire import (
     ReceiverMetadata,
     layers_body,
 )
-
-
-def _regions(layout: PoolLayout, layers: tuple[int, int] | None = None) -> np.ndarray:
-    """The first page of each (layer, K|V) region the pages travel in (of `layers` (first, end) only)."""
-    first, end = layers or (0, layout.num_layers)
-    return np.arange(first * 2, end * 2, dtype=np.int64) * layout.num_pages
 
 
 class TcpReceiverPath(ReceiverPath):
@@ -86,7 +81,6 @@ class TcpLink(Link):
     def __init__(self, src: torch.Tensor, layout: PoolLayout, native: bool = True):
         self._src = src
         self._layout = layout
-        self._regions = _regions(layout)
         self._native = native
 
     def write(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool = False,
@@ -110,10 +104,11 @@ class TcpLink(Link):
 
     def _send(self, room: int, runs: np.ndarray, corrupt: bool, algorithm: str,
               layers: tuple[int, int] | None) -> tuple[int, int]:
-        pb = self._layout.page_bytes
         base = self._src.data_ptr()
-        regions = self._regions if layers is None else _regions(self._layout, layers)
-        iov = page_iov(base, regions, runs[:, 0], runs[:, 2], pb)
+        geometry = self._layout.geometry(layers)
+        iov = page_iov(base, geometry, runs[:, 0], runs[:, 2])
+        if algorithm == "crc32c":     # hashed a chunk at a time, right after it went out
+            iov = split_iov(iov, checksum.SUMMED_CHUNK_BYTES)
         wire = iov
         if corrupt:       # the first piece goes out from a copy with a byte flipped (the checksum is P's)
             start, n = int(iov[0, 0]) - base, int(iov[0, 1])
@@ -125,7 +120,7 @@ class TcpLink(Link):
         kind = Kind.WRITE if layers is None else Kind.WRITE_LAYERS
         if layers is not None:
             body = layers_body(layers) + body
-        payload = int(runs[:, 2].sum()) * len(regions) * pb
+        payload = int(runs[:, 2].sum()) * geometry.page_bytes
         crc = checksum.native_crc32c() if algorithm == "crc32c" else None
         value = 0
         ch = self.ch
@@ -159,8 +154,10 @@ def recv_pages(channel: Channel, buffer: torch.Tensor, layout: PoolLayout, runs:
     one is here), the CRC-32C of what landed, each chunk hashed right after it arrived; else None.
     """
     assert runs.size == 0 or int((runs[:, 0] + runs[:, 1]).max()) <= layout.num_pages
-    iov = page_iov(buffer.data_ptr(), _regions(layout, layers), runs[:, 0], runs[:, 1], layout.page_bytes)
+    iov = page_iov(buffer.data_ptr(), layout.geometry(layers), runs[:, 0], runs[:, 1])
     crc = checksum.native_crc32c() if algorithm == "crc32c" else None
+    if crc is not None:
+        iov = split_iov(iov, checksum.SUMMED_CHUNK_BYTES)
     chunks = _chunks(iov) if crc is not None else [(lo, min(lo + IOV_MAX, len(iov))) for lo in range(0, len(iov), IOV_MAX)]
     total = int(iov[:, 1].sum())
     landed, value = 0, 0

@@ -41,7 +41,7 @@ and accounting are per (page, layer): the SUMS after a WRITE_LAYERS covers that 
 
 Receiver metadata (what `KVReceiver.metadata()` returns) is compact UTF-8 JSON with sorted keys:
 `{"version": 2, "worker_id": str, "backends": ["shm", "tcp"], "host": str, "port": int,
-  "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype}, "progress": bool,
+  "layout": {num_layers, num_pages, page_size, kv_heads, head_dim, dtype, kv_layout}, "progress": bool,
   "checksums": [str], "layer_writes": [str], "shm": null | {...}}` and one more entry for each data path that advertises
 one, under the path's name (what its `ReceiverPath.attach` returns; the protocol only carries it):
 "shm" (protocol/shm.py: path, size, offset, nonce, hostname; always written, null when the receiver
@@ -144,7 +144,7 @@ class ReceiverMetadata:
             if d.get("version") != VERSION:
                 raise TransferError(f"unsupported kvtransfer metadata version {d.get('version')!r}")
             return cls(
-                worker_id=str(d["worker_id"]), layout=PoolLayout(**d["layout"]), host=str(d["host"]),
+                worker_id=str(d["worker_id"]), layout=PoolLayout.from_dict(d["layout"]), host=str(d["host"]),
                 port=int(d["port"]), backends=tuple(d["backends"]), progress=d.get("progress") is True,
                 checksums=_names(d.get("checksums", [])), layer_writes=_names(d.get("layer_writes", [])),
                 entries={k: v for k, v in d.items() if k not in _CORE_KEYS and isinstance(v, dict)},

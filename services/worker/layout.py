@@ -8,4 +8,4 @@ from tandem.kvtransfer.base import PoolLayout
 
 def layout_of(spec: KVPoolSpec) -> PoolLayout:
     return PoolLayout(spec.num_layers, spec.num_pages, spec.page_size, spec.kv_heads, spec.head_dim,
-                      str(spec.dtype).removeprefix("torch."))
+                      str(spec.dtype).removeprefix("torch."), spec.kv_layout)

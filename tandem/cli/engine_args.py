@@ -7,7 +7,13 @@ import argparse
 import dataclasses
 import json
 
-from tandem.engine.config import DTYPES, PREFILL_SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from tandem.engine.config import (
+    DTYPES,
+    KV_LAYOUTS,
+    PREFILL_SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
+    EngineConfig,
+)
 from tandem.services.common.arg_groups import ENGINE, LORA, MODEL, SCHEDULER, SPECULATIVE
 from tandem.services.common.flags import Flag, Owner, add_flags
 from tandem.services.common.shared_flags import MODEL_FLAG, QUEUE_FLAGS
@@ -59,6 +65,10 @@ ENGINE_FLAGS = (
     Flag(("--page-size",), _E, ENGINE,
          "tokens per KV page, a power of two (the unit of allocation, prefix caching and transfer)",
          field="page_size", type=int),
+    Flag(("--kv-layout",), _E, ENGINE,
+         "KV pool layout: page_first keeps a page of every layer in one block (one piece per page to transfer "
+         "or tier), layer_first one block per layer and K|V; attention reads both",
+         field="kv_layout", choices=KV_LAYOUTS),
     Flag(("--max-total-tokens",), _E, ENGINE, "KV pool size in tokens (default: what --kv-cache-gb holds)",
          field="max_total_tokens", type=int),
     Flag(("--kv-cache-gb",), _E, ENGINE, "KV pool size when --max-total-tokens is unset", field="kv_cache_gb",
@@ -205,6 +215,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_gb=args.kv_disk_cache_gb,
         kv_write_policy=args.kv_write_policy,
+        kv_layout=args.kv_layout,
         enable_overlap_schedule=args.enable_overlap_schedule,
         prefill_schedule_policy=args.prefill_schedule_policy,
         prefill_max_wait_s=args.prefill_max_wait,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -32,11 +33,12 @@ def run_backend(backend, path, batches, n, **kw):
     return out
 
 
-def test_batch_of_odd_lengths_matches_torch(tiny_llama):
+@pytest.mark.parametrize("kv_layout", ["page_first", "layer_first"])
+def test_batch_of_odd_lengths_matches_torch(tiny_llama, kv_layout):
     # Lengths 1, 4 (one whole page), 7 and 18 (crossing pages); decode runs them as one batch.
     batches = [random_prompts([1, 4, 7, 18], 512, seed=5)]
-    expected = run_backend("torch", tiny_llama, batches, 6)
-    assert run_backend("triton", tiny_llama, batches, 6) == expected
+    expected = run_backend("torch", tiny_llama, batches, 6, kv_layout="layer_first")
+    assert run_backend("triton", tiny_llama, batches, 6, kv_layout=kv_layout) == expected
 
 
 def test_prefix_hit_and_chunked_prefill_match_torch(tiny_llama):

@@ -18,8 +18,13 @@ from tandem.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import random_prompts
 
 
-def _cache(num_pages, page_size, kv_heads, dim, dtype, seed):
+def _cache(num_pages, page_size, kv_heads, dim, dtype, seed, layers=0):
+    """K and V `[num_pages, page_size, kv_heads, dim]`; with `layers`, as the last layer's views of a
+    page-first pool `[num_pages, layers, 2, page_size, kv_heads, dim]` (pages strided)."""
     g = torch.Generator().manual_seed(seed)
+    if layers:
+        pool = torch.randn(num_pages, layers, 2, page_size, kv_heads, dim, generator=g).to(dtype)
+        return pool[:, -1, 0], pool[:, -1, 1]
     shape = (num_pages, page_size, kv_heads, dim)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
@@ -37,9 +42,10 @@ def _reference(q, k_cache, v_cache, tables, kv_lens, scale):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (6, 2, 32), (8, 1, 24)])
-def test_decode_attention_matches_fp32_sdpa(ops, dtype, tol, heads, kv_heads, dim):
+@pytest.mark.parametrize("layers", [0, 3], ids=["contiguous", "page_first"])
+def test_decode_attention_matches_fp32_sdpa(ops, dtype, tol, heads, kv_heads, dim, layers):
     page_size, num_pages = 4, 40
-    k_cache, v_cache = _cache(num_pages, page_size, kv_heads, dim, dtype, seed=dim)
+    k_cache, v_cache = _cache(num_pages, page_size, kv_heads, dim, dtype, seed=dim, layers=layers)
     g = torch.Generator().manual_seed(heads)
     kv_lens = torch.tensor([1, 4, 5, 17, 30])                 # one key; exactly one page; partial last pages
     max_pages = 8
@@ -67,6 +73,11 @@ def test_decode_attention_refuses_bad_input(ops):
         ops.paged_decode_attention(q, k_cache, v_cache, ok.long(), torch.tensor([3]), 1.0)
     with pytest.raises(RuntimeError, match="dtype"):
         ops.paged_decode_attention(q.double(), k_cache, v_cache, ok, torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="each page contiguous"):     # slots not contiguous in a page
+        ops.paged_decode_attention(q, k_cache.transpose(0, 1), v_cache.transpose(0, 1), ok, torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="equal strides"):
+        ops.paged_decode_attention(q, k_cache, _cache(4, 4, 1, 16, torch.float32, seed=0, layers=2)[1], ok,
+                                   torch.tensor([3]), 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,6 +150,22 @@ def test_extend_attention_matches_fp32_sdpa(ops, dtype, heads, kv_heads, dim, to
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,prefix", [(40, 0), (17, 300)])
+def test_extend_attention_reads_a_page_first_pool(ops, dtype, tokens, prefix):
+    """A layer's K/V views of a page-first pool (pages strided, each page contiguous) read as the same
+    pages copied out contiguously, bit for bit."""
+    page_size, kv_len = 16, prefix + tokens
+    num_pages = -(-kv_len // page_size) + 2
+    k_cache, v_cache = _cache(num_pages, page_size, 3, 64, dtype, seed=tokens, layers=4)
+    assert not k_cache.is_contiguous()
+    table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(prefix))[: -(-kv_len // page_size)]
+    q = torch.randn(tokens, 9, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = ops.paged_extend_attention(q, k_cache, v_cache, table.int(), kv_len, 0.125)
+    want = ops.paged_extend_attention(q, k_cache.contiguous(), v_cache.contiguous(), table.int(), kv_len, 0.125)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("tokens,prefix", [(40, 0), (17, 300)])
 def test_extend_attention_fp16(ops, tokens, prefix):
     page_size, kv_len = 4, prefix + tokens
@@ -199,18 +226,20 @@ def _engine(path, **kw) -> LLMEngine:
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_engine_with_kernels_gives_the_same_greedy_tokens(request, model):
-    """Decode, chunked prefill (a later chunk over its own prefix), prefix-cache hits and mixed steps."""
+    """Decode, chunked prefill (a later chunk over its own prefix), prefix-cache hits and mixed steps,
+    in both KV layouts."""
     path = request.getfixturevalue(model)
     shared = random_prompts([40], 250, seed=3)[0]
     prompts = random_prompts([5, 17, 40, 3, 64, 9], 250, seed=11) + [shared + [7, 8], shared + [9]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(chunked_prefill_size=24)
-    plain = _engine(path, enable_cpu_kernels=False, **kw)
-    fused = _engine(path, enable_cpu_kernels=True, **kw)
-    assert fused.runner.cpu_ops is not None and plain.runner.cpu_ops is None
-    assert fused.runner.attn.cpu_ops is not None
-    a, b = plain.generate(prompts, params), fused.generate(prompts, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    plain = _engine(path, enable_cpu_kernels=False, kv_layout="layer_first", **kw)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert plain.runner.cpu_ops is None
+    for kernels, layout in ((True, "page_first"), (True, "layer_first"), (False, "page_first")):
+        engine = _engine(path, enable_cpu_kernels=kernels, kv_layout=layout, **kw)
+        assert (engine.runner.attn.cpu_ops is not None) == kernels
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want, (kernels, layout)
 
 
 def test_kernels_are_the_cpu_default_and_refused_with_graphs(tiny_llama):

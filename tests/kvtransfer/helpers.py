@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 import uuid
@@ -13,6 +14,8 @@ from tandem.kvtransfer.base import PoolLayout, RoomStatus
 
 SMALL = PoolLayout(num_layers=2, num_pages=64, page_size=4, kv_heads=2, head_dim=8, dtype="bfloat16")
 BIGGER = PoolLayout(num_layers=4, num_pages=256, page_size=16, kv_heads=4, head_dim=64, dtype="bfloat16")
+SMALL_LF = dataclasses.replace(SMALL, kv_layout="layer_first")
+BIGGER_LF = dataclasses.replace(BIGGER, kv_layout="layer_first")
 
 
 def random_pool(layout: PoolLayout, seed: int) -> torch.Tensor:
@@ -23,9 +26,22 @@ def random_pool(layout: PoolLayout, seed: int) -> torch.Tensor:
     return buf
 
 
-def page_bytes(buf: torch.Tensor, pages: list[int]) -> list[bytes]:
-    """Each page's bytes over all layers and K/V."""
-    return [buf[:, :, p].contiguous().view(torch.uint8).numpy().tobytes() for p in pages]
+def wire_bytes(pool: torch.Tensor, layout: PoolLayout, runs: list[tuple[int, int]],
+               layers: tuple[int, int] | None = None) -> bytes:
+    """The runs' pages of `layers` (None: all) in the order a tcp WRITE sends them, spelt out per layout:
+    page-first, page by page; layer-first, each (layer, K|V) region's runs in turn."""
+    first, end = layers or (0, layout.num_layers)
+    if layout.page_first:
+        parts = [pool[p, first:end] for s, n in runs for p in range(s, s + n)]
+    else:
+        parts = [pool[layer, kv, s:s + n] for layer in range(first, end) for kv in (0, 1) for s, n in runs]
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in parts)
+
+
+def page_bytes(buf: torch.Tensor, pages: list[int], layout: PoolLayout) -> list[bytes]:
+    """Each page's bytes over all layers and K/V (in page-first order, whatever the pool's layout)."""
+    by_page = layout.by_page(buf)
+    return [by_page[p].contiguous().view(torch.uint8).numpy().tobytes() for p in pages]
 
 
 def wait_done(status: Callable[[], RoomStatus], timeout: float = 10.0) -> RoomStatus:

@@ -25,7 +25,7 @@ class _Host:
         return getattr(self.objs[key], method)(*args)
 
     def pages(self, key: str, pages: list[int]) -> list[bytes]:
-        return page_bytes(self.objs[key].buffer, pages)
+        return page_bytes(self.objs[key].buffer, pages, self.objs[key].layout)
 
     def abort_and_snapshot(self, key: str, room: int, pages: list[int]) -> tuple[int, list[bytes]]:
         """Once data flows into the room, abort it, then read its pages right after abort() returns.
@@ -33,7 +33,7 @@ class _Host:
         rx = self.objs[key]
         wait_until(lambda: rx.poll(room).bytes_moved > 0)
         rx.abort(room)
-        return rx.poll(room).bytes_moved, page_bytes(rx.buffer, pages)
+        return rx.poll(room).bytes_moved, page_bytes(rx.buffer, pages, rx.layout)
 
     def wait(self, key: str, room: int, timeout: float = 10.0):
         rx = self.objs[key]

@@ -43,7 +43,7 @@ def test_options_reach_the_parts_that_take_them_and_nothing_else():
         tx.write(rx.worker_id, 1, [5, 6], [3, 4])
         tx.finish(rx.worker_id, 1, b"aux")
         assert wait_done(lambda: rx.poll(1)).state == RoomState.SUCCESS
-        assert page_bytes(rx.buffer, [3, 4]) == page_bytes(pool, [5, 6])
+        assert page_bytes(rx.buffer, [3, 4], rx.layout) == page_bytes(pool, [5, 6], rx.layout)
     finally:
         tx.close()
         rx.close()
@@ -97,7 +97,7 @@ def test_auto_falls_back_to_tcp_when_the_receiver_is_on_another_host():
         tx.write(rx.worker_id, 9, [0, 1], [3, 4])
         tx.finish(rx.worker_id, 9, b"ok")
         assert wait_done(lambda: tx.status(9)).state == RoomState.SUCCESS
-        assert page_bytes(rx.buffer, [3, 4]) == page_bytes(pool, [0, 1])
+        assert page_bytes(rx.buffer, [3, 4], rx.layout) == page_bytes(pool, [0, 1], rx.layout)
     finally:
         tx.close()
         shm_only.close()

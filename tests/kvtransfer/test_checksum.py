@@ -17,20 +17,20 @@ from tandem.kvtransfer.protocol.checksum import (
     sums_body,
 )
 from tandem.kvtransfer.protocol.wire import ProtocolError
-from tests.kvtransfer.helpers import BIGGER, SMALL, random_pool
+from tests.kvtransfer.helpers import BIGGER, BIGGER_LF, SMALL, SMALL_LF, random_pool
 
 
-def _end_to_end(pool: torch.Tensor, runs: list[tuple[int, int]]) -> bytes:
+def _end_to_end(pool: torch.Tensor, layout, runs: list[tuple[int, int]]) -> bytes:
     """The runs' pages end to end, each page's (layer, K|V) regions in order."""
-    pages = [pool[:, :, s:s + n].permute(2, 0, 1, 3, 4, 5).contiguous() for s, n in runs]
+    pages = [layout.by_page(pool)[s:s + n].contiguous() for s, n in runs]
     return b"".join(p.view(torch.uint8).numpy().tobytes() for p in pages)
 
 
-@pytest.mark.parametrize("layout", [SMALL, BIGGER])
+@pytest.mark.parametrize("layout", [SMALL, BIGGER, SMALL_LF, BIGGER_LF])
 def test_a_pieces_checksum_is_the_hash_of_its_pages_end_to_end(layout, monkeypatch):
     pool = random_pool(layout, 5)
     runs = [(7, 3), (0, 1), (layout.num_pages - 2, 2)]
-    expected = zlib.crc32(_end_to_end(pool, runs))
+    expected = zlib.crc32(_end_to_end(pool, layout, runs))
     assert pages_sum(page_view(pool, layout), np.array(runs), "crc32") == expected
     monkeypatch.setattr(checksum, "CHUNK_BYTES", 1)       # a page at a time: the same value
     assert pages_sum(page_view(pool, layout), np.array(runs), "crc32") == expected
@@ -38,20 +38,21 @@ def test_a_pieces_checksum_is_the_hash_of_its_pages_end_to_end(layout, monkeypat
         import xxhash
 
         assert pages_sum(page_view(pool, layout), np.array(runs), "xxh3") == xxhash.xxh3_64_intdigest(
-            _end_to_end(pool, runs))
+            _end_to_end(pool, layout, runs))
 
 
+@pytest.mark.parametrize("layout", [SMALL, SMALL_LF])
 @pytest.mark.parametrize("algorithm", available())
-def test_any_flipped_byte_of_its_pages_changes_a_checksum_and_no_other_byte_does(algorithm):
-    pool = random_pool(SMALL, 6)
-    pages, runs = page_view(pool, SMALL), np.array([[2, 3], [10, 1]])
+def test_any_flipped_byte_of_its_pages_changes_a_checksum_and_no_other_byte_does(algorithm, layout):
+    pool = random_pool(layout, 6)
+    pages, runs = page_view(pool, layout), np.array([[2, 3], [10, 1]])
     before = pages_sum(pages, runs, algorithm)
-    raw = pool.view(torch.uint8)
+    raw = layout.by_page(pool.view(torch.uint8))
     for layer, kv, page in [(0, 0, 2), (1, 1, 4), (0, 1, 10)]:
-        raw[layer, kv, page].view(-1)[5] ^= 0x10
+        raw[page, layer, kv].view(-1)[5] ^= 0x10
         assert pages_sum(pages, runs, algorithm) != before
-        raw[layer, kv, page].view(-1)[5] ^= 0x10
-    pool[:, :, 20] = 0                                      # outside the runs: no effect
+        raw[page, layer, kv].view(-1)[5] ^= 0x10
+    layout.by_page(pool)[20] = 0                            # outside the runs: no effect
     assert pages_sum(pages, runs, algorithm) == before
 
 

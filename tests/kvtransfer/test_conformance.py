@@ -65,9 +65,10 @@ def _scatter(n: int, num_pages: int, seed: int) -> tuple[list[int], list[int]]:
     return src, dst
 
 
+@pytest.mark.parametrize("kv_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_scattered_pages_arrive_bit_exact(child, backend, dtype):
-    layout = dataclasses.replace(SMALL, dtype=dtype)
+def test_scattered_pages_arrive_bit_exact(child, backend, dtype, kv_layout):
+    layout = dataclasses.replace(SMALL, dtype=dtype, kv_layout=kv_layout)
     p = Pair(child, backend, layout)
     try:
         assert p.tx.path_kind(p.rx_id) == PATH_OF[backend]
@@ -80,9 +81,9 @@ def test_scattered_pages_arrive_bit_exact(child, backend, dtype):
         expected_bytes = len(src) * layout.num_layers * 2 * layout.page_bytes
         assert st.bytes_moved == rst.bytes_moved == expected_bytes
         assert st.seconds > 0 and rst.seconds >= 0
-        assert p.rx.pages(dst) == page_bytes(p.pool, src)
+        assert p.rx.pages(dst) == page_bytes(p.pool, src, p.layout)
         untouched = [q for q in range(layout.num_pages) if q not in dst]
-        zero = bytes(len(page_bytes(p.pool, [0])[0]))
+        zero = bytes(len(page_bytes(p.pool, [0], p.layout)[0]))
         assert set(p.rx.pages(untouched)) == {zero}
     finally:
         p.close()
@@ -100,7 +101,7 @@ def test_long_and_short_runs_arrive_bit_exact(child, backend):
         assert wait_done(lambda: p.tx.status(room)).state == RoomState.SUCCESS
         rst = p.child.call("wait", p.rx_id, room)
         assert rst.state == RoomState.SUCCESS and rst.bytes_moved == len(src) * 8 * BIGGER.page_bytes
-        assert p.rx.pages(dst) == page_bytes(p.pool, src)
+        assert p.rx.pages(dst) == page_bytes(p.pool, src, p.layout)
     finally:
         p.close()
 
@@ -114,7 +115,7 @@ def test_chunked_writes_then_finish(child, backend):
         for r in (room, empty):
             assert wait_done(lambda r=r: p.tx.status(r)).state == RoomState.SUCCESS
             assert p.child.call("wait", p.rx_id, r).state == RoomState.SUCCESS
-        assert p.rx.pages(dst) == page_bytes(p.pool, src)
+        assert p.rx.pages(dst) == page_bytes(p.pool, src, p.layout)
         assert p.rx.poll(empty).aux == b"all cached" and p.rx.poll(empty).bytes_moved == 0
         with pytest.raises(ValueError):
             p.tx.write(p.rx_id, room, [1], [2])                  # after finish: a caller bug
@@ -138,7 +139,7 @@ def test_progress_reports_share_the_control_connection(child, backend):
         p.tx.write(p.rx_id, room, [2], [41])
         p.tx.finish(p.rx_id, room, b"aux")
         assert p.child.call("wait", p.rx_id, room).state == RoomState.SUCCESS
-        assert p.rx.pages([40, 41]) == page_bytes(p.pool, [1, 2])
+        assert p.rx.pages([40, 41]) == page_bytes(p.pool, [1, 2], p.layout)
     finally:
         p.close()
 
@@ -173,7 +174,7 @@ def test_64_concurrent_rooms_interleaved(child, backend):
             assert rst.state == RoomState.SUCCESS and rst.aux == room.to_bytes(8, "little")
         src = [s for room in rooms for s in rooms[room][0]]
         dst = [d for room in rooms for d in rooms[room][1]]
-        assert p.rx.pages(dst) == page_bytes(p.pool, src)
+        assert p.rx.pages(dst) == page_bytes(p.pool, src, p.layout)
     finally:
         p.close()
 
@@ -198,7 +199,7 @@ def test_sender_abort_mid_transfer(child, backend):
     p = Pair(child, backend, BIGGER)
     try:
         src, dst = list(range(200)), list(range(200))
-        old = page_bytes(p.pool, src)
+        old = page_bytes(p.pool, src, p.layout)
         room = random.getrandbits(63)
         p.rx.expect(room, dst, p.tx_id)
         _stream(p, room, src, dst)
@@ -254,7 +255,7 @@ def test_abort_before_sender_connects(child, backend):
         assert tx.status(room).state == RoomState.FAILED
         tx.write(rx_id, room, [1, 2], [5, 6])
         tx.finish(rx_id, room, b"x")
-        zero = bytes(len(page_bytes(pool, [0])[0]))
+        zero = bytes(len(page_bytes(pool, [0], SMALL)[0]))
         assert rx.pages([5, 6]) == [zero, zero]
     finally:
         tx.close()
@@ -409,7 +410,7 @@ def test_write_for_unknown_room_is_discarded(child, two_sided):
         p.tx.finish(p.rx_id, room, b"x")
         st = wait_done(lambda: p.tx.status(room))
         assert st.state == RoomState.FAILED and "unknown room" in st.error
-        zero = bytes(len(page_bytes(p.pool, [0])[0]))
+        zero = bytes(len(page_bytes(p.pool, [0], p.layout)[0]))
         assert p.rx.pages([4, 5, 6]) == [zero] * 3
         src, dst = _scatter(8, SMALL.num_pages, seed=5)          # the connection is still fine
         ok = p.send_room(src, dst)

@@ -10,13 +10,12 @@ import socket
 
 import numpy as np
 import pytest
-import torch
 
 from tandem.kvtransfer import create_receiver, create_sender
 from tandem.kvtransfer.base import RoomState
 from tandem.kvtransfer.protocol import checksum, handshake
 from tandem.kvtransfer.protocol.wire import HEADER, Channel, Kind, Timeouts
-from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done
+from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done, wire_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +59,7 @@ def test_every_corrupted_transfer_is_caught_and_no_clean_one_is_flagged(backend,
                     (detected if room in drawn else false_alarms).add(room)
                 else:
                     assert st.state is RoomState.SUCCESS and st.aux == b"aux", (room, st)
-                    assert page_bytes(rx.buffer, dst) == page_bytes(pool, src)
+                    assert page_bytes(rx.buffer, dst, rx.layout) == page_bytes(pool, src, rx.layout)
                     clean += 1
                 rx.release(room)
                 tx.release(room)
@@ -94,8 +93,8 @@ def test_a_peer_from_before_checksums_still_transfers_unchecked(old, caplog):
                 tx.write(rx.worker_id, room, [5], [room])
                 tx.finish(rx.worker_id, room, b"aux")
                 assert wait_done(lambda room=room: rx.poll(room)).state is RoomState.SUCCESS
-        assert page_bytes(rx.buffer, [1]) == page_bytes(pool, [5])
-        assert page_bytes(rx.buffer, [2]) != page_bytes(pool, [5])       # what checksums are for
+        assert page_bytes(rx.buffer, [1], rx.layout) == page_bytes(pool, [5], rx.layout)
+        assert page_bytes(rx.buffer, [2], rx.layout) != page_bytes(pool, [5], rx.layout)       # what checksums are for
         assert "sends no KV checksums" in caplog.text
         if old == "receiver":
             assert "checks none of the checksums" in caplog.text
@@ -117,7 +116,7 @@ class RawSender:
 
     def write(self, room: int, start: int, n: int) -> None:
         body = np.array([[start, n]], dtype="<i8").tobytes()
-        payload = self.pool[:, :, start:start + n].contiguous().view(torch.uint8).numpy().tobytes()
+        payload = wire_bytes(self.pool, self.layout, [(start, n)])
         self.ch.sock.sendall(HEADER.pack(Kind.WRITE, len(body), room, len(payload)) + body + payload)
 
     def sums(self, room: int, start: int, n: int) -> None:

@@ -13,24 +13,25 @@ import torch
 from tandem.kvtransfer import create_receiver, create_sender
 from tandem.kvtransfer.base import RoomState, TransferError
 from tandem.kvtransfer.protocol.wire import ProtocolError, layers_body, split_layers
-from tests.kvtransfer.helpers import BIGGER, page_bytes, random_pool, uid, wait_done, wait_until
+from tests.kvtransfer.helpers import BIGGER, BIGGER_LF, page_bytes, random_pool, uid, wait_done, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 GROUPS = [(0, 1), (1, 3), (3, 4)]          # BIGGER has 4 layers
 
 
-def layer_bytes(buf: torch.Tensor, pages: list[int], layers: tuple[int, int]) -> bytes:
-    return buf[layers[0]:layers[1], :, pages].contiguous().view(torch.uint8).numpy().tobytes()
+def layer_bytes(buf: torch.Tensor, pages: list[int], layers: tuple[int, int], layout=BIGGER) -> bytes:
+    return layout.by_page(buf)[pages, layers[0]:layers[1]].contiguous().view(torch.uint8).numpy().tobytes()
 
 
+@pytest.mark.parametrize("layout", [BIGGER, BIGGER_LF], ids=["page_first", "layer_first"])
 @pytest.mark.parametrize("backend, checksums", [("tcp", None), ("tcp", ("xxh3", "crc32")), ("tcp", ()),
                                                 ("nixl", None), ("nixl", ())],
                          ids=["tcp-crc32c-inline", "tcp-threads", "tcp-unchecked", "nixl", "nixl-unchecked"])
-def test_a_room_sent_in_layer_groups_lands_exactly_and_only_the_layers_named(backend, checksums):
-    rx = create_receiver(backend, BIGGER, "127.0.0.1", uid("D"))
-    pool = random_pool(BIGGER, 5)
-    tx = create_sender(backend, pool, BIGGER, uid("P"), checksums=checksums)
+def test_a_room_sent_in_layer_groups_lands_exactly_and_only_the_layers_named(backend, checksums, layout):
+    rx = create_receiver(backend, layout, "127.0.0.1", uid("D"))
+    pool = random_pool(layout, 5)
+    tx = create_sender(backend, pool, layout, uid("P"), checksums=checksums)
     try:
         tx.connect(rx.worker_id, rx.metadata())
         assert tx.writes_layers(rx.worker_id)
@@ -38,17 +39,17 @@ def test_a_room_sent_in_layer_groups_lands_exactly_and_only_the_layers_named(bac
         rx.expect(1, dst, tx.worker_id)
         for i, group in enumerate(GROUPS):
             tx.write(rx.worker_id, 1, src, dst, layers=group)
-            wait_done(lambda g=group: _landed(rx, pool, src, dst, g), 10)
-            assert layer_bytes(rx.buffer, dst, group) == layer_bytes(pool, src, group)
+            wait_done(lambda g=group: _landed(rx, pool, src, dst, g, layout), 10)
+            assert layer_bytes(rx.buffer, dst, group, layout) == layer_bytes(pool, src, group, layout)
             for later in GROUPS[i + 1:]:       # not sent yet: still the receiver's zeros
-                assert not rx.buffer[later[0]:later[1], :, dst].any()
+                assert not layout.by_page(rx.buffer)[dst, later[0]:later[1]].any()
             # a one-sided path's bytes land before its WROTE note says so
             assert wait_until(lambda: rx.poll(1).state is RoomState.TRANSFERRING)
         tx.finish(rx.worker_id, 1, b"aux")
         st, pst = rx.wait(1, 10), tx.wait(1, 10)
         assert st.state is RoomState.SUCCESS and st.aux == b"aux", st
         assert pst.state is RoomState.SUCCESS and pst.bytes_moved == len(src) * BIGGER.num_layers * 2 * BIGGER.page_bytes
-        assert page_bytes(rx.buffer, dst) == page_bytes(pool, src)
+        assert page_bytes(rx.buffer, dst, rx.layout) == page_bytes(pool, src, rx.layout)
     finally:
         tx.close()
         rx.close()
@@ -58,9 +59,10 @@ class _Landed:
     state = RoomState.SUCCESS
 
 
-def _landed(rx, pool, src, dst, group):
+def _landed(rx, pool, src, dst, group, layout=BIGGER):
     """A status-like object for wait_done: done once the group's bytes are in the receiver's pool."""
-    return _Landed() if layer_bytes(rx.buffer, dst, group) == layer_bytes(pool, src, group) else rx.poll(1)
+    return _Landed() if layer_bytes(rx.buffer, dst, group, layout) == layer_bytes(pool, src, group, layout) \
+        else rx.poll(1)
 
 
 @pytest.mark.parametrize("backend, checksums", [("tcp", None), ("tcp", ("xxh3",)), ("nixl", None)],

@@ -59,7 +59,7 @@ def test_a_sender_with_the_key_transfers(pair, backend):
     rx.expect(7, [3, 4], tx.worker_id)
     _move(tx, rx, 7, [10, 11], [3, 4])
     assert wait_done(lambda: rx.poll(7)).state == RoomState.SUCCESS
-    assert page_bytes(rx.buffer, [3, 4]) == page_bytes(tx._buffer, [10, 11])
+    assert page_bytes(rx.buffer, [3, 4], rx.layout) == page_bytes(tx._buffer, [10, 11], tx.layout)
     assert rx.refusals.count == 0
 
 
@@ -124,10 +124,10 @@ def test_a_write_from_a_sender_the_room_was_not_paired_with_is_refused(pair, bac
     assert rx.poll(5).state == RoomState.WAITING_FOR_INPUT      # the paired sender's room is untouched
     assert rx.refusals.count >= 1
     if backend == "tcp":                                         # two-sided: nothing landed
-        assert not rx.buffer[:, :, 1:3].any()
+        assert not rx.layout.by_page(rx.buffer)[1:3].any()
     _move(good, rx, 5, [20, 21], [1, 2])
     assert wait_done(lambda: rx.poll(5)).state == RoomState.SUCCESS
-    assert page_bytes(rx.buffer, [1, 2]) == page_bytes(good._buffer, [20, 21])
+    assert page_bytes(rx.buffer, [1, 2], rx.layout) == page_bytes(good._buffer, [20, 21], good.layout)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,7 +140,7 @@ def test_a_write_outside_the_rooms_pages_is_refused(pair, backend):
     assert st.state == RoomState.FAILED and "outside the room's destination pages" in st.error
     assert rx.refusals.count == 1
     if backend == "tcp":
-        assert not rx.buffer[:, :, 6].any()                      # room 10's page was not written
+        assert not rx.layout.by_page(rx.buffer)[6].any()                      # room 10's page was not written
     assert wait_done(lambda: tx.status(9)).state == RoomState.FAILED
 
 
@@ -159,7 +159,7 @@ def test_a_write_from_an_earlier_instance_of_the_paired_sender_is_refused(pair, 
     new.connect(rx.worker_id, rx.metadata())
     _move(new, rx, 3, [30], [8])
     assert wait_done(lambda: rx.poll(3)).state == RoomState.SUCCESS
-    assert page_bytes(rx.buffer, [8]) == page_bytes(new._buffer, [30])
+    assert page_bytes(rx.buffer, [8], rx.layout) == page_bytes(new._buffer, [30], new.layout)
 
 
 def test_frames_for_a_released_room_do_not_land(pair):
@@ -171,8 +171,8 @@ def test_frames_for_a_released_room_do_not_land(pair):
     # can be after D's own room says SUCCESS (a DONE still in flight would settle the replay's room).
     assert wait_done(lambda: tx.status(11)).state == RoomState.SUCCESS
     rx.release(11)
-    before = page_bytes(rx.buffer, [12])
+    before = page_bytes(rx.buffer, [12], rx.layout)
     tx.release(11)
     _move(tx, rx, 11, [2], [12])                                # the same room again: a replay
     assert wait_done(lambda: tx.status(11)).state == RoomState.FAILED
-    assert page_bytes(rx.buffer, [12]) == before
+    assert page_bytes(rx.buffer, [12], rx.layout) == before

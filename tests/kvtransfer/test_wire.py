@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.kvtransfer.base import PoolLayout, Progress, TransferError
+from tandem.kvtransfer.base import Geometry, PoolLayout, Progress, TransferError
 from tandem.kvtransfer.protocol.iovec import page_iov, recv_iov, send_iov
 from tandem.kvtransfer.protocol.wire import (
     PROGRESS_BODY,
@@ -36,9 +36,17 @@ def test_metadata_round_trip():
     assert ReceiverMetadata.from_bytes(plain.to_bytes()) == plain
 
 
+def test_a_layout_from_before_page_first_pools_is_layer_first():
+    old = json.loads(ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",)).to_bytes())
+    del old["layout"]["kv_layout"]
+    meta = ReceiverMetadata.from_bytes(json.dumps(old).encode())
+    assert meta.layout.kv_layout == "layer_first" and not meta.layout.compatible(LAYOUT)
+
+
 def test_metadata_bytes_are_the_v2_format():
     """The data paths' entries sit beside the core keys, sorted; "shm" is always there (null: none)."""
-    layout = '{"dtype":"bfloat16","head_dim":8,"kv_heads":2,"num_layers":2,"num_pages":64,"page_size":4}'
+    layout = ('{"dtype":"bfloat16","head_dim":8,"kv_heads":2,"kv_layout":"page_first","num_layers":2,"num_pages":64,'
+              '"page_size":4}')
     plain = ReceiverMetadata("D-2", LAYOUT, "h", 1, ("tcp",), progress=True)
     assert plain.to_bytes().decode() == ('{"backends":["tcp"],"host":"h","layout":' + layout + ',"port":1,'
                                          '"progress":true,"shm":null,"version":2,"worker_id":"D-2"}')
@@ -77,6 +85,20 @@ def test_channel_frames():
     cb.close()
 
 
+def test_a_run_of_a_page_first_pool_is_one_piece():
+    """Every layer: one iovec per run (layer-first: one per run per (layer, K|V)); some layers: one per
+    page, at the layers' offset within it."""
+    layer_first = PoolLayout(2, 64, 4, 2, 8, "bfloat16", "layer_first")
+    starts, lengths = np.array([3, 40]), np.array([5, 1])
+    block = LAYOUT.geometry().page_stride
+    assert block == 2 * 2 * LAYOUT.page_bytes
+    assert page_iov(1000, LAYOUT.geometry(), starts, lengths).tolist() == [[1000 + 3 * block, 5 * block],
+                                                                            [1000 + 40 * block, block]]
+    assert len(page_iov(1000, layer_first.geometry(), starts, lengths)) == 2 * 2 * 2
+    some = page_iov(0, LAYOUT.geometry((1, 2)), starts, lengths)
+    assert some.tolist() == [[p * block + 2 * LAYOUT.page_bytes, 2 * LAYOUT.page_bytes] for p in (3, 4, 5, 6, 7, 40)]
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_scatter_gather_moves_runs_between_pools(native):
     """Gather runs from one pool, scatter into other pages of another: 3000 iovecs (several IOV_MAX
@@ -89,10 +111,10 @@ def test_scatter_gather_moves_runs_between_pools(native):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     pages = rng.permutation(3000)
-    regions = np.array([0], dtype=np.int64)
+    pieces = Geometry(offset=0, regions=1, region_stride=0, piece=64, page_stride=64)
     lengths = np.ones(3000, dtype=np.int64)
-    send = page_iov(src.data_ptr(), regions, np.arange(3000), lengths, 64)
-    recv = page_iov(dst.data_ptr(), regions, pages, lengths, 64)
+    send = page_iov(src.data_ptr(), pieces, np.arange(3000), lengths)
+    recv = page_iov(dst.data_ptr(), pieces, pages, lengths)
     import threading
 
     t = threading.Thread(target=send_iov, args=(a, send, native))

@@ -56,7 +56,7 @@ def test_up_forwards_every_engine_flag_to_workers():
               "--speculative-algorithm": "draft", "--speculative-num-draft-tokens": "3",
               "--speculative-ngram-min": "1", "--speculative-ngram-max": "6", "--speculative-draft-model": "/d",
               "--kv-host-cache-gb": "0.25", "--kv-disk-cache-dir": "/kv", "--kv-disk-cache-gb": "2",
-              "--kv-write-policy": "write_back", "--lora-modules": "a=/x", "--max-loras": "2", "--max-lora-rank": "8",
+              "--kv-write-policy": "write_back", "--kv-layout": "layer_first", "--lora-modules": "a=/x", "--max-loras": "2", "--max-lora-rank": "8",
               "--max-cpu-loras": "3"}
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",

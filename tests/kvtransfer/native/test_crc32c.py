@@ -1,14 +1,16 @@
 """The native CRC-32C (kvtransfer/native): the standard values, over pool pages without a copy, over
 iovecs, and the copy that hashes on the way."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from tandem.kvtransfer.native import crc32c
 from tandem.kvtransfer.protocol.checksum import page_view, pages_sum
-from tandem.kvtransfer.protocol.iovec import page_iov
-from tests.kvtransfer.helpers import BIGGER, SMALL, random_pool
+from tandem.kvtransfer.protocol.iovec import page_iov, split_iov
+from tests.kvtransfer.helpers import BIGGER, BIGGER_LF, SMALL, SMALL_LF, random_pool, wire_bytes
 
 CRC = crc32c()
 pytestmark = pytest.mark.skipif(CRC is None, reason="no C compiler here: the native CRC-32C is not built")
@@ -33,35 +35,32 @@ def test_the_standard_check_value_and_lengths_around_the_lanes():
         assert CRC(data[n // 3:], CRC(data[:n // 3])) == reference(data), n     # continues like zlib.crc32
 
 
-def _region_major(pool: torch.Tensor, runs) -> bytes:
-    """The runs' pages region-major, run-minor: every (layer, K|V) region, each run's pages in order."""
-    regions = pool.view(pool.shape[0] * 2, pool.shape[2], -1)
-    return b"".join(regions[g, s:s + n].contiguous().view(torch.uint8).numpy().tobytes()
-                    for g in range(regions.shape[0]) for s, n in runs)
-
-
-@pytest.mark.parametrize("layout", [SMALL, BIGGER])
-def test_pages_iovecs_and_the_checksum_of_a_piece_agree_with_the_bytes(layout):
+@pytest.mark.parametrize("layout", [SMALL, BIGGER, SMALL_LF, BIGGER_LF])
+@pytest.mark.parametrize("layers", [None, (1, 2)])
+def test_pages_iovecs_and_the_checksum_of_a_piece_agree_with_the_bytes(layout, layers):
     pool = random_pool(layout, 3)
     runs = np.array([[5, 3], [1, 1], [20, 4]], dtype=np.int64)
-    expected = reference(_region_major(pool, runs.tolist()))
-    assert CRC.pages(page_view(pool, layout), runs) == expected
-    assert pages_sum(page_view(pool, layout), runs, "crc32c") == expected
-    regions = np.arange(layout.num_layers * 2, dtype=np.int64) * layout.num_pages
-    iov = page_iov(pool.data_ptr(), regions, runs[:, 0], runs[:, 1], layout.page_bytes)
+    expected = reference(wire_bytes(pool, layout, runs.tolist(), layers))
+    assert CRC.pages(page_view(pool, layout, layers), runs) == expected
+    assert pages_sum(page_view(pool, layout, layers), runs, "crc32c") == expected
+    iov = page_iov(pool.data_ptr(), layout.geometry(layers), runs[:, 0], runs[:, 1])
     assert CRC.iov(iov) == expected
-    assert CRC.iov(iov[7:], CRC.iov(iov[:7])) == expected
+    assert CRC.iov(iov[3:], CRC.iov(iov[:3])) == expected
+    assert CRC.iov(split_iov(iov, 100)) == expected
 
 
-def test_the_copy_moves_the_pages_and_hashes_what_it_read():
-    src, dst = random_pool(BIGGER, 4), torch.zeros(BIGGER.shape, dtype=BIGGER.torch_dtype)
-    runs = np.array([[3, 40, 2], [10, 0, 1], [0, 12, 4]], dtype=np.int64)
-    regions = BIGGER.num_layers * 2
-    value = CRC.copy_runs(dst, src, regions, BIGGER.page_bytes, runs, True)
+@pytest.mark.parametrize("layout", [BIGGER, BIGGER_LF])
+def test_the_copy_moves_the_pages_and_hashes_what_it_read(layout):
+    """Between pools of different sizes (D's is bigger), as shm copies them."""
+    bigger = dataclasses.replace(layout, num_pages=layout.num_pages + 9)
+    src, dst = random_pool(layout, 4), torch.zeros(bigger.shape, dtype=layout.torch_dtype)
+    runs = np.array([[3, 40, 2], [10, 0, 1], [0, 12, 4], [5, bigger.num_pages - 1, 1]], dtype=np.int64)
+    value = CRC.copy_runs(dst, src, bigger.geometry(), layout.geometry(), runs, True)
     for s, d, n in runs.tolist():
-        assert torch.equal(dst[:, :, d:d + n].view(torch.int16), src[:, :, s:s + n].view(torch.int16))
-    assert value == CRC.pages(page_view(src, BIGGER), runs[:, [0, 2]]) == CRC.pages(page_view(dst, BIGGER), runs[:, 1:])
-    assert CRC.copy_runs(dst, src, regions, BIGGER.page_bytes, runs, False) is None
+        assert torch.equal(bigger.by_page(dst)[d:d + n].view(torch.int16), layout.by_page(src)[s:s + n].view(torch.int16))
+    assert layout.by_page(dst)[20:40].abs().sum() == 0
+    assert value == CRC.pages(page_view(src, layout), runs[:, [0, 2]]) == CRC.pages(page_view(dst, bigger), runs[:, 1:])
+    assert CRC.copy_runs(dst, src, bigger.geometry(), layout.geometry(), runs, False) is None
 
 
 def test_runs_outside_the_pool_are_refused_before_any_byte_is_read():
@@ -69,5 +68,9 @@ def test_runs_outside_the_pool_are_refused_before_any_byte_is_read():
     for bad in ([[SMALL.num_pages - 1, 2]], [[-1, 1]], [[0, -1]]):
         with pytest.raises(ValueError, match="outside"):
             CRC.pages(page_view(pool, SMALL), np.array(bad))
-    with pytest.raises(ValueError, match="outside"):
-        CRC.copy_runs(pool.clone(), pool, SMALL.num_layers * 2, SMALL.page_bytes, np.array([[0, SMALL.num_pages, 1]]), False)
+    for layout in (SMALL, SMALL_LF):
+        with pytest.raises(ValueError, match="outside"):
+            CRC.copy_runs(pool.clone(), pool, layout.geometry(), layout.geometry(),
+                          np.array([[0, SMALL.num_pages, 1]]), False)
+    with pytest.raises(ValueError, match="different geometries"):
+        CRC.copy_runs(pool.clone(), pool, SMALL.geometry(), SMALL.geometry((0, 1)), np.array([[0, 0, 1]]), False)
