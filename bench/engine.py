@@ -15,6 +15,12 @@ back to back (the cores are shared, so only a ratio measured this way means much
 
     python -m tandem.bench.engine --batches 1,8,32 --input-lens 512 --mixed-requests 0 --skip-hf --compare-graph
 
+KV layout (engine/kvcache/kv_pool.py): `--compare-kv-layout` runs the first engine on a layer-first
+pool and a second on a page-first one, row by row alternating (`page_first_speedup` > 1: page-first faster):
+
+    python -m tandem.bench.engine --batches 1,8,32 --input-lens 512,2048 --mixed-requests 0 --skip-hf \
+        --compare-kv-layout --repeat 3
+
 Packed weights (engine/models/prepack.py): `--compare-prepack` does the same with the first engine on
 plain weights (`--disable-weight-prepack`) and a second on packed ones, prefill included (in fp32: MKL
 against Tandem's linear kernel):
@@ -153,10 +159,12 @@ def main() -> None:
     ap.add_argument("--graph-bs", default=None, help="with graphs on: the captured batch sizes (default: the engine's)")
     ap.add_argument("--compare-prepack", action="store_true",
                     help="also run every row on a second engine with packed weights (the first: plain weights)")
+    ap.add_argument("--compare-kv-layout", action="store_true",
+                    help="the first engine with a layer-first KV pool, a second with a page-first one (--kv-layout)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="measure each row this many times (alternating engines with --compare-graph or "
-                         "--compare-prepack) and keep the fastest: on shared cores the best run is the least "
+                    help="measure each row this many times (alternating engines with --compare-graph, "
+                         "--compare-prepack or --compare-kv-layout) and keep the fastest: on shared cores the best run is the least "
                          "disturbed one")
     add_out_flag(ap, "bench/results/engine.json")
     args = ap.parse_args()
@@ -172,13 +180,15 @@ def main() -> None:
                               kv_cache_gb=2.0, chunked_prefill_size=8192, max_running_requests=max_batch,
                               enable_mixed_chunk=False, num_threads=args.threads or None,
                               enable_weight_prepack=False if args.compare_prepack else None,
-                              enable_graph=graph,
+                              enable_graph=graph, kv_layout="layer_first" if args.compare_kv_layout else "page_first",
                               graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None)
     engines = {"tandem": cfg}
     if args.compare_graph:
         engines["graph"] = dataclasses.replace(cfg, enable_graph=True)
     if args.compare_prepack:
         engines["prepack"] = dataclasses.replace(cfg, enable_weight_prepack=True)
+    if args.compare_kv_layout:
+        engines["page_first"] = dataclasses.replace(cfg, kv_layout="page_first")
     startup = {}
     for name, c in list(engines.items()):
         t0 = time.perf_counter()
@@ -211,6 +221,9 @@ def main() -> None:
             if "prepack" in engines:
                 row["prepack_speedup"] = row["prepack_decode_tok_s"] / row["tandem_decode_tok_s"]
                 row["prepack_prefill_speedup"] = row["prepack_prefill_tok_s"] / row["tandem_prefill_tok_s"]
+            if "page_first" in engines:
+                row["page_first_speedup"] = row["page_first_decode_tok_s"] / row["tandem_decode_tok_s"]
+                row["page_first_prefill_speedup"] = row["page_first_prefill_tok_s"] / row["tandem_prefill_tok_s"]
             rows.append(row)
             print(json.dumps(row))
     mixed = {}
