@@ -51,6 +51,24 @@ class Candidate:
         load = self.info.load
         return load.running + load.waiting + self.inflight
 
+    def decode_step_s(self) -> float | None:
+        """What a decode step with every running request and one more takes on this worker, by its
+        reported step-cost fit (None before the worker has fitted one)."""
+        cost = self.info.load.step_cost
+        if not cost.steps:
+            return None
+        return cost.base_s + cost.per_decode_row_s * (self.info.load.running + 1)
+
+    def itl_with_prefill_s(self, tokens: int, itl_factor: float) -> float | None:
+        """The inter-token latency its running requests see while it prefills `tokens` prompt tokens in
+        mixed chunks: one decode step plus the prefill's compute, but at most `itl_factor` decode steps
+        (the worker bounds each mixed step so: --mixed-chunk-itl-factor). None without a fit."""
+        step = self.decode_step_s()
+        if step is None:
+            return None
+        added = tokens * self.info.load.step_cost.per_prefill_token_s
+        return step + min(added, (itl_factor - 1.0) * step)
+
     @property
     def free_ratio(self) -> float:
         load = self.info.load

@@ -3,7 +3,9 @@
 Disaggregated mode, in this order (one cost model, services/router/cost.py):
 1. The decode worker, by policy.
 2. Local prefill when the part of the prompt its prefix cache lacks is at most
-   `--local-prefill-max-tokens` and D would start it no later than the best prefill worker: such a
+   `--local-prefill-max-tokens`, D's running requests keep their inter-token latency within
+   `--local-prefill-max-itl-ms` while D prefills it (by D's reported step costs: `itl_with_prefill_s`),
+   and D would start it no later than the best prefill worker: such a
    prompt's first token comes sooner from D's own mixed-chunk prefill than through a prefill
    worker's queue, the bootstrap handshake and a transfer. A D that is decoding gives a prefill
    only part of each step (the mixed-chunk bound), so its cost counts `BUSY_DECODE_SLOWDOWN` times:
@@ -11,7 +13,7 @@ Disaggregated mode, in this order (one cost model, services/router/cost.py):
    idles, and stay local when D holds most of the prompt cached or P has a long queue.
 3. Otherwise the prefill worker, by policy; but when every prefill worker is saturated (more than
    `--max-prefill-queue-tokens` queued) and D would finish this prompt's prefill sooner
-   (`prefill_cost`), local after all.
+   (`prefill_cost`) within the same latency bound, local after all.
 `tandem_router_prefill_route_total{route}` counts the outcomes. The planner also keeps this router's
 in-flight accounting per worker (requests, and prompt tokens not yet prefilled) and records every
 routed prompt in the router's view of the workers' prefix caches. Torch-free.
@@ -31,9 +33,11 @@ from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
 # A decode worker with requests running gives a prefill chunk (F-1)/F of each mixed step, F being its
-# --mixed-chunk-itl-factor: at the default 1.8 that is 0.44 of its time, ~2.25x slower than alone; the
+# --mixed-chunk-itl-factor: at the default 1.5 that is 1/3 of its time, ~3x slower than alone; the
 # router does not know F, and 2 errs towards keeping short prompts local.
 BUSY_DECODE_SLOWDOWN = 2.0
+# The engine's default --mixed-chunk-itl-factor: how much longer than a decode step a mixed step may be.
+MIXED_CHUNK_ITL_FACTOR = 1.5
 
 PREFILL, DECODE, COLOCATED = (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE,
                               worker_pb2.WORKER_ROLE_COLOCATED)
@@ -92,7 +96,7 @@ class RoutePlanner:
         p = None
         if route == "remote":
             p = self._pick(PREFILL, prefill)
-            if self._saturated(prefill) and d.prefill_cost < p.prefill_cost:
+            if self._saturated(prefill) and d.prefill_cost < p.prefill_cost and self._keeps_itl(d):
                 route = "local"
         if self.on_route is not None:
             self.on_route(route)
@@ -146,8 +150,20 @@ class RoutePlanner:
         """Short enough for D, and D would start it no later than the least busy prefill worker."""
         if not 0 <= d.uncached_tokens <= self.cfg.local_prefill_max_tokens:
             return False
+        if not self._keeps_itl(d):
+            return False
         local = d.prefill_cost * (BUSY_DECODE_SLOWDOWN if d.requests else 1.0)
         return local <= min(p.prefill_cost for p in prefill)
+
+    def _keeps_itl(self, d: Candidate) -> bool:
+        """D's running requests keep an inter-token latency within the bound while it prefills this
+        prompt (and everything it already has queued); unknown (no step-cost fit yet) or nothing
+        running: yes."""
+        bound = self.cfg.local_prefill_max_itl_ms / 1e3
+        if not bound or not d.info.load.running:
+            return True
+        itl = d.itl_with_prefill_s(d.prefill_cost, MIXED_CHUNK_ITL_FACTOR)
+        return itl is None or itl <= bound
 
     def _saturated(self, prefill: list[Candidate]) -> bool:
         limit = self.cfg.max_prefill_queue_tokens

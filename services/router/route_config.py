@@ -17,6 +17,9 @@ DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024
 # decode worker (as Dynamo does) rather than failed. A decode worker's mixed chunks prefill it at full
 # prompt speed; what bounds it is how long its running streams stall behind the chunks.
 DEFAULT_FALLBACK_LOCAL_PREFILL_MAX_TOKENS = 8192
+# The serving benchmarks' TPOT SLO (tandem bench sweep): a local prefill that would push D's running
+# requests past it goes to a prefill worker instead.
+DEFAULT_LOCAL_PREFILL_MAX_ITL_MS = 150.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class RouteConfig:
     prefix_cache_ttl_s: float = 300.0       # the router forgets a routed prefix this long after its last use
     fallback: bool = True                   # no prefill worker can take a prompt: its decode worker prefills it
     fallback_local_prefill_max_tokens: int = DEFAULT_FALLBACK_LOCAL_PREFILL_MAX_TOKENS   # -1: any length
+    # A decode worker prefills a prompt itself only if the inter-token latency its running requests
+    # would then see stays within this (0: no bound): a local prefill must not break the TPOT SLO of
+    # everything D decodes (docs/benchmarks.md, "Capacity at SLO").
+    local_prefill_max_itl_ms: float = DEFAULT_LOCAL_PREFILL_MAX_ITL_MS
 
     def validate(self) -> None:
         if self.local_prefill_max_tokens < -1:
@@ -39,6 +46,8 @@ class RouteConfig:
         if self.fallback_local_prefill_max_tokens < -1 or self.fallback_local_prefill_max_tokens == 0:
             raise ValueError("--fallback-local-prefill-max-tokens must be > 0 or -1 (any length); "
                              f"got {self.fallback_local_prefill_max_tokens} (--no-fallback turns the fallback off)")
+        if self.local_prefill_max_itl_ms < 0:
+            raise ValueError(f"--local-prefill-max-itl-ms must be >= 0, got {self.local_prefill_max_itl_ms}")
         if self.prefix_cache_ttl_s <= 0:
             raise ValueError(f"--prefix-cache-ttl must be > 0, got {self.prefix_cache_ttl_s}")
 
@@ -49,6 +58,9 @@ ROUTE_FLAGS = tuple(
         ("--local-prefill-max-tokens", "local_prefill_max_tokens", int,
          "disagg: a prompt whose part not cached on its decode worker is at most this many tokens is prefilled "
          "there (mixed chunks) instead of on a prefill worker; 0: only fully cached prompts, -1: never by size"),
+        ("--local-prefill-max-itl-ms", "local_prefill_max_itl_ms", float,
+         "disagg: a decode worker prefills a prompt itself (either rule above) only if the inter-token latency of "
+         "the requests it is decoding would stay within this many ms, by its reported step costs (0: no bound)"),
         ("--max-prefill-queue-tokens", "max_prefill_queue_tokens", int,
          "disagg: a prefill worker with more prompt tokens than this queued is saturated; when all are, a prompt "
          "is prefilled on its decode worker if that is sooner (0: never saturated)"),
@@ -75,6 +87,7 @@ ROUTE_FLAGS = tuple(
 def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
     cfg = RouteConfig(
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_itl_ms=args.local_prefill_max_itl_ms,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,

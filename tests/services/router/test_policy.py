@@ -139,6 +139,38 @@ def test_a_busy_decode_worker_leaves_short_prompts_to_an_idle_prefill_worker():
     assert routes == ["local", "remote", "local", "remote"]
 
 
+def _fitted(wid: str, running: int, base_s: float, per_row_s: float, per_token_s: float, **load):
+    w = _w(wid, running=running, **load)
+    w.load.step_cost.CopyFrom(worker_pb2.StepCost(base_s=base_s, per_decode_row_s=per_row_s,
+                                                  per_prefill_token_s=per_token_s, steps=50))
+    return w
+
+
+def test_a_local_prefill_that_would_break_the_decode_workers_itl_goes_remote():
+    """D's running requests' inter-token latency while D prefills: one decode step plus the prompt's
+    compute, at most 1.5 steps (the mixed-chunk bound). Over --local-prefill-max-itl-ms: remote, even
+    when D would start it sooner; with the bound off, local as before."""
+    key = PromptKey.of(token_ids=list(range(256)))
+    busy_p = [_w("p0", tokens=4000)]                   # P's queue makes D sooner by the token rule
+    light = [_fitted("d0", running=4, base_s=0.02, per_row_s=0.002, per_token_s=0.0002)]   # step 30 ms
+    heavy = [_fitted("d0", running=20, base_s=0.02, per_row_s=0.004, per_token_s=0.0002)]  # step 104 ms
+    planner, routes = _planner(local_prefill_max_tokens=1024)
+    assert planner.plan(key, {P: busy_p, D: light}).route == "local"      # 30 ms + 15 ms <= 150 ms
+    assert planner.plan(key, {P: busy_p, D: heavy}).route == "remote"     # 104 ms + 52 ms > 150 ms
+    unbounded, _ = _planner(local_prefill_max_tokens=1024, local_prefill_max_itl_ms=0)
+    assert unbounded.plan(key, {P: busy_p, D: heavy}).route == "local"
+    assert _c("d0").itl_with_prefill_s(100, 1.5) is None                  # no fit reported yet
+    short = PromptKey.of(token_ids=list(range(20)))                       # 104 ms + 4 ms: within
+    assert planner.plan(short, {P: busy_p, D: heavy}).route == "local"
+    # Saturated prefill workers: D only if its streams keep their latency.
+    saturated, _ = _planner(local_prefill_max_tokens=-1, max_prefill_queue_tokens=1000)
+    assert saturated.plan(key, {P: busy_p, D: light}).route == "local"
+    assert saturated.plan(key, {P: busy_p, D: heavy}).route == "remote"
+    assert routes == ["local", "remote", "local"]
+    with pytest.raises(ValueError, match="local-prefill-max-itl-ms"):
+        RouteConfig(local_prefill_max_itl_ms=-1).validate()
+
+
 def test_saturated_prefill_workers_send_the_prompt_to_the_decode_worker_when_sooner():
     planner, routes = _planner(local_prefill_max_tokens=-1, max_prefill_queue_tokens=4000)
     key = PromptKey.of(token_ids=list(range(1500)))
