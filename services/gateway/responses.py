@@ -274,3 +274,8 @@ class OpenAIChunks:
 
     def stream_error(self, err) -> list[bytes]:
         return [sse(err.body()), SSE_DONE]
+
+
+def sse_event(obj: dict) -> bytes:
+    """An SSE frame named by the payload's `type` (the Responses and Messages APIs' streams)."""
+    return b"event: " + obj["type"].encode() + b"\n" + sse(obj)
