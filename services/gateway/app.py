@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.services.gateway import chat_completions, completions, responses_api
+from tandem.services.gateway import chat_completions, completions, messages_api, responses_api
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.pipeline import Gateway
 
@@ -26,7 +26,7 @@ __all__ = ["Gateway", "create_app"]
 log = logging.getLogger(__name__)
 
 # Each API module: `add_routes(app, gateway)`, `owns(path)` (its paths' errors are in `API.error`'s shape).
-ROUTES = (completions, chat_completions, responses_api)
+ROUTES = (completions, chat_completions, responses_api, messages_api)
 
 
 def _error(request: Request, err: APIError) -> JSONResponse:
