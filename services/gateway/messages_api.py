@@ -20,6 +20,7 @@ from tandem.services.gateway.messages_items import (
     MessagesPrompt,
     MessagesRequest,
     chat_messages,
+    output_format,
     system_messages,
     tool_use,
 )
@@ -128,9 +129,7 @@ class MessagesAPI:
         checked(limits.check_stop, req.stop, "stop_sequences")
         checked(limits.check_max_tokens, req.max_tokens)
         tools = tool_use(req)
-        constraint = tools.constraint() if tools is not None else None
-        if constraint is not None:
-            constraint.validate()
+        constraint = output_format(req, tools)
         model, ids = await prompt_ids(gateway, req, tools)
         max_tokens = max_tokens_for(model, len(ids), req.max_tokens, "messages", "max_tokens")
         sampling = make_sampling(req, max_tokens, logprobs=False, top_logprobs=0, defaults=model.sampling,

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.protocol import SamplingFields
+from tandem.services.gateway.structured import Constraint, constraints, only_one
 from tandem.services.gateway.tools import ToolUse, parse_tool_use
 
 ROLES = ("user", "assistant")
@@ -35,6 +36,7 @@ class MessagesPrompt(BaseModel):
 class MessagesRequest(MessagesPrompt, SamplingFields):
     max_tokens: StrictInt
     stop_sequences: list[str] | None = None
+    output_config: dict[str, Any] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
@@ -174,3 +176,23 @@ def _choice(tc: dict[str, Any] | None) -> tuple[Any, bool | None]:
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}, parallel
     raise bad_request("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
+
+
+def output_format(req: MessagesRequest, tools: ToolUse | None) -> Constraint | None:
+    """`output_config.format` ({"type": "json_schema", "schema": {...}}) as structured.py's
+    json_schema, judged the same way; with tools that force a call, two constraints are a 400."""
+    found: list[Constraint] = []
+    fmt = (req.output_config or {}).get("format")
+    if fmt is not None:
+        at = "output_config.format"
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+            raise bad_request(f"{at} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", at)
+        try:
+            (c,) = constraints({"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}, None, {})
+        except APIError as e:
+            old = "response_format.json_schema"
+            raise APIError(e.status, e.message.replace(old, at), e.param and e.param.replace(old, at)) from None
+        found.append(Constraint(c.structured, f"{at}.schema"))
+    if tools is not None and (c := tools.constraint()) is not None:
+        found.append(c)
+    return only_one(found)
