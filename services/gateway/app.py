@@ -19,19 +19,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.services.gateway import chat_completions, completions, messages_api, responses_api
 from tandem.services.gateway.errors import APIError, bad_request
-from tandem.services.gateway.pipeline import Gateway
+from tandem.services.gateway.pipeline import Gateway, owned_by
 
 __all__ = ["Gateway", "create_app"]
 
 log = logging.getLogger(__name__)
 
-# Each API module: `add_routes(app, gateway)`, `owns(path)` (its paths' errors are in `API.error`'s shape).
+# Each API module: its `API` (errors on its paths are in `API.error`'s shape) and `add_routes(app, gateway)`.
 ROUTES = (completions, chat_completions, responses_api, messages_api)
 
 
 def _error(request: Request, err: APIError) -> JSONResponse:
     for module in ROUTES:
-        if module.owns(request.url.path):
+        if owned_by(module.API, request.url.path):
             return module.API.error(err)
     return err.response()
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.limits import checked
-from tandem.services.gateway.pipeline import Gateway, Plan, encode, make_jobs, max_tokens_for
+from tandem.services.gateway.pipeline import Gateway, Plan, add_post, encode, make_jobs, max_tokens_for
 from tandem.services.gateway.protocol import (
     CompletionRequest,
     check_common,
@@ -62,11 +62,6 @@ class CompletionsAPI:
 API = CompletionsAPI()
 
 
-def owns(path: str) -> bool:
-    return path == API.path
-
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
-    @app.post(API.path)
-    async def create(request: Request) -> Response:
-        return await gateway.handle(request, API)
+    add_post(app, gateway, API)

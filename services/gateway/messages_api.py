@@ -24,7 +24,7 @@ from tandem.services.gateway.messages_items import (
     system_messages,
     tool_use,
 )
-from tandem.services.gateway.pipeline import Gateway, Plan, chat_prompt, make_jobs, max_tokens_for
+from tandem.services.gateway.pipeline import Gateway, Plan, add_post, chat_prompt, make_jobs, max_tokens_for
 from tandem.services.gateway.protocol import check_priority_field, make_sampling, parse
 from tandem.services.gateway.responses import Choice, sse_event, usage
 from tandem.services.gateway.responses_items import new_id
@@ -147,14 +147,9 @@ class MessagesAPI:
 API = MessagesAPI()
 
 
-def owns(path: str) -> bool:
-    return path == API.path or path.startswith(API.path + "/")
-
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
-    @app.post(API.path)
-    async def create(request: Request) -> Response:
-        return await gateway.handle(request, API)
+    add_post(app, gateway, API)
 
     @app.post(API.path + "/count_tokens")
     async def count_tokens(request: Request) -> Response:

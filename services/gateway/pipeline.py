@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from fastapi import Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from tandem.services.common import tracing
@@ -306,6 +306,19 @@ class Gateway:
         """OpenAI's model object, with vLLM's `root` / `parent` (a LoRA adapter: its base model)."""
         return {"id": m.id, "object": "model", "created": self.catalog.created, "owned_by": "tandem",
                 "root": m.parent or m.id, "parent": m.parent or None, "max_model_len": m.max_context_len}
+
+
+def add_post(app: FastAPI, gateway: Gateway, api: API) -> None:
+    """The API's generation route: `POST api.path` through the pipeline."""
+    async def create(request: Request) -> Response:
+        return await gateway.handle(request, api)
+
+    app.add_api_route(api.path, create, methods=["POST"], name=api.endpoint)
+
+
+def owned_by(api: API, path: str) -> bool:
+    """Whether `path` is one of the API's (its errors are then in the API's shape)."""
+    return path == api.path or path.startswith(api.path + "/")
 
 
 # ---- what the APIs build their plans from ----------------------------------------------------------

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from tandem.services.gateway.blocks import Block, BlockEvent, OutputBlocks, whole
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.limits import checked
-from tandem.services.gateway.pipeline import Gateway, Plan, chat_prompt, make_jobs, max_tokens_for
+from tandem.services.gateway.pipeline import Gateway, Plan, add_post, chat_prompt, make_jobs, max_tokens_for
 from tandem.services.gateway.protocol import check_priority_field, make_sampling, parse
 from tandem.services.gateway.responses import Choice, sse_event, usage
 from tandem.services.gateway.responses_items import (
@@ -223,9 +223,6 @@ def _keeper(gateway: Gateway, fmt: ResponsesFormat, conversation: list[dict], it
 API = ResponsesAPI()
 
 
-def owns(path: str) -> bool:
-    return path == API.path or path.startswith(API.path + "/")
-
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def stored(request: Request, rid: str) -> dict:
@@ -235,9 +232,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             raise not_found(rid)
         return record
 
-    @app.post(API.path)
-    async def create(request: Request) -> Response:
-        return await gateway.handle(request, API)
+    add_post(app, gateway, API)
 
     @app.get(API.path + "/{rid}")
     async def get(rid: str, request: Request) -> dict:

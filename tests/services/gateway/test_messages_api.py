@@ -159,6 +159,8 @@ def test_errors_are_in_anthropics_shape_and_x_api_key_is_accepted(tiny_llama):
         r = await http.post("http://gateway/v1/messages", json={"model": MODEL, "messages": ASK},
                             headers={"x-api-key": "sk-test"})
         out["missing"] = (r.status_code, r.json())
+        r = await http.get("http://gateway/v1/messages/nope", headers={"x-api-key": "sk-test"})
+        out["unknown_path"] = (r.status_code, r.json())
         return out, fake.calls
 
     out, calls = run(tiny_llama, scripted("ok"), scenario)
@@ -169,5 +171,7 @@ def test_errors_are_in_anthropics_shape_and_x_api_key_is_accepted(tiny_llama):
     assert "temperature" in out["temperature"]["error"]["message"]
     assert out["missing"][0] == 400 and "max_tokens" in out["missing"][1]["error"]["message"]
     assert out["model"]["error"]["type"] == "not_found_error"
+    assert out["unknown_path"] == (404, {"type": "error", "error": {
+        "type": "not_found_error", "message": "Invalid URL (GET /v1/messages/nope): no such endpoint"}})
     assert out["auth"]["error"]["type"] == "authentication_error"
     assert calls == 0
