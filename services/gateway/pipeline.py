@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -31,15 +31,13 @@ from tandem.services.gateway.disconnect import ClientDisconnected, EventStream, 
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.limits import checked, read_body
 from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.gateway.response_store import ResponseStore, open_store
 from tandem.services.gateway.responses import Choice, usage
 from tandem.services.gateway.router_client import RouterClient
 from tandem.services.gateway.structured import Constraint
 from tandem.services.gateway.tokenizer import GatewayTokenizer
 from tandem.services.gateway.tools import ToolUse, inline_tools, template_renders_tools
 from tandem.v1 import generation_pb2
-
-if TYPE_CHECKING:
-    from tandem.services.gateway.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +116,6 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, router: RouterClient | None = None,
                  store: ResponseStore | None = None):
-        from tandem.services.gateway.response_store import open_store
-
         self.config = config
         self.router = router or RouterClient(config.router, config.request_timeout_s, config.auth)
         self.catalog = ModelCatalog(self.router, config.models_ttl_s, config.tokenizer)

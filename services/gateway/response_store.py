@@ -10,12 +10,15 @@ built from. Both stores keep at most `--response-store-size` records, each for a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Protocol
 
 from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.errors import APIError
 
 _PREFIX = "tandem:responses:"
 _INDEX = _PREFIX + "index"   # sorted set: id by the time it was stored (oldest evicted first)
@@ -60,6 +63,18 @@ class MemoryStore:
         self._items.clear()
 
 
+@contextlib.contextmanager
+def _reachable(url: str) -> Iterator[None]:
+    """A Redis that cannot be reached is the service's problem, not the client's: a 503."""
+    import redis
+
+    try:
+        yield
+    except (redis.RedisError, OSError) as e:
+        raise APIError(503, f"the response store (Redis at {url}) is unavailable: {e}",
+                       code="store_unavailable") from None
+
+
 class RedisStore:
     """One key per record (expiring after the TTL) and an index of ids by age for the size bound, so
     several gateways on one Redis share their responses."""
@@ -67,10 +82,14 @@ class RedisStore:
     def __init__(self, url: str, size: int, ttl_s: float):
         import redis.asyncio as aioredis  # imported here: no client library work at module import
 
-        self.size, self.ttl_s = size, ttl_s
+        self.url, self.size, self.ttl_s = url, size, ttl_s
         self._client = aioredis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
 
     async def put(self, rid: str, record: dict) -> None:
+        with _reachable(self.url):
+            await self._put(rid, record)
+
+    async def _put(self, rid: str, record: dict) -> None:
         now = time.time()
         async with self._client.pipeline(transaction=True) as p:
             p.set(_PREFIX + rid, json.dumps(record), ex=max(1, int(self.ttl_s)))
@@ -84,14 +103,16 @@ class RedisStore:
                 await self._client.delete(*(_PREFIX + k.decode() for k, _ in evicted))
 
     async def get(self, rid: str) -> dict | None:
-        raw = await self._client.get(_PREFIX + rid)
+        with _reachable(self.url):
+            raw = await self._client.get(_PREFIX + rid)
         return None if raw is None else json.loads(raw)
 
     async def delete(self, rid: str) -> bool:
-        async with self._client.pipeline(transaction=True) as p:
-            p.delete(_PREFIX + rid)
-            p.zrem(_INDEX, rid)
-            removed, _ = await p.execute()
+        with _reachable(self.url):
+            async with self._client.pipeline(transaction=True) as p:
+                p.delete(_PREFIX + rid)
+                p.zrem(_INDEX, rid)
+                removed, _ = await p.execute()
         return bool(removed)
 
     async def close(self) -> None:

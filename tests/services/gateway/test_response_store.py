@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.errors import APIError
 from tandem.services.gateway.response_store import MemoryStore, RedisStore, open_store
 from tandem.services.launcher.redis_server import EmbeddedRedis
 
@@ -94,3 +95,17 @@ def test_the_store_follows_the_config(redis_url):
     assert isinstance(open_store(GatewayConfig(redis_url=redis_url)), RedisStore)
     with pytest.raises(ValueError):
         GatewayConfig(response_store_size=0).validate()
+
+
+def test_an_unreachable_redis_is_a_503(tmp_path):
+    async def go():
+        store = RedisStore(f"unix://{tmp_path}/nobody.sock", 10, 60)
+        try:
+            with pytest.raises(APIError) as e:
+                await store.get("r")
+            return e.value
+        finally:
+            await store.close()
+
+    err = asyncio.run(go())
+    assert err.status == 503 and "response store" in err.message
