@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from tandem.services.gateway.errors import APIError, bad_request
-from tandem.services.gateway.protocol import SamplingFields
+from tandem.services.gateway.protocol import SamplingFields, text_of
 from tandem.services.gateway.structured import Constraint, constraints, only_one
 from tandem.services.gateway.tools import ToolUse, parse_tool_use
 
@@ -41,24 +41,10 @@ class MessagesRequest(MessagesPrompt, SamplingFields):
     metadata: dict[str, Any] | None = None
 
 
-def _text_blocks(value: Any, at: str) -> str:
-    """A string, or a list of text blocks, as one text."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f"{at} must be a string or a list of text blocks", at)
-    texts = []
-    for j, block in enumerate(value):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"{at}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}", f"{at}[{j}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
 def system_messages(system: str | list[Any] | None) -> list[dict]:
     if system is None:
         return []
-    text = _text_blocks(system, "system")
+    text = text_of(system, "system")
     return [{"role": "system", "content": text}] if text else []
 
 
@@ -91,13 +77,19 @@ def _kind(block: Any, at: str) -> str:
     return block["type"]
 
 
+def _text(block: dict, where: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise bad_request(f"{where}.text must be a string", f"{where}.text")
+    return block["text"]
+
+
 def _assistant(content: list[Any], at: str) -> dict:
     texts, calls = [], []
     for j, block in enumerate(content):
         where = f"{at}.content[{j}]"
         kind = _kind(block, where)
         if kind == "text":
-            texts.append(_text_blocks([block], f"{at}.content"))
+            texts.append(_text(block, where))
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad_request(f"{where}: a tool_use block needs a string `id` and `name`", where)
@@ -120,7 +112,7 @@ def _user(content: list[Any], at: str) -> list[dict]:
         where = f"{at}.content[{j}]"
         kind = _kind(block, where)
         if kind == "text":
-            text = _text_blocks([block], f"{at}.content")
+            text = _text(block, where)
             if out and out[-1]["role"] == "user":
                 out[-1]["content"] += "\n" + text
             else:
@@ -128,7 +120,7 @@ def _user(content: list[Any], at: str) -> list[dict]:
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad_request(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
-            result = _text_blocks(block.get("content", ""), f"{where}.content")
+            result = text_of(block.get("content", ""), f"{where}.content")
             if block.get("is_error"):
                 result = f"Error: {result}"
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})

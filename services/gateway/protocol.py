@@ -264,3 +264,19 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["tool_calls"] = history_calls(m, i)
         out.append(msg)
     return out
+
+
+def text_of(content: Any, at: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Content given as a string or as a list of text parts (`{"type": one of kinds, "text": ...}`),
+    joined by newlines; anything else is a 400 naming the part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{at} must be a string or a list of text parts", at)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise bad_request(f"{at}[{j}]: only {' / '.join(kinds)} parts are supported, got {kind!r}", f"{at}[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -19,7 +19,7 @@ from pydantic import StrictBool
 
 from tandem.services.gateway.blocks import Block
 from tandem.services.gateway.errors import APIError, bad_request
-from tandem.services.gateway.protocol import SamplingFields
+from tandem.services.gateway.protocol import SamplingFields, text_of
 from tandem.services.gateway.structured import Constraint, constraints, only_one
 from tandem.services.gateway.tools import ToolUse, parse_tool_use
 
@@ -137,18 +137,7 @@ def format_echo(req: ResponsesRequest) -> dict:
 # ---- input items → chat messages ------------------------------------------------------------------
 
 def _text_of(content: Any, at: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{at} must be a string or a list of text parts", at)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise bad_request(f"{at}[{j}]: only input_text / output_text parts are supported, got {kind!r}",
-                              f"{at}[{j}]")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return text_of(content, at, TEXT_PARTS)
 
 
 def _str(item: dict, key: str, at: str) -> str:

@@ -42,6 +42,8 @@ def test_system_and_blocks_become_chat_turns():
     ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}],
      "messages[0].content[0].input"),
     ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 3}]}],
+     "messages[0].content[1].text"),
 ])
 def test_bad_turns_name_the_block(messages, param):
     with pytest.raises(APIError) as e:
