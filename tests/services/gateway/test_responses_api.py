@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import openai
+import pydantic
 import pytest
 from tokenizers import Tokenizer
 
@@ -105,6 +106,18 @@ def test_json_schema_format_constrains_the_router_request(tiny_llama):
     r, structured = run(tiny_llama, scripted('{"city": "Paris"}'), scenario)
     assert json.loads(structured.json_schema) == WEATHER and structured.strict
     assert json.loads(r.output_text) == {"city": "Paris"} and r.text.format.type == "json_schema"
+
+
+def test_the_clients_parse_helper_gets_a_typed_object(tiny_llama):
+    class City(pydantic.BaseModel):
+        city: str
+
+    async def scenario(client, fake, gw):
+        r = await client.responses.parse(model=MODEL, input="Weather?", max_output_tokens=30, text_format=City)
+        return r, fake.requests[0].sampling.structured
+
+    r, structured = run(tiny_llama, scripted('{"city": "Paris"}'), scenario)
+    assert r.output_parsed == City(city="Paris") and json.loads(structured.json_schema)["required"] == ["city"]
 
 
 def test_store_false_keeps_nothing(tiny_llama):
