@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import anthropic
+import pydantic
 import pytest
 from tokenizers import Tokenizer
 
@@ -124,6 +125,18 @@ def test_output_config_json_schema_constrains_the_router_request(tiny_llama):
     m, structured, err, calls = run(tiny_llama, scripted('{"city": "Paris"}'), scenario)
     assert json.loads(structured.json_schema) == SCHEMA and m.content[0].text == '{"city": "Paris"}'
     assert "output_config.format.schema" in err["error"]["message"] and calls == 1
+
+
+def test_the_clients_parse_helper_gets_a_typed_object(tiny_llama):
+    class City(pydantic.BaseModel):
+        city: str
+
+    async def scenario(client, fake, gw):
+        m = await client.messages.parse(model=MODEL, max_tokens=20, messages=ASK, output_format=City)
+        return m, fake.requests[0].sampling.structured
+
+    m, structured = run(tiny_llama, scripted('{"city": "Paris"}'), scenario)
+    assert m.parsed_output == City(city="Paris") and json.loads(structured.json_schema)["required"] == ["city"]
 
 
 def test_count_tokens_is_the_prompt_the_model_gets(tiny_llama):
