@@ -55,6 +55,11 @@ class OutputBlocks:
         self._open = False
 
     @property
+    def open(self) -> bool:
+        """Whether the last block is still being written."""
+        return self._open
+
+    @property
     def called(self) -> bool:
         return any(b.kind == "tool_call" for b in self.blocks)
 

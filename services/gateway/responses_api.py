@@ -155,7 +155,14 @@ class ResponsesFormat:
         return [*out, self._event(kind, response=self.result)]
 
     def stream_error(self, err: APIError) -> list[bytes]:
-        return [self._event("error", code=err.code or err.type, message=err.message, param=err.param)]
+        """The `error` event, then `response.failed` with what was written before it."""
+        code = err.code or err.type
+        failed = {**self._body("failed", self.blocks.blocks, None, None), "error": {"code": code,
+                                                                                   "message": err.message}}
+        if self.blocks.open:   # the item the error cut short
+            failed["output"][-1]["status"] = "incomplete"
+        return [self._event("error", code=code, message=err.message, param=err.param),
+                self._event("response.failed", response=failed)]
 
 
 def _text_part(text: str) -> dict:
