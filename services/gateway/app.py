@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 ROUTES = (completions, chat_completions, responses_api, messages_api)
 
 
-def _error(request: Request, err: APIError) -> JSONResponse:
+def _error(request: Request, err: APIError) -> Response:
     for module in ROUTES:
         if owned_by(module.API, request.url.path):
             return module.API.error(err)
@@ -42,20 +42,20 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> Response:
         return _error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return _error(request, APIError.from_http(exc.status_code, str(exc.detail), request.method,
                                                   request.url.path, exc.headers))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         return _error(request, bad_request(str(exc)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled gateway error")
         return _error(request, APIError(500, f"gateway error: {type(exc).__name__}: {exc}"))
 
