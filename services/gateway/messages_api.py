@@ -96,16 +96,18 @@ class MessagesFormat:
         return [sse_event(err.anthropic_body())]
 
 
+# A block kind's delta: its type and the field that carries the text.
+_DELTAS = {"text": ("text_delta", "text"), "reasoning": ("thinking_delta", "thinking"),
+           "tool_call": ("input_json_delta", "partial_json")}
+
+
 def _frame(e: BlockEvent) -> bytes:
     if e.what == "open":
         return sse_event({"type": "content_block_start", "index": e.index, "content_block": _block(e.block, False)})
     if e.what == "close":
         return sse_event({"type": "content_block_stop", "index": e.index})
-    kind = e.block.kind
-    delta = ({"type": "text_delta", "text": e.delta} if kind == "text" else
-             {"type": "thinking_delta", "thinking": e.delta} if kind == "reasoning" else
-             {"type": "input_json_delta", "partial_json": e.delta})
-    return sse_event({"type": "content_block_delta", "index": e.index, "delta": delta})
+    kind, key = _DELTAS[e.block.kind]
+    return sse_event({"type": "content_block_delta", "index": e.index, "delta": {"type": kind, key: e.delta}})
 
 
 async def prompt_ids(gateway: Gateway, req: MessagesPrompt, tools: ToolUse | None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -117,35 +118,24 @@ class ResponsesFormat:
         return [frame for e in events for frame in self._frames(e)]
 
     def _frames(self, e: BlockEvent) -> list[bytes]:
-        at = {"output_index": e.index}
-        item_id = self._id(e.index, e.block)
-        kind = e.block.kind
+        how = _STREAMS[e.block.kind]
+        at = {"output_index": e.index, "item_id": self._id(e.index, e.block)}
+        part = {"content_index": 0} if how.part is not None else {}
         if e.what == "open":
-            out = [self._event("response.output_item.added", item=self._item(e.index, e.block, False), **at)]
-            if kind != "tool_call":
-                part = _text_part("") if kind == "text" else {"type": "reasoning_text", "text": ""}
-                out.append(self._event("response.content_part.added", item_id=item_id, content_index=0, part=part,
-                                       **at))
+            out = [self._event("response.output_item.added", item=self._item(e.index, e.block, False),
+                               output_index=e.index)]
+            if how.part is not None:
+                out.append(self._event("response.content_part.added", part=how.part, **part, **at))
             return out
         if e.what == "delta":
-            if kind == "text":
-                return [self._event("response.output_text.delta", item_id=item_id, content_index=0, delta=e.delta,
-                                    logprobs=[], **at)]
-            if kind == "reasoning":
-                return [self._event("response.reasoning_text.delta", item_id=item_id, content_index=0,
-                                    delta=e.delta, **at)]
-            return [self._event("response.function_call_arguments.delta", item_id=item_id, delta=e.delta, **at)]
+            return [self._event(how.delta, delta=e.delta, **how.extra, **part, **at)]
         done = self._item(e.index, e.block, True)
-        if kind == "tool_call":
-            out = [self._event("response.function_call_arguments.done", item_id=item_id, name=e.block.name,
-                               arguments=e.block.text, **at)]
+        if how.part is None:   # a function call: its arguments, whole
+            out = [self._event(how.done, name=e.block.name, arguments=e.block.text, **at)]
         else:
-            part = done["content"][0]
-            name = "response.output_text.done" if kind == "text" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if kind == "text" else {}
-            out = [self._event(name, item_id=item_id, content_index=0, text=e.block.text, **extra, **at),
-                   self._event("response.content_part.done", item_id=item_id, content_index=0, part=part, **at)]
-        return [*out, self._event("response.output_item.done", item=done, **at)]
+            out = [self._event(how.done, text=e.block.text, **how.extra, **part, **at),
+                   self._event("response.content_part.done", part=done["content"][0], **part, **at)]
+        return [*out, self._event("response.output_item.done", item=done, output_index=e.index)]
 
     def end(self, choices: list[Choice], totals: dict, include_usage: bool) -> list[bytes]:
         out = [] if self._finished else [f for e in self.blocks.finish() for f in self._frames(e)]
@@ -167,6 +157,25 @@ class ResponsesFormat:
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """How a block kind streams: its delta and done events, the content part it opens (None: none, a
+    function call's arguments stream on the item itself), the fields its text events carry."""
+
+    delta: str
+    done: str
+    part: dict | None
+    extra: dict = field(default_factory=dict)
+
+
+_STREAMS = {
+    "text": _Stream("response.output_text.delta", "response.output_text.done", _text_part(""), {"logprobs": []}),
+    "reasoning": _Stream("response.reasoning_text.delta", "response.reasoning_text.done",
+                         {"type": "reasoning_text", "text": ""}),
+    "tool_call": _Stream("response.function_call_arguments.delta", "response.function_call_arguments.done", None),
+}
 
 
 class ResponsesAPI:
