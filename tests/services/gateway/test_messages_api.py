@@ -38,9 +38,10 @@ def test_text_with_system_and_sampling(tiny_llama):
         # anthropic 2.x no longer names the sampling fields; the API takes them
         m = await client.messages.create(model=MODEL, max_tokens=20, system="Be brief.", messages=ASK,
                                          extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5})
-        return m, fake.requests[0]
+        return m, fake.requests[0], gw.metrics.render().decode()
 
-    m, req = run(tiny_llama, scripted("Sunny."), scenario)
+    m, req, metrics = run(tiny_llama, scripted("Sunny."), scenario)
+    assert 'tandem_gateway_requests_total{endpoint="messages",status="200"} 1.0' in metrics
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
     assert [(b.type, b.text) for b in m.content] == [("text", "Sunny.")] and m.stop_reason == "end_turn"
     tok = GatewayTokenizer.from_folder(tiny_llama)

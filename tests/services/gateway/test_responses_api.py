@@ -39,10 +39,12 @@ def prompts(fake) -> list[list[int]]:
 
 def test_text_with_instructions_and_usage(tiny_llama):
     async def scenario(client, fake, gw):
-        return await client.responses.create(model=MODEL, instructions="Be brief.", input="Capital of France?",
-                                             max_output_tokens=20, temperature=0.5, top_p=0.9), prompts(fake), fake
+        r = await client.responses.create(model=MODEL, instructions="Be brief.", input="Capital of France?",
+                                          max_output_tokens=20, temperature=0.5, top_p=0.9)
+        return r, prompts(fake), fake, gw.metrics.render().decode()
 
-    r, sent, fake = run(tiny_llama, scripted("Paris."), scenario)
+    r, sent, fake, metrics = run(tiny_llama, scripted("Paris."), scenario)
+    assert 'tandem_gateway_requests_total{endpoint="responses",status="200"} 1.0' in metrics
     assert r.status == "completed" and r.output_text == "Paris." and r.id.startswith("resp_")
     assert [o.type for o in r.output] == ["message"]
     tok = GatewayTokenizer.from_folder(tiny_llama)
