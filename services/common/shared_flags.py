@@ -12,8 +12,10 @@ HOST = Flag(("--host",), SERVICES | Owner.PLANNER, DEPLOYMENT, "address to liste
 PORT = Flag(("--port",), SERVICES | Owner.LAUNCHER, DEPLOYMENT,
             "port to listen on, 0: any free one (gRPC on workers and the router, HTTP on the gateway; "
             "`tandem up`: the router's)", field="port", type=int, up=Owner.LAUNCHER)
-REDIS_URL = Flag(("--redis-url",), Owner.WORKER | Owner.ROUTER | Owner.LAUNCHER | Owner.PLANNER, DEPLOYMENT,
-                 "the Redis registry workers announce themselves in and the router finds them in, e.g. "
+REDIS_URL = Flag(("--redis-url",), Owner.WORKER | Owner.ROUTER | Owner.GATEWAY | Owner.LAUNCHER | Owner.PLANNER,
+                 DEPLOYMENT,
+                 "the Redis registry workers announce themselves in and the router finds them in (the gateway: "
+                 "where the Responses API keeps responses; default there: its own memory), e.g. "
                  "redis://127.0.0.1:6379/0 or unix:///path/redis.sock (`tandem up`: default: an embedded one)",
                  field="redis_url", up=Owner.LAUNCHER)
 METRICS_PORT = Flag(("--metrics-port",), Owner.WORKER | Owner.ROUTER | Owner.PLANNER, OBSERVABILITY,

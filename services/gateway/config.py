@@ -15,6 +15,7 @@ from tandem.services.common.shared_flags import (
     MAX_INFLIGHT,
     OTLP_TRACES_ENDPOINT,
     PORT,
+    REDIS_URL,
     REQUEST_TIMEOUT,
 )
 from tandem.services.gateway.reasoning import PARSERS
@@ -35,6 +36,9 @@ class GatewayConfig:
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)  # what the router accepts from us
     limits: RequestLimits = RequestLimits()
     reasoning_parser: str | None = None  # splits thinking from the answer in chat (services/gateway/reasoning.py)
+    redis_url: str | None = None         # the Responses API's store (response_store.py); None: this process's memory
+    response_store_size: int = 10000     # the most responses kept (the oldest are evicted first)
+    response_store_ttl_s: float = 3600.0 # how long a response is kept
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -45,6 +49,8 @@ class GatewayConfig:
             raise ValueError("timeouts must be >= 0")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty")
+        if self.response_store_size < 1 or self.response_store_ttl_s <= 0:
+            raise ValueError("--response-store-size must be >= 1 and --response-store-ttl > 0")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {self.reasoning_parser!r}")
 
@@ -61,6 +67,8 @@ class GatewayConfig:
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
             limits=RequestLimits.from_args(args), reasoning_parser=args.reasoning_parser,
+            redis_url=args.redis_url or None, response_store_size=args.response_store_size,
+            response_store_ttl_s=args.response_store_ttl,
         )
         config.validate()
         return config
@@ -77,7 +85,13 @@ GATEWAY_FLAGS = (
          "split a thinking model's reasoning from its answer in chat completions (`reasoning_content`, streamed as "
          "deltas); tool calls are read from the answer only (vLLM's names; default: off)",
          field="reasoning_parser", choices=PARSERS),
-    API_KEY, MAX_INFLIGHT,
+    API_KEY, MAX_INFLIGHT, REDIS_URL,
+    Flag(("--response-store-size",), Owner.GATEWAY, LIMITS,
+         "the most Responses API responses kept for previous_response_id / GET (oldest evicted first)",
+         field="response_store_size", type=int),
+    Flag(("--response-store-ttl",), Owner.GATEWAY, LIMITS,
+         "seconds a Responses API response is kept for previous_response_id / GET",
+         field="response_store_ttl_s", type=float, metavar="SECONDS"),
     Flag(("--max-n",), Owner.GATEWAY, LIMITS, "the largest `n` a request may ask for", field="max_n", type=int),
     REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT,
 )

@@ -25,6 +25,17 @@ _TYPES = {
     504: "timeout",
 }
 
+# HTTP status -> Anthropic error type (the Messages API's shape: {"type": "error", "error": {type, message}})
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
 HTTP_STATUS_BY_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -62,6 +73,14 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def anthropic_response(self) -> JSONResponse:
+        """The error as Anthropic's API writes it (the parameter, if any, is named in the message)."""
+        return JSONResponse(self.anthropic_body(), status_code=self.status, headers=self.headers or None)
 
     @classmethod
     def from_http(cls, status: int, detail: str, method: str, path: str,

@@ -33,14 +33,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    """Fields both endpoints share; unknown fields are ignored, as OpenAI-compatible servers do."""
+class SamplingFields(BaseModel):
+    """The sampling fields every generation API takes (the Responses and Messages APIs as extensions
+    beyond their own); unknown fields are ignored, as OpenAI-compatible servers do."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -53,9 +51,17 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     priority: StrictInt | None = None  # SGLang's extension; strict: "3", 3.0 and true are 400s
+
+
+class _Common(SamplingFields):
+    """Fields both OpenAI completion endpoints share."""
+
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
     # Output constraints (structured.py checks them): OpenAI's, vLLM's two spellings, SGLang's.
     response_format: Any = None
     structured_outputs: Any = None
@@ -148,6 +154,10 @@ def check_common(req: _Common, max_n: int) -> None:
         raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    check_priority_field(req)
+
+
+def check_priority_field(req: SamplingFields) -> None:
     if req.priority is not None:
         try:
             check_priority(req.priority)
@@ -155,7 +165,7 @@ def check_common(req: _Common, max_n: int) -> None:
             raise bad_request(str(e), "priority") from None
 
 
-def make_sampling(req: _Common, max_tokens: int, *, logprobs: bool, top_logprobs: int,
+def make_sampling(req: SamplingFields, max_tokens: int, *, logprobs: bool, top_logprobs: int,
                   defaults: SamplingDefaults = SamplingDefaults(), max_tokens_param: str = "max_tokens",
                   constraint: Constraint | None = None) -> Sampling:
     """Build and validate the engine's SamplingParams, the fields the request leaves out taken from
@@ -254,3 +264,19 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["tool_calls"] = history_calls(m, i)
         out.append(msg)
     return out
+
+
+def text_of(content: Any, at: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Content given as a string or as a list of text parts (`{"type": one of kinds, "text": ...}`),
+    joined by newlines; anything else is a 400 naming the part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{at} must be a string or a list of text parts", at)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise bad_request(f"{at}[{j}]: only {' / '.join(kinds)} parts are supported, got {kind!r}", f"{at}[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)

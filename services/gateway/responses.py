@@ -250,3 +250,32 @@ class ChatFormat(CompletionFormat):
 def _with_calls(reason: str | None, called: bool) -> str | None:
     # OpenAI's "tool_calls" says the model stopped to have its calls run; one cut short keeps "length".
     return "tool_calls" if called and reason == "stop" else reason
+
+
+class OpenAIChunks:
+    """A chat or completion format as the pipeline's `Format`: `data:` chunks, the usage chunk when
+    asked for, `data: [DONE]`; an error after the first chunk is an `error` chunk before `[DONE]`."""
+
+    def __init__(self, fmt: CompletionFormat):
+        self.fmt = fmt
+
+    def response(self, choices: list[Choice], n: int) -> dict:
+        return self.fmt.response(choices, n)
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> list[bytes]:
+        out = self.fmt.chunk(index, msg, include_usage)
+        return [] if out is None else [sse(out)]
+
+    def end(self, choices: list[Choice], totals: dict, include_usage: bool) -> list[bytes]:
+        return [sse(self.fmt.usage_chunk(totals)), SSE_DONE] if include_usage else [SSE_DONE]
+
+    def stream_error(self, err) -> list[bytes]:
+        return [sse(err.body()), SSE_DONE]
+
+
+def sse_event(obj: dict) -> bytes:
+    """An SSE frame named by the payload's `type` (the Responses and Messages APIs' streams)."""
+    return b"event: " + obj["type"].encode() + b"\n" + sse(obj)

@@ -81,9 +81,11 @@ def router_argv(cfg: UpConfig, port: int, url: str) -> list[str]:
     return ["router", *cfg.router_args, "--port", str(port), "--redis-url", url, "--metrics-port", "0"]
 
 
-def gateway_argv(cfg: UpConfig, port: int, router_addr: str) -> list[str]:
-    """The gateway's (after `python -m tandem.services.gateway`): forwarded flags, its port, its router."""
-    return [*cfg.gateway_args, "--port", str(port), "--router", router_addr]
+def gateway_argv(cfg: UpConfig, port: int, router_addr: str, redis_url: str | None = None) -> list[str]:
+    """The gateway's (after `python -m tandem.services.gateway`): forwarded flags, its port, its router,
+    and the deployment's Redis (its Responses API store)."""
+    return [*cfg.gateway_args, "--port", str(port), "--router", router_addr,
+            *(["--redis-url", redis_url] if redis_url else [])]
 
 
 class _Interrupted(Exception):
@@ -197,7 +199,7 @@ def run_up(cfg: UpConfig) -> int:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
             def gateway_child(port: int) -> Child:
                 return Child("gateway", [sys.executable, "-P", "-m", "tandem.services.gateway",
-                                         *gateway_argv(cfg, port, router_ready["grpc_addr"])],
+                                         *gateway_argv(cfg, port, router_ready["grpc_addr"], url)],
                              env=_router_env(cfg, env), on_line=on_line)
 
             gateway = gateway_child(cfg.gateway_port)
