@@ -12,11 +12,11 @@ Within one feed, text comes before the calls it holds (a call's whitespace is no
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from tandem.services.gateway.reasoning import ReasoningParser, Split
-from tandem.services.gateway.tool_parser import ToolCallParser
 
 Kind = Literal["reasoning", "text", "tool_call"]
 
@@ -48,10 +48,11 @@ class BlockEvent:
 class OutputBlocks:
     """feed(text) → events, …, finish() → events; `blocks` holds every block, complete at the end."""
 
-    def __init__(self, reasoning: str | None, tools: bool):
+    def __init__(self, reasoning: str | None, tools: Callable[[], Any] | None):
+        """`tools`: makes the tool-call parser (tool_formats.parser_for); None: no tools offered."""
         self.blocks: list[Block] = []
         self._reasoning = ReasoningParser(reasoning) if reasoning else None
-        self._tools = ToolCallParser() if tools else None
+        self._tools = tools() if tools else None
         self._open = False
 
     @property
@@ -111,7 +112,7 @@ class OutputBlocks:
         out.append(BlockEvent("delta", len(self.blocks) - 1, block, text))
 
 
-def whole(text: str, reasoning: str | None, tools: bool) -> OutputBlocks:
+def whole(text: str, reasoning: str | None, tools: Callable[[], Any] | None) -> OutputBlocks:
     """A whole output's blocks."""
     blocks = OutputBlocks(reasoning, tools)
     blocks.feed(text)

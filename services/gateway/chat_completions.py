@@ -20,6 +20,7 @@ from tandem.services.gateway.protocol import (
     tool_use,
 )
 from tandem.services.gateway.responses import ChatFormat, OpenAIChunks
+from tandem.services.gateway.tool_formats import parser_for
 
 
 class ChatCompletionsAPI:
@@ -48,7 +49,8 @@ class ChatCompletionsAPI:
                                  defaults=model.sampling, max_tokens_param=max_param, constraint=constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(rid, int(time.time()), model.id, model.tokenizer, req.logprobs,
-                         tool_calls=tools is not None and tools.offered, reasoning=gateway.config.reasoning_parser)
+                         tool_parser=parser_for(gateway.config.tool_call_parser, tools),
+                         reasoning=gateway.config.reasoning_parser)
         return Plan(self.endpoint, OpenAIChunks(fmt), make_jobs(rid, model, ids, sampling, 0, req.n, req.priority or 0),
                     req.n, req.stream, req.include_usage, constraint)
 

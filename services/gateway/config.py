@@ -19,6 +19,7 @@ from tandem.services.common.shared_flags import (
     REQUEST_TIMEOUT,
 )
 from tandem.services.gateway.reasoning import PARSERS
+from tandem.services.gateway.tool_formats import TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class GatewayConfig:
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)  # what the router accepts from us
     limits: RequestLimits = RequestLimits()
     reasoning_parser: str | None = None  # splits thinking from the answer in chat (services/gateway/reasoning.py)
+    tool_call_parser: str = "hermes"     # the format `auto` tool calls are read in (services/gateway/tool_formats.py)
     redis_url: str | None = None         # the Responses API's store (response_store.py); None: this process's memory
     response_store_size: int = 10000     # the most responses kept (the oldest are evicted first)
     response_store_ttl_s: float = 3600.0 # how long a response is kept
@@ -51,6 +53,9 @@ class GatewayConfig:
             raise ValueError("--api-key must not be empty")
         if self.response_store_size < 1 or self.response_store_ttl_s <= 0:
             raise ValueError("--response-store-size must be >= 1 and --response-store-ttl > 0")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {self.reasoning_parser!r}")
 
@@ -67,6 +72,7 @@ class GatewayConfig:
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
             limits=RequestLimits.from_args(args), reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
             redis_url=args.redis_url or None, response_store_size=args.response_store_size,
             response_store_ttl_s=args.response_store_ttl,
         )
@@ -85,6 +91,10 @@ GATEWAY_FLAGS = (
          "split a thinking model's reasoning from its answer in chat completions (`reasoning_content`, streamed as "
          "deltas); tool calls are read from the answer only (vLLM's names; default: off)",
          field="reasoning_parser", choices=PARSERS),
+    Flag(("--tool-call-parser",), Owner.GATEWAY, MODEL,
+         "the format the model writes tool calls in, read back into `tool_calls` when tool_choice is auto (vLLM's "
+         "names; a required or named call is written by the grammar and read as hermes whatever this says)",
+         field="tool_call_parser", choices=tuple(TOOL_PARSERS)),
     API_KEY, MAX_INFLIGHT, REDIS_URL,
     Flag(("--response-store-size",), Owner.GATEWAY, LIMITS,
          "the most Responses API responses kept for previous_response_id / GET (oldest evicted first)",

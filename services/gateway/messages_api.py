@@ -10,6 +10,9 @@ content_block_stop, then message_delta (stop_reason, stop_sequence, output usage
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -28,6 +31,7 @@ from tandem.services.gateway.pipeline import Gateway, Plan, add_post, chat_promp
 from tandem.services.gateway.protocol import check_priority_field, make_sampling, parse
 from tandem.services.gateway.responses import Choice, sse_event, usage
 from tandem.services.gateway.responses_items import new_id
+from tandem.services.gateway.tool_formats import parser_for
 from tandem.services.gateway.tools import ToolUse
 from tandem.v1 import generation_pb2
 
@@ -52,7 +56,8 @@ def _block(block: Block, done: bool) -> dict:
 
 
 class MessagesFormat:
-    def __init__(self, mid: str, model: str, prompt_tokens: int, reasoning: str | None, tools: bool):
+    def __init__(self, mid: str, model: str, prompt_tokens: int, reasoning: str | None,
+                 tools: Callable[[], Any] | None):
         self.mid, self.model, self.prompt_tokens = mid, model, prompt_tokens
         self.reasoning, self.tools = reasoning, tools
         self.blocks = OutputBlocks(reasoning, tools)
@@ -138,7 +143,7 @@ class MessagesAPI:
                                  constraint=constraint)
         mid = new_id("msg")
         fmt = MessagesFormat(mid, model.id, len(ids), gateway.config.reasoning_parser,
-                             tools is not None and tools.offered)
+                             parser_for(gateway.config.tool_call_parser, tools))
         return Plan(self.endpoint, fmt, make_jobs(mid, model, ids, sampling, 0, 1, req.priority or 0), 1, req.stream,
                     False, constraint)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.services.gateway.reasoning import ReasoningParser, split_reasoning
 from tandem.services.gateway.tokenizer import GatewayTokenizer
-from tandem.services.gateway.tool_parser import ToolCallParser, parse_tool_calls
 from tandem.v1 import generation_pb2
 
 FINISH_REASONS = {
@@ -152,20 +153,20 @@ class CompletionFormat:
 
 class ChatFormat(CompletionFormat):
     """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs as `content` entries.
-    `tool_calls`: the output is read for tool calls (tool_parser.py); a choice that made any and
-    stopped by itself finishes with "tool_calls". `reasoning`: the parser (reasoning.py) that splits the
+    `tool_parser`: makes the parser the output is read for tool calls with (tool_formats.parser_for; None:
+    no tools); a choice that made any and stopped by itself finishes with "tool_calls". `reasoning`: the parser (reasoning.py) that splits the
     model's thinking (`reasoning_content`) from its answer, which alone is read for tool calls."""
 
     object = "chat.completion"
 
     def __init__(self, rid: str, created: int, model: str, tokenizer: GatewayTokenizer, logprobs: bool,
-                 tool_calls: bool = False, reasoning: str | None = None):
+                 tool_parser: Callable[[], Any] | None = None, reasoning: str | None = None):
         super().__init__(rid, created, model, tokenizer, None)
         self.chat_logprobs = logprobs
-        self.tool_calls = tool_calls
+        self.tool_parser = tool_parser
         self.reasoning = reasoning
         self._started: set[int] = set()
-        self._parsers: dict[int, ToolCallParser] = {}
+        self._parsers: dict[int, Any] = {}
         self._thinking: dict[int, ReasoningParser] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -190,8 +191,8 @@ class ChatFormat(CompletionFormat):
             text, thought = split.content, split.reasoning
         delta: dict = {"content": text} if text or not self.reasoning else {}
         reason = finish_reason(msg.finish_reason)
-        if self.tool_calls:
-            parser = self._parsers.setdefault(index, ToolCallParser())
+        if self.tool_parser:
+            parser = self._parsers.get(index) or self._parsers.setdefault(index, self.tool_parser())
             d = parser.feed(text)
             if msg.finish_reason:
                 end = parser.finish()
@@ -203,7 +204,7 @@ class ChatFormat(CompletionFormat):
                 delta["tool_calls"] = d.calls
         if thought:
             delta = {"reasoning_content": thought, **delta}
-        if (self.tool_calls or self.reasoning) and not delta and not msg.finish_reason and not msg.logprobs \
+        if (self.tool_parser or self.reasoning) and not delta and not msg.finish_reason and not msg.logprobs \
                 and index in self._started:
             return None
         if index not in self._started:  # the first chunk of a choice carries its role
@@ -235,8 +236,10 @@ class ChatFormat(CompletionFormat):
             text, thought = split.content, split.reasoning or None
         message: dict = {"role": "assistant", "content": text if text or thought is None else None}
         reason = c.finish_reason
-        if self.tool_calls:
-            content, calls = parse_tool_calls(text)
+        if self.tool_parser:
+            parser = self.tool_parser()
+            content = parser.feed(text).content + parser.finish().content
+            calls = parser.calls
             if calls:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [call.message() for call in calls]}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -36,6 +37,7 @@ from tandem.services.gateway.responses_items import (
     tool_use,
 )
 from tandem.services.gateway.tokenizer import GatewayTokenizer
+from tandem.services.gateway.tool_formats import parser_for
 from tandem.v1 import generation_pb2
 
 _ITEM_PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
@@ -48,7 +50,8 @@ def not_found(rid: str) -> APIError:
 class ResponsesFormat:
     """One response: its body (`response`), or its stream events (`start`, `chunk`, `end`)."""
 
-    def __init__(self, head: dict, tokenizer: GatewayTokenizer, reasoning: str | None, tools: bool):
+    def __init__(self, head: dict, tokenizer: GatewayTokenizer, reasoning: str | None,
+                 tools: Callable[[], Any] | None):
         self.head = head                  # the response object's fields other than output/status/usage
         self.tokenizer = tokenizer
         self.reasoning, self.tools = reasoning, tools
@@ -215,7 +218,7 @@ class ResponsesAPI:
                 "store": req.store, "metadata": req.metadata or {}, "truncation": "disabled", "user": req.user,
                 "reasoning": {"effort": None, "summary": None}, "background": False, "error": None}
         fmt = ResponsesFormat(head, model.tokenizer, gateway.config.reasoning_parser,
-                              tools is not None and tools.offered)
+                              parser_for(gateway.config.tool_call_parser, tools))
         plan = Plan(self.endpoint, fmt, make_jobs(rid, model, ids, sampling, 0, 1, req.priority or 0), 1, req.stream,
                     False, constraint)
         if req.store:

@@ -20,12 +20,14 @@ Hermes, a whole response is one `feed` and a `finish`, so a stream reassembles t
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
 from typing import Any
 
 from tandem.services.gateway.tool_parser import Delta, ToolCall, ToolCallParser, _hold, call_id
+from tandem.services.gateway.tools import ToolUse
 
 _DECODER = json.JSONDecoder()
 Calls = list[tuple[str, str]]      # (name, arguments as JSON text)
@@ -231,6 +233,16 @@ def create_tool_parser(name: str, tools: list[dict[str, Any]] | None = None):
     """A fresh parser of format `name` (one of TOOL_PARSERS) for one response; `tools` are the request's
     OpenAI tool definitions (qwen3_coder reads parameter types from them)."""
     return TOOL_PARSERS[name](tools)
+
+
+def parser_for(name: str, tools: ToolUse | None) -> Callable[[], Any] | None:
+    """What makes each response's tool parser for a request: None when it offers no tools. A required or
+    named call is written by the grammar in Hermes's framing (tools.CALL_FORMAT), so it is read back as
+    hermes whatever `name` (--tool-call-parser) says, as vLLM reads those as its own JSON."""
+    if tools is None or not tools.offered:
+        return None
+    fmt = "hermes" if tools.choice in ("required", "function") else name
+    return functools.partial(create_tool_parser, fmt, [t.spec() for t in tools.tools])
 
 
 def parse_whole(name: str, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:

@@ -4,6 +4,7 @@ and no model (a word-level tokenizer made here); and an error after the first ev
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import grpc
@@ -16,9 +17,12 @@ from tandem.services.gateway.messages_api import MessagesFormat
 from tandem.services.gateway.responses import Choice, usage
 from tandem.services.gateway.responses_api import ResponsesFormat
 from tandem.services.gateway.tokenizer import GatewayTokenizer
+from tandem.services.gateway.tool_formats import create_tool_parser
 from tandem.v1 import generation_pb2 as pb
 from tests.sdk.fake_router import FakeRouter, tokens
 from tests.services.gateway.conftest import MODEL, MODELS, gateway_client
+
+HERMES = functools.partial(create_tool_parser, "hermes")
 
 pytestmark = pytest.mark.timeout(60)
 TEXT = '<think>two words</think>Checking.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
@@ -59,7 +63,7 @@ def stream(fmt, msgs: list[pb.GenerateResponse]) -> tuple[list[tuple[str, dict]]
 
 def test_responses_stream_events_match_the_whole_response():
     head = {"id": "resp_1", "object": "response", "model": MODEL}
-    events, _ = stream(ResponsesFormat(head, words(), "qwen3", True), chunks(TEXT))
+    events, _ = stream(ResponsesFormat(head, words(), "qwen3", HERMES), chunks(TEXT))
     assert [p["sequence_number"] for _, p in events] == list(range(len(events)))
     names = [n for n, _ in events]
     assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
@@ -73,14 +77,14 @@ def test_responses_stream_events_match_the_whole_response():
     whole = Choice(0, 7)
     for m in chunks(TEXT):
         whole.add(m)
-    body = ResponsesFormat(head, words(), "qwen3", True).response([whole], 1)
+    body = ResponsesFormat(head, words(), "qwen3", HERMES).response([whole], 1)
     ids = ("id", "call_id")
     strip = [{k: v for k, v in o.items() if k not in ids} for o in body["output"]]
     assert strip == [{k: v for k, v in o.items() if k not in ids} for o in final["output"]]
 
 
 def test_messages_stream_events_and_stop_reasons():
-    events, _ = stream(MessagesFormat("msg_1", MODEL, 7, "qwen3", True), chunks(TEXT))
+    events, _ = stream(MessagesFormat("msg_1", MODEL, 7, "qwen3", HERMES), chunks(TEXT))
     names = [n for n, _ in events]
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
     starts = [p["content_block"]["type"] for n, p in events if n == "content_block_start"]
@@ -90,7 +94,7 @@ def test_messages_stream_events_and_stop_reasons():
     args = "".join(p["delta"]["partial_json"] for n, p in events
                    if n == "content_block_delta" and p["delta"]["type"] == "input_json_delta")
     assert json.loads(args) == {}
-    cut, _ = stream(MessagesFormat("msg_2", MODEL, 7, None, False), chunks("abc", reason=pb.FINISH_REASON_LENGTH))
+    cut, _ = stream(MessagesFormat("msg_2", MODEL, 7, None, None), chunks("abc", reason=pb.FINISH_REASON_LENGTH))
     assert cut[-2][1]["delta"]["stop_reason"] == "max_tokens"
 
 

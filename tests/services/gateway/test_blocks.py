@@ -3,12 +3,15 @@ reassemble to the whole output's blocks however the text is cut."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 
 from tandem.services.gateway.blocks import OutputBlocks, whole
+from tandem.services.gateway.tool_formats import create_tool_parser
 
+HERMES = functools.partial(create_tool_parser, "hermes")
 CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
          '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
 
@@ -18,14 +21,14 @@ def summary(blocks) -> list[tuple]:
 
 
 @pytest.mark.parametrize(("text", "reasoning", "tools", "expected"), [
-    ("plain answer", None, False, [("text", "plain answer", "")]),
-    ("<think>hmm</think>\n\nyes", "qwen3", False, [("reasoning", "hmm", ""), ("text", "yes", "")]),
-    ("<think>which tool?</think>Let me look.\n" + CALLS, "qwen3", True,
+    ("plain answer", None, None, [("text", "plain answer", "")]),
+    ("<think>hmm</think>\n\nyes", "qwen3", None, [("reasoning", "hmm", ""), ("text", "yes", "")]),
+    ("<think>which tool?</think>Let me look.\n" + CALLS, "qwen3", HERMES,
      [("reasoning", "which tool?", ""), ("text", "Let me look.", ""),
       ("tool_call", '{"city": "Paris"}', "get_weather"), ("tool_call", "{}", "now")]),
-    (CALLS, None, True, [("tool_call", '{"city": "Paris"}', "get_weather"), ("tool_call", "{}", "now")]),
-    (CALLS, None, False, [("text", CALLS, "")]),           # tools not offered: a call is just text
-    ("", None, False, []),
+    (CALLS, None, HERMES, [("tool_call", '{"city": "Paris"}', "get_weather"), ("tool_call", "{}", "now")]),
+    (CALLS, None, None, [("text", CALLS, "")]),           # tools not offered: a call is just text
+    ("", None, None, []),
 ])
 def test_whole_output_blocks(text, reasoning, tools, expected):
     assert summary(whole(text, reasoning, tools).blocks) == expected
@@ -37,7 +40,7 @@ def test_streamed_events_rebuild_the_whole_blocks_with_balanced_open_and_close(s
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(text)), 12))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    stream = OutputBlocks("qwen3", tools=True)
+    stream = OutputBlocks("qwen3", tools=HERMES)
     events = [e for p in pieces for e in stream.feed(p)] + stream.finish()
     rebuilt: dict[int, list] = {}
     open_now = None
@@ -53,10 +56,10 @@ def test_streamed_events_rebuild_the_whole_blocks_with_balanced_open_and_close(s
             assert e.index == open_now
             open_now = None
     assert open_now is None
-    assert [tuple(v) for v in rebuilt.values()] == summary(whole(text, "qwen3", True).blocks)
+    assert [tuple(v) for v in rebuilt.values()] == summary(whole(text, "qwen3", HERMES).blocks)
 
 
 def test_tool_call_arguments_as_an_object():
-    calls = whole(CALLS, None, True).blocks
+    calls = whole(CALLS, None, HERMES).blocks
     assert [b.arguments() for b in calls] == [{"city": "Paris"}, {}]
     assert all(b.call_id.startswith("call_") for b in calls) and calls[0].call_id != calls[1].call_id

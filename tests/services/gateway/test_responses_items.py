@@ -3,6 +3,8 @@ text.format checked with the chat API's code but named with the Responses API's 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tandem.services.gateway.blocks import whole
@@ -14,6 +16,7 @@ from tandem.services.gateway.responses_items import (
     text_format,
     tool_use,
 )
+from tandem.services.gateway.tool_formats import create_tool_parser
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}
@@ -67,7 +70,8 @@ def test_bad_items_name_the_item(value, param):
 
 def test_the_output_is_kept_as_the_assistant_turn_without_its_reasoning():
     blocks = whole('<think>hm</think>Checking.\n<tool_call>\n{"name": "get_weather", "arguments": '
-                   '{"city": "Paris"}}\n</tool_call>', "qwen3", True).blocks
+                   '{"city": "Paris"}}\n</tool_call>', "qwen3",
+                   functools.partial(create_tool_parser, "hermes")).blocks
     msg = output_message(blocks)
     assert msg["content"] == "Checking." and msg["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": {"city": "Paris"}}

@@ -3,6 +3,7 @@ real token streams (the text a detokenizer hands over token by token), the two a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -112,3 +113,58 @@ def test_a_call_cut_short_stays_content_when_nothing_parsed():
 
 def test_every_parser_has_vllms_name():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder"}
+
+
+# ---- through the app: --tool-call-parser picks the format `auto` calls are read in ----------------------
+
+MISTRAL_ANSWER = 'Let me look. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'
+
+
+def _post(parser: str, answer: str, body: dict, folder) -> list:
+    from tests.sdk.fake_router import FakeRouter
+    from tests.services.gateway.conftest import MODEL, gateway_client, sse_events
+    from tests.services.gateway.test_tools import MODELS, _answer
+
+    async def go():
+        with FakeRouter(lambda req, ctx: _answer(req, answer), models=MODELS) as fake:
+            async with gateway_client(fake.addr, str(folder), tool_call_parser=parser) as (client, _gw):
+                out = []
+                for stream in (False, True):
+                    r = await client.post("/v1/chat/completions", json={
+                        "model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                        "tools": TOOLS, "stream": stream, **body})
+                    assert r.status_code == 200, r.text
+                    out.append(sse_events(r.text) if stream else r.json())
+                return out, fake.requests
+
+    return asyncio.run(go())
+
+
+def test_the_configured_parser_reads_auto_calls_whole_and_streamed(tiny_llama):
+    (whole, events), _ = _post("mistral", MISTRAL_ANSWER, {}, tiny_llama)
+    msg = whole["choices"][0]["message"]
+    assert msg["content"] == "Let me look." and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("get_weather", PARIS)]
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look."
+    streamed = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in streamed] == [("get_weather", PARIS)]
+    # The same answer read as Hermes (the default) is only text.
+    (plain, _), _ = _post("hermes", MISTRAL_ANSWER, {}, tiny_llama)
+    assert plain["choices"][0]["message"]["content"] == MISTRAL_ANSWER
+
+
+def test_a_required_call_is_read_in_the_grammars_hermes_framing_whatever_the_parser(tiny_llama):
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    (whole, _), requests = _post("qwen3_coder", hermes, {"tool_choice": "required"}, tiny_llama)
+    assert requests[0].sampling.structured.tool_calls.begin.startswith("<tool_call>")
+    calls = whole["choices"][0]["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", PARIS)]
+
+
+def test_an_unknown_parser_is_refused():
+    from tandem.services.gateway.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes"):
+        GatewayConfig(tool_call_parser="pythonic").validate()
