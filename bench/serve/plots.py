@@ -56,6 +56,30 @@ def plot_cdfs(series: Mapping[str, Mapping[str, Sequence[float]]], path: Path, t
     return path
 
 
+def plot_capacity(series: Mapping[str, Sequence[tuple[float, float]]], goal: float, path: Path,
+                  title: str = "") -> Path | None:
+    """SLO attainment against the request rate, every run of each deployment's capacity search."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, points in series.items():
+        pts = sorted(points)
+        ax.plot([r for r, _ in pts], [100 * a for _, a in pts], "o-", label=label, alpha=0.8)
+    ax.axhline(100 * goal, color="gray", linestyle="--", label=f"goal {goal:.0%}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("requests within the SLO (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def rate_label(rate: float) -> str:
     return "inf" if rate == float("inf") else f"{rate:g}"
 

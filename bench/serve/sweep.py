@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.bench.results import write_result
+from tandem.bench.serve import capacity as cap
 from tandem.bench.serve.backends import BackendConfig, http_url
 from tandem.bench.serve.datasets import DatasetConfig, load_tokenizer
 from tandem.bench.serve.deployment import (  # noqa: F401 (sweep.* API)
@@ -94,6 +95,7 @@ class SweepConfig:
     vllm_args: tuple[str, ...] = ()      # extra api_server flags
     start_timeout_s: float = 600.0
     out: str = "bench/results/sweep.json"
+    capacity: cap.CapacityConfig | None = None   # --find-capacity: search each deployment's capacity at SLO
     progress: bool = True
     save_requests: bool = True
 
@@ -433,6 +435,8 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_
                 percentiles=cfg.percentiles, progress=cfg.progress, label=dep.name)
 
         def run(ep: Endpoint, dep=dep) -> dict:
+            if cfg.capacity is not None:
+                return _capacity_runs(cfg, serve_cfg(ep), tokenizer, dep.name, echo)
             runs = asyncio.run(run_rates(serve_cfg(ep), tokenizer, echo))
             return {"runs": [r.to_dict(cfg.save_requests) for r in runs]}
 
@@ -443,6 +447,8 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_
             results["deployments"][dep.name] = entry
         # after each deployment: a later crash keeps what was measured
         write_result(out, results, tool="tandem.bench.serve")
+    if cfg.capacity is not None:
+        results["capacity"] = cap.report(cfg.model, cfg.dtype, cfg.dataset, results["deployments"], echo)
     results["table"] = comparison_table(results)          # Markdown, for the .md file and docs
     results["summary"] = summary_table(results, cfg.slo)  # aligned text, for the terminal
     results["targets"] = target_checks(results, cfg)
@@ -457,3 +463,19 @@ def _run_sweep(cfg: SweepConfig, deployments: list[Deployment], echo, requested_
     for p in _plots(results, out):
         echo(f"plot: {p}")
     return results
+
+
+def _capacity_runs(cfg: SweepConfig, base: ServeConfig, tokenizer, name: str, echo) -> dict:
+    """One deployment's capacity search: one run per rate tried, each with prompts and arrivals of its own."""
+    tried = 0
+
+    def run_one(rate: float, seed: int) -> dict:
+        nonlocal tried
+        tried += 1
+        dataset = dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * seed + tried)
+        one = dataclasses.replace(base, request_rates=(rate,), dataset=dataset)
+        (result,) = asyncio.run(run_rates(one, tokenizer, echo))
+        return result.to_dict(cfg.save_requests)
+
+    summary, runs = cap.find_capacity(run_one, cfg.capacity, echo, name)
+    return {"runs": runs, "capacity": summary}

@@ -161,6 +161,11 @@ def _plots(results: dict, out: Path) -> list[Path]:
                 cdfs[f"{name} @ {d['runs'][-1]['request_rate']}"] = cdf_values(d["runs"][-1]["requests"])
         if cdfs:
             made.append(plots.plot_cdfs(cdfs, out.with_suffix(".cdf.png"), title="latency CDFs at the highest rate"))
+        if "capacity" in results:
+            tried = {name: [(_rate(r["request_rate"]), r["slo_attainment"]) for r in d["runs"]]
+                     for name, d in results["deployments"].items()}
+            goal = results["config"]["capacity"]["goal"]
+            made.append(plots.plot_capacity(tried, goal, out.with_suffix(".capacity.png"), title="capacity at SLO"))
     return [p for p in made if p is not None]
 
 

@@ -160,6 +160,15 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-kv-cache-gb", type=int, default=2, help="vLLM's KV space, GiB (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM's --max-model-len")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's OpenAI api_server")
+    g = p.add_argument_group("capacity at SLO (bench/serve/capacity.py)")
+    g.add_argument("--find-capacity", action="store_true",
+                   help="instead of --request-rates: raise each deployment's rate until fewer than --capacity-goal of "
+                        "requests meet the SLO, bisect, per seed; report each capacity beside the compute limit")
+    g.add_argument("--capacity-goal", type=float, default=0.9, help="share of requests that must meet the SLO")
+    g.add_argument("--capacity-start", type=float, default=0.5, help="req/s of the first run")
+    g.add_argument("--capacity-max", type=float, default=64.0, help="req/s beyond which the search stops raising")
+    g.add_argument("--capacity-steps", type=int, default=3, help="bisection runs after the bracket is found")
+    g.add_argument("--capacity-seeds", type=int, default=2, help="searches per deployment, each with fresh prompts")
     add_stack_flags(p, start_timeout=600.0)
     _add_workload_arguments(p)
 
@@ -214,10 +223,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    from tandem.bench.serve.capacity import CapacityConfig
     from tandem.bench.serve.metrics import SLO
     from tandem.bench.serve.sweep import SweepConfig, run_sweep
 
     try:
+        capacity = None
+        if args.find_capacity:
+            capacity = CapacityConfig(goal=args.capacity_goal, start_rate=args.capacity_start,
+                                      max_rate=args.capacity_max, bisect_steps=args.capacity_steps,
+                                      seeds=args.capacity_seeds)
+            capacity.validate()
         cfg = SweepConfig(
             model=args.model, deployments=tuple(d.strip() for d in args.deployments.split(",") if d.strip()),
             request_rates=args.request_rates, dataset=_dataset(args, 40), burstiness=args.burstiness,
@@ -227,7 +243,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             peer_args=tuple(shlex.split(args.peer_args)), start_timeout_s=args.start_timeout, out=args.out,
             progress=not args.no_progress, save_requests=not args.no_save_requests,
             vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len,
-            vllm_args=tuple(shlex.split(args.vllm_args)),
+            vllm_args=tuple(shlex.split(args.vllm_args)), capacity=capacity,
             **({"vllm_venv": args.vllm_venv} if args.vllm_venv else {}))
         result = run_sweep(cfg)
     except (ValueError, OSError) as e:

@@ -10,14 +10,7 @@ from tandem.bench.flags import floats
 from tandem.bench.serve import sweep, sweep_report
 from tandem.bench.serve.sweep import DeploymentUnavailable, Endpoint, SweepConfig, make_deployment
 from tandem.cli import bench_cmd
-from tests.bench.fakes import FakeServer, byte_level_bpe
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    byte_level_bpe().save(str(d / "tokenizer.json"))
-    return d
+from tests.bench.fakes import FakeServer
 
 
 def cli(*argv: str) -> int:
