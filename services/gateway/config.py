@@ -12,6 +12,7 @@ from tandem.services.common.limits import LIMIT_FLAGS, RequestLimits
 from tandem.services.common.shared_flags import (
     DRAIN_TIMEOUT,
     HOST,
+    LORA_RUNTIME_UPDATING,
     MAX_INFLIGHT,
     OTLP_TRACES_ENDPOINT,
     PORT,
@@ -35,6 +36,7 @@ class GatewayConfig:
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)  # what the router accepts from us
     limits: RequestLimits = RequestLimits()
     reasoning_parser: str | None = None  # splits thinking from the answer in chat (services/gateway/reasoning.py)
+    enable_lora_runtime_updating: bool = False   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -61,6 +63,7 @@ class GatewayConfig:
             max_inflight=args.max_inflight, max_n=args.max_n, request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout, auth=InternalAuth.load(args.internal_token_file),
             limits=RequestLimits.from_args(args), reasoning_parser=args.reasoning_parser,
+            enable_lora_runtime_updating=args.enable_lora_runtime_updating,
         )
         config.validate()
         return config
@@ -79,7 +82,7 @@ GATEWAY_FLAGS = (
          field="reasoning_parser", choices=PARSERS),
     API_KEY, MAX_INFLIGHT,
     Flag(("--max-n",), Owner.GATEWAY, LIMITS, "the largest `n` a request may ask for", field="max_n", type=int),
-    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT,
+    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT, LORA_RUNTIME_UPDATING,
 )
 
 
