@@ -14,7 +14,8 @@ Disaggregated mode, in this order (one cost model, services/router/cost.py):
    (`prefill_cost`), local after all.
 `tandem_router_prefill_route_total{route}` counts the outcomes. The planner also keeps this router's
 in-flight accounting per worker (requests, and prompt tokens not yet prefilled) and records every
-routed prompt in the router's view of the workers' prefix caches. Torch-free.
+routed prompt in the router's view of the workers' prefix caches. A LoRA adapter's request is picked
+among the workers lora_routing.py prefers for it; its prompt key is under the adapter's key space. Torch-free.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from tandem.services.router.cache_view import PrefixCacheView, PromptKey
 from tandem.services.router.cost import Candidate
 from tandem.services.router.kv_feed import EventPrefixView
-from tandem.services.router.policy import make_policy
+from tandem.services.router.lora_routing import lora_affinity
+from tandem.services.router.policy import RouteRequest, make_policy
 from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
@@ -80,18 +82,19 @@ class RoutePlanner:
     def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
         """`candidates`: the usable workers of every role this mode routes to (each non-empty, except
         prefill under --min-prefill-workers 0: none means the local route)."""
+        request = RouteRequest(key, key.adapter)
         if COLOCATED in candidates:
             colocated = self._candidates(candidates[COLOCATED], key)
-            w = self._pick(COLOCATED, colocated)
+            w = self._pick(COLOCATED, request, colocated)
             return RoutePlan((w.info,), "colocated", key, w.uncached_tokens, considered=tuple(colocated))
         decode = self._candidates(candidates[DECODE], key)
-        d = self._pick(DECODE, decode)
+        d = self._pick(DECODE, request, decode)
         prefill = self._candidates(candidates[PREFILL], key)   # built once: each looks up the prefix view
         # No usable prefill worker (--min-prefill-workers 0): D prefills its own prompt.
         route = "local" if not prefill or self._local_sooner(d, prefill) else "remote"
         p = None
         if route == "remote":
-            p = self._pick(PREFILL, prefill)
+            p = self._pick(PREFILL, request, prefill)
             if self._saturated(prefill) and d.prefill_cost < p.prefill_cost:
                 route = "local"
         if self.on_route is not None:
@@ -131,7 +134,9 @@ class RoutePlanner:
 
     # ---- internals --------------------------------------------------------------------------
     def _candidate(self, w: worker_pb2.WorkerInfo, key: PromptKey) -> Candidate:
-        cached = self.exact.cached_tokens(w, key.token_ids) if self.exact is not None else None
+        # The exact view hashes in the base model's key space: an adapter's prompt is looked up in the
+        # approximate view only (its own key space there).
+        cached = self.exact.cached_tokens(w, key.token_ids) if self.exact is not None and not key.adapter else None
         if cached is None:
             cached = self.cache.cached_tokens(w.worker_id, key)
         return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id], cached, key.num_tokens)
@@ -139,8 +144,8 @@ class RoutePlanner:
     def _candidates(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> list[Candidate]:
         return [self._candidate(w, key) for w in workers]
 
-    def _pick(self, role: int, candidates: list[Candidate]) -> Candidate:
-        return self.policies[role].pick(candidates)
+    def _pick(self, role: int, request: RouteRequest, candidates: list[Candidate]) -> Candidate:
+        return self.policies[role].pick(request, lora_affinity(request.adapter, candidates, self.cfg))
 
     def _local_sooner(self, d: Candidate, prefill: list[Candidate]) -> bool:
         """Short enough for D, and D would start it no later than the least busy prefill worker."""
@@ -160,8 +165,8 @@ def _sub(counter: Counter[str], key: str, n: int) -> None:
         del counter[key]
 
 
-def prompt_key(request) -> PromptKey:
-    """The routing key of a `GenerateRequest`."""
+def prompt_key(request, adapter: str = "") -> PromptKey:
+    """The routing key of a `GenerateRequest` (`adapter`: the LoRA adapter its `model` names, if any)."""
     if request.HasField("token_ids"):
-        return PromptKey.of(token_ids=request.token_ids.ids)
-    return PromptKey.of(text=request.text)
+        return PromptKey.of(token_ids=request.token_ids.ids, adapter=adapter)
+    return PromptKey.of(text=request.text, adapter=adapter)

@@ -1,0 +1,55 @@
+"""LoRA-aware routing: which workers serve an adapter, and which of them a request of it should go to.
+
+A worker reports every adapter it knows in its load (`WorkerLoad.lora`: loaded or not, requests
+running and waiting on each); an older worker only lists them in `WorkerInfo.lora_adapters`. Any of
+them serves the adapter, but one that has it *loaded* starts the request without reading it from
+disk (and may evict nothing). `lora_affinity` narrows a request's candidates before the policy picks:
+
+- a base-model request: every candidate (LoRA plays no part);
+- an adapter request: the workers that have it loaded, unless even the least busy of them is much
+  busier than the least busy candidate — the same imbalance rule as `cache_aware`'s
+  (`--balance-abs-threshold` more requests and `--balance-rel-threshold` times as many) — in which
+  case every candidate: a hot adapter spreads to idle workers (which load it) instead of piling up on
+  the ones that had it first. None has it loaded: every candidate (the policy picks by load).
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from tandem.services.router.cost import Candidate
+from tandem.services.router.route_config import RouteConfig
+from tandem.v1 import worker_pb2
+
+
+def served_adapters(w: worker_pb2.WorkerInfo) -> list[str]:
+    """The adapters a worker serves (knows), by name."""
+    if w.load.HasField("lora"):
+        return [a.name for a in w.load.lora.adapters]
+    return list(w.lora_adapters)
+
+
+def adapter_of(model: str, workers: Iterable[worker_pb2.WorkerInfo]) -> str:
+    """`model` when some worker serves it as an adapter, else "" (the base model, or unknown)."""
+    return model if model and any(model in served_adapters(w) for w in workers) else ""
+
+
+def has_loaded(w: worker_pb2.WorkerInfo, adapter: str) -> bool:
+    if w.load.HasField("lora"):
+        return any(a.name == adapter and a.loaded for a in w.load.lora.adapters)
+    return adapter in w.lora_adapters   # an older worker loaded all of its adapters at start
+
+
+def lora_affinity(adapter: str, candidates: Sequence[Candidate], cfg: RouteConfig) -> Sequence[Candidate]:
+    """The candidates a request of `adapter` ("" for the base model) should be picked from (non-empty
+    when `candidates` is)."""
+    if not adapter:
+        return candidates
+    warm = [c for c in candidates if has_loaded(c.info, adapter)]
+    if not warm or len(warm) == len(candidates):
+        return warm or candidates
+    lo, best = min(c.requests for c in candidates), min(c.requests for c in warm)
+    if best - lo > cfg.balance_abs_threshold and best > lo * cfg.balance_rel_threshold:
+        return candidates
+    return warm

@@ -1,0 +1,88 @@
+"""LoRA-aware routing on constructed states (torch-free): a request of an adapter prefers workers that
+have it loaded, spreads when they are much busier, and base-model requests are routed as if LoRA did
+not exist; an adapter's prompt is hashed in a key space of its own in the router's prefix index."""
+
+from __future__ import annotations
+
+from tandem.services.router.cache_view import PrefixCacheView, PromptKey
+from tandem.services.router.lora_routing import adapter_of, served_adapters
+from tandem.services.router.planner import RoutePlanner, prompt_key
+from tandem.services.router.route_config import RouteConfig
+from tandem.v1 import generation_pb2, worker_pb2
+
+C = worker_pb2.WORKER_ROLE_COLOCATED
+PROMPT = list(range(64))
+
+
+def _w(wid: str, running=0, loaded=(), known=("sql", "chat")) -> worker_pb2.WorkerInfo:
+    lora = worker_pb2.LoraLoad(adapters=[worker_pb2.LoraAdapterLoad(name=n, loaded=n in loaded) for n in known],
+                               max_loras=4, max_cpu_loras=4)
+    return worker_pb2.WorkerInfo(worker_id=wid, load=worker_pb2.WorkerLoad(running=running, lora=lora))
+
+
+def _route(policy: str, workers, adapter: str = "", **cfg) -> str:
+    planner = RoutePlanner(policy, RouteConfig(**cfg), (C,))
+    return planner.plan(PromptKey.of(token_ids=PROMPT, adapter=adapter), {C: workers}).decode.worker_id
+
+
+def test_an_adapter_request_prefers_a_worker_that_has_it_loaded():
+    workers = [_w("a", running=0), _w("b", running=3, loaded=("sql",))]
+    for policy in ("least_load", "cache_aware", "round_robin"):
+        assert _route(policy, workers, "sql") == "b", policy
+    assert _route("least_load", workers, "chat") == "a"   # nobody has chat loaded: by load
+
+
+def test_a_hot_adapter_spreads_to_idle_workers_when_its_workers_are_much_busier():
+    workers = [_w("a", running=1), _w("b", running=10, loaded=("sql",))]
+    assert _route("least_load", workers, "sql", balance_abs_threshold=4, balance_rel_threshold=2.0) == "a"
+    # A smaller gap keeps it where it is loaded.
+    assert _route("least_load", workers, "sql", balance_abs_threshold=16, balance_rel_threshold=2.0) == "b"
+    # Among several loaded workers, the policy balances them.
+    two = [_w("a", running=6, loaded=("sql",)), _w("b", running=2, loaded=("sql",)), _w("c", running=0)]
+    assert _route("least_load", two, "sql") == "b"
+
+
+def test_base_requests_are_blind_to_lora():
+    plain = [_w("a", running=2, known=()), _w("b", running=1, known=())]
+    with_loras = [_w("a", running=2, loaded=("sql", "chat")), _w("b", running=1)]
+    for policy in ("least_load", "cache_aware"):
+        assert _route(policy, plain) == _route(policy, with_loras) == "b"
+
+
+def test_the_prefix_index_keys_an_adapter_prompt_by_its_adapter():
+    base, sql, chat = (PromptKey.of(token_ids=PROMPT, adapter=a) for a in ("", "sql", "chat"))
+    assert base.blocks and not set(base.blocks) & set(sql.blocks) and not set(sql.blocks) & set(chat.blocks)
+    assert PromptKey.of(token_ids=PROMPT, adapter="sql") == sql
+    view = PrefixCacheView()
+    view.record("w", base)
+    assert view.cached_tokens("w", base) == 64 and view.cached_tokens("w", sql) == 0
+    view.record("w", sql)
+    assert view.cached_tokens("w", sql) == 64 and view.cached_tokens("w", chat) == 0
+    # The router's key of a GenerateRequest naming an adapter is in that adapter's space.
+    workers = [_w("w")]
+    req = generation_pb2.GenerateRequest(model="sql", token_ids=generation_pb2.TokenIds(ids=PROMPT))
+    assert prompt_key(req, adapter_of(req.model, workers)) == sql
+    base_req = generation_pb2.GenerateRequest(model="base", token_ids=generation_pb2.TokenIds(ids=PROMPT))
+    assert prompt_key(base_req, adapter_of(base_req.model, workers)) == base
+
+
+def test_the_planner_records_an_adapter_prompt_under_its_key():
+    planner = RoutePlanner("cache_aware", RouteConfig(), (C,))
+    workers = [_w("a", loaded=("sql",)), _w("b", loaded=("sql",))]
+    sql = PromptKey.of(token_ids=PROMPT, adapter="sql")
+    plan = planner.plan(sql, {C: workers})
+    planner.begin(plan)
+    planner.end(plan)
+    again = planner.plan(sql, {C: workers})
+    assert again.decode.worker_id == plan.decode.worker_id and again.considered[0].cached_tokens + \
+        again.considered[1].cached_tokens == 64
+    base = planner.plan(PromptKey.of(token_ids=PROMPT), {C: workers})
+    assert all(c.cached_tokens == 0 for c in base.considered)
+
+
+def test_served_adapters_come_from_the_load_report_or_the_announcement():
+    assert served_adapters(_w("a", known=("x", "y"))) == ["x", "y"]
+    old = worker_pb2.WorkerInfo(worker_id="o", lora_adapters=["z"])
+    assert served_adapters(old) == ["z"]
+    assert served_adapters(_w("a", known=())) == []   # reported, none known (all unloaded)
+    assert adapter_of("x", [_w("a", known=("x",))]) == "x" and adapter_of("q", [_w("a")]) == ""
