@@ -30,6 +30,7 @@ from tandem.services.gateway.config import GatewayConfig
 from tandem.services.gateway.disconnect import ClientDisconnected, EventStream, until_disconnect
 from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.limits import checked, read_body
+from tandem.services.gateway.lora_admin import add_lora_admin_routes
 from tandem.services.gateway.metrics import GatewayMetrics
 from tandem.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -443,6 +444,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def model(model_id: str, request: Request) -> dict:
         gateway.authorize(request)
         return await gateway.get_model(model_id)
+
+    add_lora_admin_routes(app, gateway)   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (opt-in)
 
     @app.get("/health")
     async def health() -> Response:
