@@ -82,7 +82,7 @@ class RouterLoraAdmin(generation_pb2_grpc.LoraAdminServicer):
         w, e = min(failed, key=lambda f: _RANK.get(f[1].code(), 9))
         code = e.code()
         if code == grpc.StatusCode.UNIMPLEMENTED:   # a worker without --enable-lora
-            code, details = grpc.StatusCode.FAILED_PRECONDITION, "LoRA is off (--enable-lora)"
+            code, details = grpc.StatusCode.INVALID_ARGUMENT, "LoRA is off on this worker (--enable-lora)"
         else:
             details = e.details() or code.name
         trailing = [(k, v) for k, v in e.trailing_metadata() or () if k == PARAM_METADATA_KEY]
