@@ -31,6 +31,7 @@ class AdapterUse:
     loaded: bool
     running: int = 0
     waiting: int = 0
+    digest: str = ""    # while loaded (engine/lora/adapters.py LoraAdapter.digest)
 
 
 class LoraRegistry:
@@ -99,7 +100,8 @@ class LoraRegistry:
         """Every known adapter with how many of `running` / `waiting` (each request's adapter name) use it."""
         def count(names, n):
             return sum(1 for x in names if x == n)
-        return [AdapterUse(n, n in self.adapters, count(running, n), count(waiting, n)) for n in sorted(self.known)]
+        return [AdapterUse(n, n in self.adapters, count(running, n), count(waiting, n),
+                           self.adapters[n].digest if n in self.adapters else "") for n in sorted(self.known)]
 
     def _load(self, name: str, path: str, in_use: Collection[str]) -> LoraAdapter:
         victims = self.pool.evictions(name, in_use)   # raises before anything is read or dropped

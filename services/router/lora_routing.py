@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from tandem.kvblocks.keys import KEY_BYTES
 from tandem.services.router.cost import Candidate
 from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
@@ -39,6 +40,18 @@ def has_loaded(w: worker_pb2.WorkerInfo, adapter: str) -> bool:
     if w.load.HasField("lora"):
         return any(a.name == adapter and a.loaded for a in w.load.lora.adapters)
     return adapter in w.lora_adapters   # an older worker loaded all of its adapters at start
+
+
+def adapter_block_parent(w: worker_pb2.WorkerInfo, adapter: str) -> bytes | None:
+    """The parent key of `adapter`'s first KV blocks in `w`'s KV events (its digest's first bytes, as
+    engine/lora/adapters.py `cache_key`); None when `w` does not report it loaded with its digest."""
+    for a in w.load.lora.adapters:
+        if a.name == adapter and a.loaded and a.digest:
+            try:
+                return bytes.fromhex(a.digest)[:KEY_BYTES]
+            except ValueError:
+                return None
+    return None
 
 
 def lora_affinity(adapter: str, candidates: Sequence[Candidate], cfg: RouteConfig) -> Sequence[Candidate]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tandem.services.router.cache_view import PrefixCacheView, PromptKey
 from tandem.services.router.cost import Candidate
 from tandem.services.router.kv_feed import EventPrefixView
-from tandem.services.router.lora_routing import lora_affinity
+from tandem.services.router.lora_routing import adapter_block_parent, lora_affinity
 from tandem.services.router.policy import RouteRequest, make_policy
 from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
@@ -134,9 +134,11 @@ class RoutePlanner:
 
     # ---- internals --------------------------------------------------------------------------
     def _candidate(self, w: worker_pb2.WorkerInfo, key: PromptKey) -> Candidate:
-        # The exact view hashes in the base model's key space: an adapter's prompt is looked up in the
-        # approximate view only (its own key space there).
-        cached = self.exact.cached_tokens(w, key.token_ids) if self.exact is not None and not key.adapter else None
+        # An adapter's prompt is hashed from its key in the exact view, which the worker reports with the
+        # adapter while loaded; otherwise the approximate view (the adapter's own key space there) answers.
+        parent = adapter_block_parent(w, key.adapter) if key.adapter else None
+        exact = self.exact if not key.adapter or parent is not None else None
+        cached = exact.cached_tokens(w, key.token_ids, parent) if exact is not None else None
         if cached is None:
             cached = self.cache.cached_tokens(w.worker_id, key)
         return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id], cached, key.num_tokens)

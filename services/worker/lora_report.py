@@ -26,8 +26,8 @@ def lora_load(engine) -> worker_pb2.LoraLoad | None:
         return None
     loras = engine.loras
     return worker_pb2.LoraLoad(
-        adapters=[worker_pb2.LoraAdapterLoad(name=u.name, loaded=u.loaded, running=u.running, waiting=u.waiting)
-                  for u in engine.lora_usage()],
+        adapters=[worker_pb2.LoraAdapterLoad(name=u.name, loaded=u.loaded, running=u.running, waiting=u.waiting,
+                                             digest=u.digest) for u in engine.lora_usage()],
         max_loras=loras.max_loras, max_cpu_loras=loras.pool.capacity)
 
 

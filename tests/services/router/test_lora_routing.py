@@ -86,3 +86,26 @@ def test_served_adapters_come_from_the_load_report_or_the_announcement():
     assert served_adapters(old) == ["z"]
     assert served_adapters(_w("a", known=())) == []   # reported, none known (all unloaded)
     assert adapter_of("x", [_w("a", known=("x",))]) == "x" and adapter_of("q", [_w("a")]) == ""
+
+
+def test_the_exact_view_hashes_an_adapter_prompt_from_the_adapter_key():
+    from tandem.kvblocks.blocks import Tier
+    from tandem.kvblocks.events import BlockRef, KVSnapshot
+    from tandem.kvblocks.keys import Namespace
+    from tandem.services.router.kv_events import KVEventIndex, block_keys
+    from tandem.services.router.kv_feed import EventPrefixView
+    from tandem.services.worker.kv_events import event_source
+
+    ns, digest = Namespace("fp", "float32", 4, 2, 1, 8), "ab" * 32
+    prompt = list(range(1, 42))                       # 10 full pages before the last token
+    keys = block_keys(ns, prompt, bytes.fromhex(digest)[:16])   # what a worker publishes for the adapter
+    index = KVEventIndex(lambda wid: None)
+    index.apply(KVSnapshot("w", 1, 0, tuple(BlockRef(k, p, Tier.DEVICE) for k, p in zip(keys, [None, *keys]))))
+    w = _w("w", loaded=("sql",))
+    w.load.lora.adapters[0].digest = digest
+    w.kv_events.CopyFrom(event_source("t", "w", ns))
+    planner = RoutePlanner("cache_aware", RouteConfig(), (C,), exact=EventPrefixView(index))
+    assert planner._candidate(w, PromptKey.of(token_ids=prompt, adapter="sql")).cached_tokens == 40
+    assert planner._candidate(w, PromptKey.of(token_ids=prompt)).cached_tokens == 0          # base: other keys
+    w.load.lora.adapters[0].digest = ""          # not reported: the approximate view (nothing routed yet)
+    assert planner._candidate(w, PromptKey.of(token_ids=prompt, adapter="sql")).cached_tokens == 0
