@@ -6,17 +6,19 @@ them serves the adapter, but one that has it *loaded* starts the request without
 disk (and may evict nothing). `lora_affinity` narrows a request's candidates before the policy picks:
 
 - a base-model request: every candidate (LoRA plays no part);
-- an adapter request: the workers that have it loaded, unless even the least busy of them is much
-  busier than the least busy candidate — the same imbalance rule as `cache_aware`'s
-  (`--balance-abs-threshold` more requests and `--balance-rel-threshold` times as many) — in which
-  case every candidate: a hot adapter spreads to idle workers (which load it) instead of piling up on
-  the ones that had it first. None has it loaded: every candidate (the policy picks by load).
+- an adapter request: the *warm* workers — that report it loaded, or to which this router has a
+  request of it in flight (it is loaded there by now, though the report may not say so yet) — unless
+  even the least busy of them is much busier than the least busy candidate: the same imbalance rule
+  as `cache_aware`'s (`--balance-abs-threshold` more requests and `--balance-rel-threshold` times as
+  many). Then, as when no worker is warm, every candidate that can load it (a worker whose
+  `--max-cpu-loras` loaded adapters all have requests would refuse the load), if any: a hot adapter
+  spreads to idle workers instead of piling up on the ones that had it first.
 Torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tandem.kvblocks.keys import KEY_BYTES
 from tandem.services.router.cost import Candidate
@@ -54,15 +56,26 @@ def adapter_block_parent(w: worker_pb2.WorkerInfo, adapter: str) -> bytes | None
     return None
 
 
-def lora_affinity(adapter: str, candidates: Sequence[Candidate], cfg: RouteConfig) -> Sequence[Candidate]:
+def can_load(w: worker_pb2.WorkerInfo) -> bool:
+    """Whether `w` could load one more adapter now: a free slot, or a loaded adapter no request uses."""
+    if not w.load.HasField("lora"):
+        return True
+    loaded = [a for a in w.load.lora.adapters if a.loaded]
+    return len(loaded) < w.load.lora.max_cpu_loras or any(not (a.running or a.waiting) for a in loaded)
+
+
+def lora_affinity(adapter: str, candidates: Sequence[Candidate], cfg: RouteConfig,
+                  routed: Callable[[str], bool] = lambda worker_id: False) -> Sequence[Candidate]:
     """The candidates a request of `adapter` ("" for the base model) should be picked from (non-empty
-    when `candidates` is)."""
+    when `candidates` is). `routed(worker_id)`: this router has a request of `adapter` in flight there."""
     if not adapter:
         return candidates
-    warm = [c for c in candidates if has_loaded(c.info, adapter)]
-    if not warm or len(warm) == len(candidates):
-        return warm or candidates
-    lo, best = min(c.requests for c in candidates), min(c.requests for c in warm)
-    if best - lo > cfg.balance_abs_threshold and best > lo * cfg.balance_rel_threshold:
-        return candidates
-    return warm
+    warm = [c for c in candidates if has_loaded(c.info, adapter) or routed(c.worker_id)]
+    if len(warm) == len(candidates):
+        return warm
+    if warm:
+        lo, best = min(c.requests for c in candidates), min(c.requests for c in warm)
+        if not (best - lo > cfg.balance_abs_threshold and best > lo * cfg.balance_rel_threshold):
+            return warm
+    cold = [c for c in candidates if c in warm or can_load(c.info)]
+    return cold or candidates

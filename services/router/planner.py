@@ -78,6 +78,7 @@ class RoutePlanner:
         self.on_route = on_route                 # called with "remote" / "local" for every disagg plan
         self.inflight: Counter[str] = Counter()
         self.inflight_tokens: Counter[str] = Counter()
+        self.inflight_adapters: Counter[tuple[str, str]] = Counter()   # (worker, LoRA adapter) -> requests
 
     def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
         """`candidates`: the usable workers of every role this mode routes to (each non-empty, except
@@ -109,6 +110,8 @@ class RoutePlanner:
         sent the KV, so its view is updated now (later prompts with this prefix then follow it)."""
         for w in plan.workers:
             self.inflight[w.worker_id] += 1
+            if plan.key.adapter:
+                self.inflight_adapters[w.worker_id, plan.key.adapter] += 1
         self.inflight_tokens[plan.prefilling_worker] += plan.prefill_tokens
         if plan.prefill is not None:
             self.cache.record(plan.prefill.worker_id, plan.key, capacity=plan.prefill.load.total_pages)
@@ -126,6 +129,8 @@ class RoutePlanner:
         self.first_token(plan)
         for w in plan.workers:
             _sub(self.inflight, w.worker_id, 1)
+            if plan.key.adapter:
+                _sub(self.inflight_adapters, (w.worker_id, plan.key.adapter), 1)
         self.cache.record(plan.decode.worker_id, plan.key, capacity=plan.decode.load.total_pages)
 
     def retain(self, worker_ids: Iterable[str]) -> None:
@@ -147,7 +152,9 @@ class RoutePlanner:
         return [self._candidate(w, key) for w in workers]
 
     def _pick(self, role: int, request: RouteRequest, candidates: list[Candidate]) -> Candidate:
-        return self.policies[role].pick(request, lora_affinity(request.adapter, candidates, self.cfg))
+        def routed(worker_id: str) -> bool:
+            return (worker_id, request.adapter) in self.inflight_adapters
+        return self.policies[role].pick(request, lora_affinity(request.adapter, candidates, self.cfg, routed))
 
     def _local_sooner(self, d: Candidate, prefill: list[Candidate]) -> bool:
         """Short enough for D, and D would start it no later than the least busy prefill worker."""
@@ -161,7 +168,7 @@ class RoutePlanner:
         return limit > 0 and all(p.queued_tokens > limit for p in prefill)
 
 
-def _sub(counter: Counter[str], key: str, n: int) -> None:
+def _sub(counter: Counter, key: object, n: int) -> None:
     counter[key] -= n
     if counter[key] <= 0:
         del counter[key]

@@ -98,9 +98,11 @@ def test_the_exact_view_hashes_an_adapter_prompt_from_the_adapter_key():
 
     ns, digest = Namespace("fp", "float32", 4, 2, 1, 8), "ab" * 32
     prompt = list(range(1, 42))                       # 10 full pages before the last token
-    keys = block_keys(ns, prompt, bytes.fromhex(digest)[:16])   # what a worker publishes for the adapter
+    root = bytes.fromhex(digest)[:16]
+    keys = block_keys(ns, prompt, root)       # what a worker publishes for the adapter's cached prompt
+    parents = [root.hex(), *keys[:-1]]
     index = KVEventIndex(lambda wid: None)
-    index.apply(KVSnapshot("w", 1, 0, tuple(BlockRef(k, p, Tier.DEVICE) for k, p in zip(keys, [None, *keys]))))
+    index.apply(KVSnapshot("w", 1, 0, tuple(BlockRef(k, p, Tier.DEVICE) for k, p in zip(keys, parents, strict=True))))
     w = _w("w", loaded=("sql",))
     w.load.lora.adapters[0].digest = digest
     w.kv_events.CopyFrom(event_source("t", "w", ns))
@@ -109,3 +111,29 @@ def test_the_exact_view_hashes_an_adapter_prompt_from_the_adapter_key():
     assert planner._candidate(w, PromptKey.of(token_ids=prompt)).cached_tokens == 0          # base: other keys
     w.load.lora.adapters[0].digest = ""          # not reported: the approximate view (nothing routed yet)
     assert planner._candidate(w, PromptKey.of(token_ids=prompt, adapter="sql")).cached_tokens == 0
+
+
+def test_a_worker_this_router_sent_the_adapter_to_counts_as_warm_until_its_report_says_so():
+    planner = RoutePlanner("least_load", RouteConfig(), (C,))
+    sql = PromptKey.of(token_ids=PROMPT, adapter="sql")
+    first = planner.plan(sql, {C: [_w("a"), _w("b")]})
+    planner.begin(first)                       # in flight there; no report says it is loaded yet
+    workers = [_w("a", running=1 if first.decode.worker_id == "a" else 0),
+               _w("b", running=1 if first.decode.worker_id == "b" else 0)]
+    second = planner.plan(sql, {C: workers})
+    assert second.decode.worker_id == first.decode.worker_id   # least_load alone would pick the other
+    planner.end(first)
+    assert not planner.inflight_adapters
+    assert planner.plan(PromptKey.of(token_ids=PROMPT), {C: workers}).decode.worker_id != first.decode.worker_id
+
+
+def test_a_cold_adapter_avoids_workers_whose_loaded_adapters_are_all_in_use():
+    full = _w("a", loaded=("x", "y"), known=("x", "y", "sql"))
+    full.load.lora.max_cpu_loras = 2
+    for a in full.load.lora.adapters[:2]:
+        a.running = 1
+    idle_slot = _w("b", running=5, loaded=("x",), known=("x", "sql"))
+    assert _route("least_load", [full, idle_slot], "sql") == "b"
+    assert _route("least_load", [full, idle_slot]) == "a"          # the base model: by load
+    full.load.lora.adapters[0].running = 0                          # x idle: it can be evicted
+    assert _route("least_load", [full, idle_slot], "sql") == "a"
