@@ -3,7 +3,8 @@ are loaded on a worker only when a request needs them; POST /v1/load_lora_adapte
 /v1/unload_lora_adapter need the API key, refuse a malformed adapter (400 saying why) and an unknown
 one (404), refuse to unload one that a request in flight uses (409), and show in /v1/models;
 requests streaming while adapters are loaded and unloaded (and one evicted) all finish, each with the
-text it has alone; the worker reports its adapters (`tandem:lora_requests_info`)."""
+text it has alone; the worker reports its adapters (`tandem:lora_requests_info`). Disaggregated, a
+runtime load reaches the prefill and the decode worker and the text equals the engine's."""
 
 from __future__ import annotations
 
@@ -158,3 +159,23 @@ def test_unloading_an_adapter_in_use_is_refused_until_its_requests_finish(stack)
         time.sleep(0.2)
     assert r.status_code == 200, r.text
     assert "all8" not in models(stack)
+
+
+def test_a_runtime_load_reaches_both_workers_of_a_disaggregated_pair(tiny_llama, adapters):
+    # P and D both load it (the router calls every worker); P's bootstrap check of D's digest passes.
+    s = Stack("--mode", "disagg", "--model", str(tiny_llama), *ENGINE, "--enable-lora",
+              "--enable-lora-runtime-updating", "--api-key", KEY, gateway=True)
+    try:
+        assert complete(s, "attn4").status_code == 404
+        r = post(s, "/v1/load_lora_adapter", {"lora_name": "attn4", "lora_path": str(adapters["attn4"])})
+        assert r.status_code == 200, r.text
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", page_size=4, max_total_tokens=2048,
+                                        enable_lora=True, lora_modules=(("attn4", str(adapters["attn4"])),)))
+        want = engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                               loras=["attn4"])[0].text
+        got = complete(s, "attn4")
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
+        assert post(s, "/v1/unload_lora_adapter", {"lora_name": "attn4"}).status_code == 200
+        assert complete(s, "attn4").status_code == 404
+    finally:
+        s.close()
