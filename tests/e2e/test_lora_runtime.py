@@ -4,7 +4,8 @@ are loaded on a worker only when a request needs them; POST /v1/load_lora_adapte
 one (404), refuse to unload one that a request in flight uses (409), and show in /v1/models;
 requests streaming while adapters are loaded and unloaded (and one evicted) all finish, each with the
 text it has alone; the worker reports its adapters (`tandem:lora_requests_info`). Disaggregated, a
-runtime load reaches the prefill and the decode worker and the text equals the engine's."""
+runtime load reaches the prefill and the decode worker and the text equals the engine's. With two
+workers, the router sends an adapter's requests to the one that has it loaded, base ones by load."""
 
 from __future__ import annotations
 
@@ -177,5 +178,30 @@ def test_a_runtime_load_reaches_both_workers_of_a_disaggregated_pair(tiny_llama,
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
         assert post(s, "/v1/unload_lora_adapter", {"lora_name": "attn4"}).status_code == 200
         assert complete(s, "attn4").status_code == 404
+    finally:
+        s.close()
+
+
+def test_the_router_sends_an_adapter_to_the_worker_that_has_it_loaded(tiny_llama, adapters):
+    from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+    s = Stack("--mode", "colocated", "--colocated", "2", "--policy", "least_load", "--model", str(tiny_llama),
+              *ENGINE, "--enable-lora", "--lora-modules", f"all8={adapters['all8']}", "--api-key", KEY, gateway=True)
+    try:
+        first, last = sorted(s.workers("colocated"), key=lambda w: w["worker_id"])
+        # all8 read on the last worker only (a request straight to it); least_load's tie-break is the first.
+        with grpc.insecure_channel(last["grpc_addr"]) as ch:
+            req = generation_pb2.GenerateRequest(model="all8", token_ids=generation_pb2.TokenIds(ids=PROMPT),
+                                                 sampling=generation_pb2.SamplingParams(max_tokens=2))
+            list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30, metadata=INTERNAL_METADATA))
+        time.sleep(4.0)    # its load report (heartbeat 1 s) reaches the router (poll 0.5 s)
+        before = {w["worker_id"]: s.worker_requests(w).get("success", 0) for w in (first, last)}
+        for i in range(3):
+            for model in ("all8", str(tiny_llama)):
+                r = post(s, "/v1/completions", {"model": model, "prompt": [7 + i, *PROMPT], "max_tokens": 2})
+                assert r.status_code == 200, r.text
+        after = {w["worker_id"]: s.worker_requests(w).get("success", 0) for w in (first, last)}
+        assert after[last["worker_id"]] - before[last["worker_id"]] == 3     # every all8 request
+        assert after[first["worker_id"]] - before[first["worker_id"]] == 3   # every base request
     finally:
         s.close()
