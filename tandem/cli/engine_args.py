@@ -165,7 +165,7 @@ ENGINE_FLAGS = (
             "step mixes requests of different adapters and the base model (docs/lora.md)",
             "serve the base model only"),
     Flag(("--lora-modules",), _E, LORA,
-         "an adapter to load at start, NAME=PATH (PATH: a PEFT folder with adapter_config.json and "
+         "an adapter to serve, NAME=PATH (PATH: a PEFT folder with adapter_config.json and "
          "adapter_model.safetensors); repeat for more; needs --enable-lora", action="append", metavar="NAME=PATH"),
     Flag(("--max-loras",), _E, LORA, "most distinct adapters in one step", field="max_loras", type=int),
     Flag(("--max-lora-rank",), _E, LORA, "the largest adapter rank accepted (a higher one is refused at load)",
