@@ -67,6 +67,7 @@ def main() -> None:
         paths = make_adapters(resolve_model(args.model), Path(tmp), args.adapters, args.rank)
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, enable_lora=True,
                                         lora_modules=tuple((n, str(p)) for n, p in paths.items()),
+                                        lora_eager_load=True,   # timed steps never read an adapter from disk
                                         max_loras=args.adapters, max_lora_rank=args.rank,
                                         max_running_requests=max(64, *map(int, args.batches.split(",")))))
         names = list(paths)

@@ -100,7 +100,10 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()   # (name, path) loaded at start
     max_loras: int = 4                    # distinct adapters in one step
     max_lora_rank: int = 16
-    max_cpu_loras: int | None = None      # adapters kept loaded (None: max_loras)
+    max_cpu_loras: int | None = None      # adapters kept loaded (None: max_loras), least recently used out
+    lora_eager_load: bool = False         # load every lora_modules adapter at start (default: on first use)
+    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (gateway) and the workers' LoraAdmin RPCs
+    enable_lora_runtime_updating: bool = False
     seed: int = 0
 
     def validate(self) -> None:
@@ -168,6 +171,8 @@ class EngineConfig:
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:
             raise InvalidRequest("--lora-modules needs --enable-lora", "lora_modules")
+        if self.enable_lora_runtime_updating and not self.enable_lora:
+            raise InvalidRequest("--enable-lora-runtime-updating needs --enable-lora", "enable_lora_runtime_updating")
         if not self.enable_lora:
             return
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -178,8 +183,8 @@ class EngineConfig:
         names = [n for n, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"--lora-modules names an adapter twice: {names}", "lora_modules")
-        if len(names) > cpu:
-            raise InvalidRequest(f"--lora-modules loads {len(names)} adapters; --max-cpu-loras keeps {cpu}",
+        if self.lora_eager_load and len(names) > cpu:
+            raise InvalidRequest(f"--lora-eager-load of {len(names)} adapters; --max-cpu-loras keeps {cpu}",
                                  "lora_modules")
         if self.enable_graph:
             raise InvalidRequest("--enable-lora and decode graphs (--enable-graph) do not go together yet",

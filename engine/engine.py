@@ -69,8 +69,8 @@ class LLMEngine:
         model_ctx = self.model_config.max_position_embeddings
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
-        self.loras = LoraRegistry(cfg, self.model_config, self.runner.dtype, self.runner.device)
-        self.runner.lora_stack = self.loras.stack
+        self.loras = LoraRegistry(cfg, self.model_config, self.runner.dtype, self.runner.device,
+                                  on_stack=lambda stack: setattr(self.runner, "lora_stack", stack))
         self.kv_tiers = self._open_kv_tiers() if cfg.kv_tiers_enabled else None
         self.kv_events: EventLink | None = None   # open_kv_events (a worker publishing KV events)
         self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len, tiers=self.kv_tiers)
@@ -115,7 +115,7 @@ class LLMEngine:
         skips their draws and a grammar consumes them. Output-only penalties (frequency, presence)
         see them as prompt: docs/resilience.md. `lora`: the name of the adapter to apply (None: the
         base model)."""
-        adapter = self.loras.get(lora) if lora else None
+        adapter = self.loras.acquire(lora, self.loras_in_use()) if lora else None
         params = self.sampling_defaults.fill(params)
         if resume_ids:
             if params.max_tokens <= len(resume_ids):
@@ -156,7 +156,27 @@ class LLMEngine:
 
     def lora_for(self, model: str) -> str | None:
         """The adapter a request's `model` names here, or None (empty, or the base model's name)."""
-        return model if model and model in self.loras.adapters else None
+        return model if model and model in self.loras.known else None
+
+    def loras_in_use(self) -> set[str]:
+        """Adapters of the requests in flight (running or waiting): never unloaded or evicted."""
+        return {t.req.lora.name for t in self._tracked.values() if t.req.lora is not None}
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Runtime load (between steps: call on the engine thread). Raises InvalidRequest saying what is
+        wrong with the adapter, ResourceExhausted when every loaded adapter is in use."""
+        self.loras.register(name, path, self.loras_in_use())
+
+    def unload_lora(self, name: str) -> None:
+        """Runtime unload. Raises ModelNotFound (unknown), Conflict (requests in flight use it)."""
+        self.loras.unregister(name, self.loras_in_use())
+
+    def lora_usage(self) -> list:
+        """Every known adapter: loaded or not, requests running and waiting (engine.lora.registry.AdapterUse)."""
+        sched = self.scheduler
+        running = {r.rid for r in (*sched.running, *sched.prefilling)}
+        names = [(t.req.rid in running, t.req.lora.name) for t in self._tracked.values() if t.req.lora is not None]
+        return self.loras.usage([n for run, n in names if run], [n for run, n in names if not run])
 
     def grammar_backend(self) -> GrammarBackend:
         """This worker's grammar compiler (the tokenizer in llguidance's form, ~0.3 s the first time)."""

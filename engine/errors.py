@@ -27,6 +27,11 @@ class ResourceExhausted(TandemError):
     """A bounded queue is full or the request can never fit in memory (RESOURCE_EXHAUSTED / 429)."""
 
 
+class Conflict(TandemError):
+    """The operation conflicts with work in flight (unloading a LoRA adapter requests use):
+    FAILED_PRECONDITION / HTTP 409. Retry once that work is done."""
+
+
 class RequestAborted(TandemError):
     """The request was cancelled or aborted before it finished."""
 

@@ -93,6 +93,15 @@ def _config(path: Path, name: str, max_rank: int) -> tuple[dict, int, float]:
     return cfg, r, float(scaling)
 
 
+def check_adapter(name: str, path: str | Path, max_rank: int) -> None:
+    """What can be checked without reading the weights (a lazily loaded adapter, at registration):
+    its config, and that the weights file is there. Raises InvalidRequest (param `lora_path`)."""
+    path = Path(path)
+    _config(path, name, max_rank)
+    if not (path / WEIGHTS).is_file():
+        raise InvalidRequest(f"lora adapter {name!r}: no {WEIGHTS} in {path}", "lora_path")
+
+
 def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> LoraAdapter:
     """Read and check the PEFT adapter in folder `path`. Raises InvalidRequest (param `lora_path`)

@@ -1,34 +1,123 @@
-"""A worker's adapters: loaded at start from `--lora-modules name=path` (checked then: a bad one stops
-the start with a message that names it), looked up by the name a request gives as its `model`."""
+"""A worker's adapters. *Known*: registered by `--lora-modules name=path` at start (their configs
+checked then: a bad one stops the start with a message that names it) or by a runtime load. *Loaded*:
+weights in memory, at most `--max-cpu-loras` (pool.py, least recently used out first, never one a
+request in flight uses). A known adapter is loaded from disk when a request first needs it, unless
+`--lora-eager-load` loads every `--lora-modules` one at start.
+
+Every change of the loaded set rebuilds the `Stack` and hands it to `on_stack` (the model runner).
+The registry is used on the engine thread only (requests are made and runtime loads run between
+steps), so a step never sees the set change under it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.errors import InvalidRequest
-from tandem.engine.lora.adapters import LoraAdapter, load_adapter
+from tandem.engine.errors import Conflict, InvalidRequest, ModelNotFound
+from tandem.engine.lora.adapters import LoraAdapter, check_adapter, load_adapter
+from tandem.engine.lora.pool import AdapterPool
 from tandem.engine.models.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class AdapterUse:
+    """One known adapter's state, for load reports and metrics."""
+
+    name: str
+    loaded: bool
+    running: int = 0
+    waiting: int = 0
+    digest: str = ""    # while loaded (engine/lora/adapters.py LoraAdapter.digest)
+
+
 class LoraRegistry:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 on_stack: Callable[[Stack | None], None] = lambda stack: None):
         self.enabled = cfg.enable_lora
         self.max_loras = cfg.max_loras
-        self.adapters: dict[str, LoraAdapter] = {}
+        self.max_rank = cfg.max_lora_rank
+        self._load_args = (model_cfg, dtype, device)
+        self._on_stack = on_stack
+        self.known: dict[str, str] = {}           # name -> PEFT folder
+        self.adapters: dict[str, LoraAdapter] = {}   # the loaded ones
+        self.pool = AdapterPool(cfg.max_cpu_loras if cfg.max_cpu_loras is not None else cfg.max_loras)
+        self.stack: Stack | None = None
         for name, path in cfg.lora_modules:
-            self.adapters[name] = load_adapter(name, path, model_cfg, max_rank=cfg.max_lora_rank, dtype=dtype,
-                                               device=device)
-        self.stack = Stack(list(self.adapters.values())) if len(self.adapters) > 1 else None
+            check_adapter(name, path, self.max_rank)
+            self.known[name] = path
+        if cfg.lora_eager_load:
+            for name in self.known:
+                self.acquire(name, ())
 
-    def get(self, name: str) -> LoraAdapter:
-        """The adapter a request names. Raises InvalidRequest (param `model`) for an unknown one."""
+    def acquire(self, name: str, in_use: Collection[str]) -> LoraAdapter:
+        """The adapter a request names, loaded (from disk if it is not; the least recently used idle one
+        out if the pool is full) and marked most recently used. `in_use`: adapters of requests in flight.
+        Raises InvalidRequest (param `model`) for an unknown name or a file that fails to load,
+        ResourceExhausted when every loaded adapter is in use."""
         adapter = self.adapters.get(name)
-        if adapter is None:
-            known = ", ".join(sorted(self.adapters)) or "none"
+        if adapter is not None:
+            self.pool.touch(name)
+            return adapter
+        path = self.known.get(name)
+        if path is None:
+            known = ", ".join(sorted(self.known)) or "none"
             what = "LoRA is off (--enable-lora)" if not self.enabled else f"adapters here: {known}"
             raise InvalidRequest(f"no LoRA adapter {name!r} ({what})", "model")
+        return self._load(name, path, in_use)
+
+    def register(self, name: str, path: str, in_use: Collection[str]) -> LoraAdapter:
+        """A runtime load: read and check the adapter now (a malformed one raises InvalidRequest saying
+        what is wrong, and nothing changes), then keep it known and loaded."""
+        if not self.enabled:
+            raise InvalidRequest("LoRA is off on this worker (--enable-lora)", "lora_name")
+        if not name:
+            raise InvalidRequest("lora_name is empty", "lora_name")
+        if name in self.known:
+            raise InvalidRequest(f"LoRA adapter {name!r} is already loaded (from {self.known[name]}); unload it "
+                                 "first", "lora_name")
+        adapter = self._load(name, path, in_use)
+        self.known[name] = path
         return adapter
+
+    def unregister(self, name: str, in_use: Collection[str]) -> None:
+        """A runtime unload. Raises ModelNotFound for an unknown adapter, Conflict while requests in flight
+        use it (refused, not waited for: the caller retries once they finished)."""
+        if name not in self.known:
+            raise ModelNotFound(f"no LoRA adapter {name!r} to unload (adapters here: "
+                                f"{', '.join(sorted(self.known)) or 'none'})")
+        if name in in_use:
+            raise Conflict(f"LoRA adapter {name!r} is used by requests in flight; unload it when they finished")
+        del self.known[name]
+        if self.adapters.pop(name, None) is not None:
+            self.pool.remove(name)
+            self._restack()
+
+    def usage(self, running: Collection[str | None], waiting: Collection[str | None]) -> list[AdapterUse]:
+        """Every known adapter with how many of `running` / `waiting` (each request's adapter name) use it."""
+        def count(names, n):
+            return sum(1 for x in names if x == n)
+        return [AdapterUse(n, n in self.adapters, count(running, n), count(waiting, n),
+                           self.adapters[n].digest if n in self.adapters else "") for n in sorted(self.known)]
+
+    def _load(self, name: str, path: str, in_use: Collection[str]) -> LoraAdapter:
+        victims = self.pool.evictions(name, in_use)   # raises before anything is read or dropped
+        model_cfg, dtype, device = self._load_args
+        adapter = load_adapter(name, path, model_cfg, max_rank=self.max_rank, dtype=dtype, device=device)
+        for victim in victims:
+            del self.adapters[victim]
+            self.pool.remove(victim)
+        self.adapters[name] = adapter
+        self.pool.add(name)
+        self._restack()
+        return adapter
+
+    def _restack(self) -> None:
+        self.stack = Stack(list(self.adapters.values())) if len(self.adapters) > 1 else None
+        self._on_stack(self.stack)
 
 
 class Stack:

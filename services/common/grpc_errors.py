@@ -13,7 +13,14 @@ from typing import NoReturn
 
 import grpc
 
-from tandem.engine.errors import InvalidRequest, ModelNotFound, RequestAborted, ResourceExhausted, TandemError
+from tandem.engine.errors import (
+    Conflict,
+    InvalidRequest,
+    ModelNotFound,
+    RequestAborted,
+    ResourceExhausted,
+    TandemError,
+)
 
 PARAM_METADATA_KEY = "tandem-error-param"
 # The worker a failure is due to when it is not the one that answered (a decode worker whose prefill
@@ -26,6 +33,7 @@ _CODE_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestAborted, grpc.StatusCode.CANCELLED),
+    (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
 )
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {code: cls for cls, code in _CODE_BY_ERROR}
 

@@ -73,6 +73,10 @@ class WorkerRegistry(ABC):
         """Worker side: the load the next heartbeat publishes."""
         raise NotImplementedError(f"{type(self).__name__} does not accept announcements")
 
+    async def report(self, load: worker_pb2.WorkerLoad) -> None:
+        """Worker side: publish `load` now, not at the next heartbeat (what it serves changed)."""
+        self.update_load(load)
+
     async def withdraw(self) -> None:
         """Worker side: remove this process's announcement now (no-op when nothing was announced)."""
         return None
@@ -240,6 +244,11 @@ class RedisRegistry(WorkerRegistry):
     def update_load(self, load: worker_pb2.WorkerLoad) -> None:
         if self._info is not None:
             self._info.load.CopyFrom(load)
+
+    async def report(self, load: worker_pb2.WorkerLoad) -> None:
+        self.update_load(load)
+        if self._info is not None and self._client is not None:
+            await self._write()
 
     async def withdraw(self) -> None:
         await _cancel(self._heartbeat_task)

@@ -4,7 +4,15 @@ comes from its own config: `tandem router --drain-timeout` defaults to RouterCon
 
 from __future__ import annotations
 
-from tandem.services.common.arg_groups import DEPLOYMENT, LIMITS, MODEL, OBSERVABILITY, RESILIENCE, SCHEDULER
+from tandem.services.common.arg_groups import (
+            DEPLOYMENT,
+            LIMITS,
+            LORA,
+            MODEL,
+            OBSERVABILITY,
+            RESILIENCE,
+            SCHEDULER,
+)
 from tandem.services.common.flags import SERVICES, Flag, Owner
 
 HOST = Flag(("--host",), SERVICES | Owner.PLANNER, DEPLOYMENT, "address to listen on (`tandem up`: every service's)",
@@ -54,6 +62,13 @@ QUEUE_FLAGS = (
          "a lower `priority` value is more urgent (default: a higher one), as SGLang's "
          "--schedule-low-priority-values-first", field="low_priority_values_first", action="store_true"),
 )
+
+# The workers accept runtime loads only with it; the gateway serves the endpoints only with it.
+LORA_RUNTIME_UPDATING = Flag(
+    ("--enable-lora-runtime-updating",), Owner.ENGINE | Owner.GATEWAY, LORA,
+    "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with the API key when one is set): adapters "
+    "loaded and unloaded on every worker while serving (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: off)",
+    field="enable_lora_runtime_updating", action="store_true")
 
 LOG_LEVEL = Flag(("--log-level",), Owner.LAUNCHER | Owner.ENGINE | SERVICES, OBSERVABILITY,
                  "Python logging level of this process: DEBUG, INFO, WARNING, ERROR", default="WARNING",

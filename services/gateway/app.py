@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.services.gateway import chat_completions, completions, messages_api, responses_api
 from tandem.services.gateway.errors import APIError, bad_request
+from tandem.services.gateway.lora_admin import add_lora_admin_routes
 from tandem.services.gateway.pipeline import Gateway, owned_by
 
 __all__ = ["Gateway", "create_app"]
@@ -61,6 +62,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     for module in ROUTES:
         module.add_routes(app, gateway)
+    add_lora_admin_routes(app, gateway)   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (opt-in)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -49,6 +49,10 @@ class ModelCatalog:
             await self._refresh(self._fetched_at)
         return list(self._models.values())
 
+    def invalidate(self) -> None:
+        """What the router serves changed (a runtime LoRA load): ask it again on the next lookup."""
+        self._fetched_at = float("-inf")
+
     async def get(self, name: str | None) -> ServedModel:
         """The model a request names (or the only one served when it names none).
 

@@ -12,6 +12,7 @@ from tandem.services.common.limits import LIMIT_FLAGS, RequestLimits
 from tandem.services.common.shared_flags import (
     DRAIN_TIMEOUT,
     HOST,
+    LORA_RUNTIME_UPDATING,
     MAX_INFLIGHT,
     OTLP_TRACES_ENDPOINT,
     PORT,
@@ -41,6 +42,7 @@ class GatewayConfig:
     redis_url: str | None = None         # the Responses API's store (response_store.py); None: this process's memory
     response_store_size: int = 10000     # the most responses kept (the oldest are evicted first)
     response_store_ttl_s: float = 3600.0 # how long a response is kept
+    enable_lora_runtime_updating: bool = False   # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -75,6 +77,7 @@ class GatewayConfig:
             tool_call_parser=args.tool_call_parser,
             redis_url=args.redis_url or None, response_store_size=args.response_store_size,
             response_store_ttl_s=args.response_store_ttl,
+            enable_lora_runtime_updating=args.enable_lora_runtime_updating,
         )
         config.validate()
         return config
@@ -103,7 +106,7 @@ GATEWAY_FLAGS = (
          "seconds a Responses API response is kept for previous_response_id / GET",
          field="response_store_ttl_s", type=float, metavar="SECONDS"),
     Flag(("--max-n",), Owner.GATEWAY, LIMITS, "the largest `n` a request may ask for", field="max_n", type=int),
-    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT,
+    REQUEST_TIMEOUT, DRAIN_TIMEOUT, INTERNAL_TOKEN_FILE, *LIMIT_FLAGS, OTLP_TRACES_ENDPOINT, LORA_RUNTIME_UPDATING,
 )
 
 

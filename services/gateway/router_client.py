@@ -48,6 +48,11 @@ class RouterClient:
         finally:
             call.cancel()  # a no-op once the call has finished
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the router (other services of it, e.g. LoraAdmin, share it)."""
+        return self._channel
+
     async def list_models(self, timeout_s: float = 5.0) -> list[generation_pb2.ModelInfo]:
         try:
             resp = await self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=timeout_s)

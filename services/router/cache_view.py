@@ -12,7 +12,10 @@ caches decide what is reused.
 Prompts are cut into blocks of `BLOCK_TOKENS` token ids (the workers' default page size), each named
 by a hash chained over every block before it, so one set lookup per block finds the longest cached
 prefix. Text prompts (SDK calls without token ids; the router has no tokenizer) are cut into blocks of
-`BLOCK_TOKENS * CHARS_PER_TOKEN` bytes of UTF-8 in a separate key space. Torch-free.
+`BLOCK_TOKENS * CHARS_PER_TOKEN` bytes of UTF-8 in a separate key space. A LoRA adapter's prompt is
+hashed under a key of its own (its name), as a worker caches it in a namespace of its own
+(engine/lora/adapters.py `cache_key`): it never matches the base model's or another adapter's
+blocks, and matches its own. Torch-free.
 """
 
 from __future__ import annotations
@@ -35,21 +38,23 @@ class PromptKey:
     blocks: tuple[bytes, ...]
     # The prompt's token ids, for the exact view (KV events); None for a text prompt.
     token_ids: Sequence[int] | None = field(default=None, compare=False, repr=False)
+    adapter: str = ""   # the LoRA adapter whose key space the blocks are in ("": the base model's)
 
     @classmethod
-    def of(cls, token_ids: Sequence[int] | None = None, text: str = "") -> PromptKey:
+    def of(cls, token_ids: Sequence[int] | None = None, text: str = "", adapter: str = "") -> PromptKey:
         if token_ids is not None:
             data, unit, n = b"t" + b"".join(int(t).to_bytes(4, "little") for t in token_ids), 4, len(token_ids)
         else:
             raw = text.encode()
             data, unit, n = b"s" + raw, CHARS_PER_TOKEN, -(-len(raw) // CHARS_PER_TOKEN)
         size = BLOCK_TOKENS * unit
+        space = data[:1] + (hashlib.blake2b(adapter.encode(), digest_size=16).digest() if adapter else b"")
         blocks, prev = [], b""
         # Only whole blocks: the tail of a prompt never counts as cached (as on a worker).
         for start in range(1, len(data) - size + 1, size):
-            prev = hashlib.blake2b(prev + data[start:start + size], digest_size=12, key=data[:1]).digest()
+            prev = hashlib.blake2b(prev + data[start:start + size], digest_size=12, key=space).digest()
             blocks.append(prev)
-        return cls(n, tuple(blocks), token_ids)
+        return cls(n, tuple(blocks), token_ids, adapter)
 
     def tokens(self, num_blocks: int) -> int:
         """Prompt tokens covered by the first `num_blocks` blocks."""

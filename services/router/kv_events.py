@@ -38,9 +38,10 @@ DEFAULT_TIER_WEIGHTS = {Tier.DEVICE: 1.0, Tier.HOST: 0.8, Tier.DISK: 0.5}
 DEFAULT_SNAPSHOT_RETRY_S = 5.0
 
 
-def block_keys(namespace: Namespace, token_ids: Sequence[int]) -> list[str]:
-    """A request's block keys as workers report them: one per full page, chained from the start."""
-    return [k.hex() for k in block_hashes(namespace, token_ids)]
+def block_keys(namespace: Namespace, token_ids: Sequence[int], parent: bytes | None = None) -> list[str]:
+    """A request's block keys as workers report them: one per full page, chained from the start
+    (`parent`: a LoRA adapter's key, the parent of its prompts' first pages; None: the base model's)."""
+    return [k.hex() for k in block_hashes(namespace, token_ids, parent)]
 
 
 class ViewState(enum.Enum):

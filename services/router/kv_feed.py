@@ -197,16 +197,18 @@ class EventPrefixView:
         self._namespaces: dict[bytes, Namespace] = {}
         # One prompt's keys, for all its candidates (the token ids are held, so `is` cannot mistake
         # a new prompt for a freed one).
-        self._memo: tuple[Sequence[int], Namespace, list[str]] | None = None
+        self._memo: tuple[Sequence[int], Namespace, bytes | None, list[str]] | None = None
 
-    def cached_tokens(self, info: worker_pb2.WorkerInfo, token_ids: Sequence[int] | None) -> int | None:
+    def cached_tokens(self, info: worker_pb2.WorkerInfo, token_ids: Sequence[int] | None,
+                      parent: bytes | None = None) -> int | None:
+        """`parent`: the key space of a LoRA adapter's prompt (lora_routing.adapter_block_parent)."""
         if token_ids is None or not info.HasField("kv_events") or not self.index.has_events(info.worker_id):
             return None
         ns = self._namespace(info.kv_events.namespace)
         if ns is None:
             return None
         try:
-            keys = self._keys(ns, token_ids)
+            keys = self._keys(ns, token_ids, parent)
         except ValueError:   # a token id outside int32: the worker refuses it anyway
             return None
         return round(self.index.score(info.worker_id, keys) * ns.page_size)
@@ -224,13 +226,13 @@ class EventPrefixView:
             self._namespaces[raw] = ns
         return ns
 
-    def _keys(self, ns: Namespace, token_ids: Sequence[int]) -> list[str]:
+    def _keys(self, ns: Namespace, token_ids: Sequence[int], parent: bytes | None) -> list[str]:
         memo = self._memo
-        if memo is not None and memo[0] is token_ids and memo[1] == ns:
-            return memo[2]
+        if memo is not None and memo[0] is token_ids and memo[1] == ns and memo[2] == parent:
+            return memo[3]
         # A worker always computes the prompt's last token: its cache match stops one token short.
-        keys = block_keys(ns, token_ids[:-1])
-        self._memo = (token_ids, ns, keys)
+        keys = block_keys(ns, token_ids[:-1], parent)
+        self._memo = (token_ids, ns, parent, keys)
         return keys
 
 

@@ -16,7 +16,8 @@ Disaggregated mode, in this order (one cost model, services/router/cost.py):
    (`prefill_cost`) within the same latency bound, local after all.
 `tandem_router_prefill_route_total{route}` counts the outcomes. The planner also keeps this router's
 in-flight accounting per worker (requests, and prompt tokens not yet prefilled) and records every
-routed prompt in the router's view of the workers' prefix caches. Torch-free.
+routed prompt in the router's view of the workers' prefix caches. A LoRA adapter's request is picked
+among the workers lora_routing.py prefers for it; its prompt key is under the adapter's key space. Torch-free.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from tandem.services.router.cache_view import PrefixCacheView, PromptKey
 from tandem.services.router.cost import Candidate
 from tandem.services.router.kv_feed import EventPrefixView
-from tandem.services.router.policy import make_policy
+from tandem.services.router.lora_routing import adapter_block_parent, lora_affinity
+from tandem.services.router.policy import RouteRequest, make_policy
 from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
@@ -80,22 +82,24 @@ class RoutePlanner:
         self.on_route = on_route                 # called with "remote" / "local" for every disagg plan
         self.inflight: Counter[str] = Counter()
         self.inflight_tokens: Counter[str] = Counter()
+        self.inflight_adapters: Counter[tuple[str, str]] = Counter()   # (worker, LoRA adapter) -> requests
 
     def plan(self, key: PromptKey, candidates: Mapping[int, Sequence[worker_pb2.WorkerInfo]]) -> RoutePlan:
         """`candidates`: the usable workers of every role this mode routes to (each non-empty, except
         prefill under --min-prefill-workers 0: none means the local route)."""
+        request = RouteRequest(key, key.adapter)
         if COLOCATED in candidates:
             colocated = self._candidates(candidates[COLOCATED], key)
-            w = self._pick(COLOCATED, colocated)
+            w = self._pick(COLOCATED, request, colocated)
             return RoutePlan((w.info,), "colocated", key, w.uncached_tokens, considered=tuple(colocated))
         decode = self._candidates(candidates[DECODE], key)
-        d = self._pick(DECODE, decode)
+        d = self._pick(DECODE, request, decode)
         prefill = self._candidates(candidates[PREFILL], key)   # built once: each looks up the prefix view
         # No usable prefill worker (--min-prefill-workers 0): D prefills its own prompt.
         route = "local" if not prefill or self._local_sooner(d, prefill) else "remote"
         p = None
         if route == "remote":
-            p = self._pick(PREFILL, prefill)
+            p = self._pick(PREFILL, request, prefill)
             if self._saturated(prefill) and d.prefill_cost < p.prefill_cost and self._keeps_itl(d):
                 route = "local"
         if self.on_route is not None:
@@ -110,6 +114,8 @@ class RoutePlanner:
         sent the KV, so its view is updated now (later prompts with this prefix then follow it)."""
         for w in plan.workers:
             self.inflight[w.worker_id] += 1
+            if plan.key.adapter:
+                self.inflight_adapters[w.worker_id, plan.key.adapter] += 1
         self.inflight_tokens[plan.prefilling_worker] += plan.prefill_tokens
         if plan.prefill is not None:
             self.cache.record(plan.prefill.worker_id, plan.key, capacity=plan.prefill.load.total_pages)
@@ -127,6 +133,8 @@ class RoutePlanner:
         self.first_token(plan)
         for w in plan.workers:
             _sub(self.inflight, w.worker_id, 1)
+            if plan.key.adapter:
+                _sub(self.inflight_adapters, (w.worker_id, plan.key.adapter), 1)
         self.cache.record(plan.decode.worker_id, plan.key, capacity=plan.decode.load.total_pages)
 
     def retain(self, worker_ids: Iterable[str]) -> None:
@@ -135,7 +143,11 @@ class RoutePlanner:
 
     # ---- internals --------------------------------------------------------------------------
     def _candidate(self, w: worker_pb2.WorkerInfo, key: PromptKey) -> Candidate:
-        cached = self.exact.cached_tokens(w, key.token_ids) if self.exact is not None else None
+        # An adapter's prompt is hashed from its key in the exact view, which the worker reports with the
+        # adapter while loaded; otherwise the approximate view (the adapter's own key space there) answers.
+        parent = adapter_block_parent(w, key.adapter) if key.adapter else None
+        exact = self.exact if not key.adapter or parent is not None else None
+        cached = exact.cached_tokens(w, key.token_ids, parent) if exact is not None else None
         if cached is None:
             cached = self.cache.cached_tokens(w.worker_id, key)
         return Candidate(w, self.inflight[w.worker_id], self.inflight_tokens[w.worker_id], cached, key.num_tokens)
@@ -143,8 +155,10 @@ class RoutePlanner:
     def _candidates(self, workers: Sequence[worker_pb2.WorkerInfo], key: PromptKey) -> list[Candidate]:
         return [self._candidate(w, key) for w in workers]
 
-    def _pick(self, role: int, candidates: list[Candidate]) -> Candidate:
-        return self.policies[role].pick(candidates)
+    def _pick(self, role: int, request: RouteRequest, candidates: list[Candidate]) -> Candidate:
+        def routed(worker_id: str) -> bool:
+            return (worker_id, request.adapter) in self.inflight_adapters
+        return self.policies[role].pick(request, lora_affinity(request.adapter, candidates, self.cfg, routed))
 
     def _local_sooner(self, d: Candidate, prefill: list[Candidate]) -> bool:
         """Short enough for D, and D would start it no later than the least busy prefill worker."""
@@ -170,14 +184,14 @@ class RoutePlanner:
         return limit > 0 and all(p.queued_tokens > limit for p in prefill)
 
 
-def _sub(counter: Counter[str], key: str, n: int) -> None:
+def _sub(counter: Counter, key: object, n: int) -> None:
     counter[key] -= n
     if counter[key] <= 0:
         del counter[key]
 
 
-def prompt_key(request) -> PromptKey:
-    """The routing key of a `GenerateRequest`."""
+def prompt_key(request, adapter: str = "") -> PromptKey:
+    """The routing key of a `GenerateRequest` (`adapter`: the LoRA adapter its `model` names, if any)."""
     if request.HasField("token_ids"):
-        return PromptKey.of(token_ids=request.token_ids.ids)
-    return PromptKey.of(text=request.text)
+        return PromptKey.of(token_ids=request.token_ids.ids, adapter=adapter)
+    return PromptKey.of(text=request.text, adapter=adapter)

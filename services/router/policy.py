@@ -1,16 +1,28 @@
 """Pairing policies: which worker of a role gets the next request. Plug new ones in with `register_policy`.
 
-Every policy sees the same `Candidate`s (services/router/cost.py): reported load, this router's
-in-flight work, and how much of the prompt the router believes each worker has cached.
+Every policy sees the request (`RouteRequest`: its adapter and prompt key) and the same `Candidate`s
+(services/router/cost.py): reported load, this router's in-flight work, and how much of the prompt
+the router believes each worker has cached. The planner has already narrowed the candidates of an
+adapter's request to the workers that should take it (lora_routing.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from tandem.services.router.cache_view import PromptKey
 from tandem.services.router.cost import Candidate
 from tandem.services.router.route_config import RouteConfig
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about the request it routes."""
+
+    key: PromptKey                # the prompt as the router hashes it (under the adapter's key for an adapter)
+    adapter: str = ""             # the LoRA adapter it names ("": the base model)
 
 
 class Policy(ABC):
@@ -20,7 +32,7 @@ class Policy(ABC):
         self.cfg = cfg
 
     @abstractmethod
-    def pick(self, candidates: Sequence[Candidate]) -> Candidate:
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
         ...
 
 
@@ -66,7 +78,7 @@ class RoundRobin(Policy):
         super().__init__(cfg)
         self._next = 0
 
-    def pick(self, candidates):
+    def pick(self, request, candidates):
         assert candidates
         worker = candidates[self._next % len(candidates)]
         self._next += 1
@@ -78,6 +90,6 @@ class LeastLoad(Policy):
     """The least queued prefill work in tokens (reported, or this router's own since, whichever is
     larger), then the fewest queued + running requests, then the most free KV pages, then list order."""
 
-    def pick(self, candidates):
+    def pick(self, request, candidates):
         assert candidates
         return min(candidates, key=least_load_key)

@@ -15,7 +15,7 @@ from tandem.services.router.policy import Policy, least_load_key, register_polic
 
 @register_policy("cache_aware")
 class CacheAware(Policy):
-    def pick(self, candidates):
+    def pick(self, request, candidates):
         assert candidates
         loads = [c.requests for c in candidates]
         hi, lo = max(loads), min(loads)

@@ -18,6 +18,7 @@ from tandem.services.common.registry import ROLE_NAMES, WorkerRegistry, create_r
 from tandem.services.router.channels import MAX_MESSAGE_BYTES, ChannelPool
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.kv_feed import EventPrefixView, KVEventFeed
+from tandem.services.router.lora_admin import RouterLoraAdmin
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.servicer import GenerationServicer
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
@@ -97,6 +98,9 @@ class RouterServer:
         )
         self.config.auth.announce("router")
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        # Not public: only the gateway (internal secret) may ask for a runtime adapter update.
+        generation_pb2_grpc.add_LoraAdminServicer_to_server(
+            RouterLoraAdmin(self.registry, self.channels, self.config.roles), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.port = server.add_insecure_port(self.config.grpc_addr)

@@ -35,6 +35,7 @@ from tandem.services.router.cache_view import PromptKey
 from tandem.services.router.channels import ChannelPool
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.kv_feed import EventPrefixView
+from tandem.services.router.lora_routing import adapter_of, served_adapters
 from tandem.services.router.metrics import RouterMetrics
 from tandem.services.router.migration import StreamLedger
 from tandem.services.router.planner import RoutePlan, RoutePlanner, prompt_key
@@ -46,12 +47,8 @@ log = logging.getLogger(__name__)
 # After D's stream ended, how long P may take to report the transfer it already completed.
 PREFILL_GRACE_S = 2.0
 # Statuses whose worker message is about the caller's request: relayed verbatim, not prefixed.
-_CALLER_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.OUT_OF_RANGE,
-}
+_CALLER_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.OUT_OF_RANGE}
 
 
 # Why a stream that broke after tokens were sent was not migrated (metric outcome -> message).
@@ -155,7 +152,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for w in self.registry.workers(role):
                 if not w.model:
                     continue
-                for name, parent in ((w.model, ""), *((a, w.model) for a in w.lora_adapters)):
+                for name, parent in ((w.model, ""), *((a, w.model) for a in served_adapters(w))):
                     m = models.setdefault(name, generation_pb2.ModelInfo(id=name, vocab_size=w.vocab_size, parent=parent))
                     if w.max_context_len and (not m.max_context_len or w.max_context_len < m.max_context_len):
                         m.max_context_len = w.max_context_len  # the smallest: what every worker can take
@@ -225,9 +222,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not workers:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no {name} workers are registered")
         if model:
-            workers = [w for w in workers if not w.model or w.model == model or model in w.lora_adapters]
+            workers = [w for w in workers if not w.model or w.model == model or model in served_adapters(w)]
             if not workers:
-                served = sorted({m for w in self.registry.workers(role) for m in (w.model, *w.lora_adapters)})
+                served = sorted({m for w in self.registry.workers(role) for m in (w.model, *served_adapters(w))})
                 raise ModelNotFound(f"model {model!r} is not served; available: {', '.join(served)}")
         return [w for w in workers if w.worker_id not in exclude]
 
@@ -293,7 +290,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _route(self, request, rid: str, context, deadline: float | None, started: float) -> int:
         failed: set[str] = set()
-        key = prompt_key(request)
+        key = prompt_key(request, adapter_of(request.model, self.registry.all_workers()))
         plan = self._pick(request.model, key, failed, set())
         ledger = StreamLedger(request, self.config.max_migrations)
         relay = _Relay(context, started, self.metrics, ledger, on_first=lambda: self.planner.first_token(plan))
@@ -403,7 +400,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """`p` None: D prefills the prompt itself (conditional disaggregation), no room is handed over."""
         room = secrets.randbits(63)
         prompt = {"token_ids": request.token_ids} if request.HasField("token_ids") else {"text": request.text}
-        lora = request.model if request.model in d.lora_adapters else ""   # applied on both (P checks D's)
+        lora = request.model if request.model in served_adapters(d) else ""   # applied on both (P checks D's)
         log.info("[%s] prefill=%s decode=%s room=%d", rid, p.worker_id if p else "local", d.worker_id, room)
         timeout = self._timeout(deadline)
         prefill_call = None

@@ -34,6 +34,8 @@ from tandem.services.worker.faults import FaultInjector
 from tandem.services.worker.identity import WorkerIdentityServicer
 from tandem.services.worker.kv_events import REGISTRY_PREFIX, KVEventSender, event_source
 from tandem.services.worker.loop import EngineLoop
+from tandem.services.worker.lora_admin import WorkerLoraAdmin
+from tandem.services.worker.lora_report import LoraInfoExporter, with_lora
 from tandem.services.worker.metrics_server import start_metrics_server
 from tandem.services.worker.peers import PeerMonitor
 from tandem.services.worker.profiler import StepProfiler
@@ -41,7 +43,7 @@ from tandem.services.worker.rdma import preflight
 from tandem.services.worker.spec_metrics import SpecMetrics
 from tandem.services.worker.step_stats import StepStats, StepTrace
 from tandem.services.worker.watchdog import Watchdog
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     # Model loading takes seconds: run it off the event loop so signals are still handled.
     parts: RoleParts = await asyncio.to_thread(_build_sync, engine_cfg, wcfg, loop)
     engine = parts.engine
+    worker_load = with_lora(parts.worker.load, engine)   # + the adapters' report when LoRA is on
     stats = StepStats(engine.runner, parts.worker.load, wcfg.id, wcfg.log_stats_interval_s, trace=trace)
     profiler = StepProfiler(wcfg.profile_dir or default_cache_dir() / "profiles", wcfg.id)
     # The watchdog sees a step first, so that everything after it (an injected hang too) is timed.
@@ -118,19 +121,28 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     spec = [SpecMetrics(engine.spec)] if getattr(engine, "spec", None) is not None else []
     kv_events = _open_kv_events(engine, wcfg)   # before the engine thread starts: it flushes them
     engine_loop = EngineLoop(parts.worker, loop, on_fatal=stop.set, observers=(*guards, stats, *spec, profiler),
-                             tickers=(engine.kv_events.flush,) if kv_events is not None else ())
+                             tickers=(*((engine.kv_events.flush,) if kv_events is not None else ()),
+                                      *((LoraInfoExporter(engine),) if engine_cfg.enable_lora else ())))
 
     wcfg.auth.announce(f"{wcfg.role} {wcfg.id}")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *keepalive.SERVER_OPTIONS],
                              interceptors=[wcfg.auth.server_interceptor()])
     parts.add_servicers(server, engine_loop)
-    identity = WorkerIdentityServicer(lambda: engine_loop.call(parts.worker.load))
+    identity = WorkerIdentityServicer(lambda: engine_loop.call(worker_load))
     worker_pb2_grpc.add_WorkerIdentityServicer_to_server(identity, server)
+    registry = None
+    if engine_cfg.enable_lora:   # runtime loads; what it serves is announced at once after one
+        async def lora_changed() -> None:
+            if registry is not None:
+                await registry.report(await engine_loop.call(worker_load))
+        generation_pb2_grpc.add_LoraAdminServicer_to_server(
+            WorkerLoraAdmin(engine, engine_loop, wcfg.id, lora_changed), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     identity_name = worker_pb2.DESCRIPTOR.services_by_name["WorkerIdentity"].full_name
     reflection.enable_server_reflection(
-        [*parts.service_names, identity_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        [*parts.service_names, identity_name, health.SERVICE_NAME, reflection.SERVICE_NAME,
+         *(["tandem.v1.LoraAdmin"] if engine_cfg.enable_lora else [])], server)
     port = wcfg.auth.add_port(server, f"{wcfg.host}:{wcfg.port}")
     if port == 0:
         raise SystemExit(f"cannot listen on {wcfg.host}:{wcfg.port}")
@@ -153,18 +165,17 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         bootstrap_addr=addr if wcfg.role == "prefill" else "",
         model=engine_cfg.model, transfer_backend=parts.transfer_backend, started_at=time.time(),
         max_context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
-        load=parts.worker.load(), pod_uid=wcfg.pod_uid, boot_epoch=wcfg.boot_epoch,
+        load=worker_load(), pod_uid=wcfg.pod_uid, boot_epoch=wcfg.boot_epoch,
         kv_events=kv_events.source if kv_events is not None else None,
-        lora_adapters=sorted(engine.loras.adapters),
+        lora_adapters=sorted(engine.loras.known),
     )
     identity.info = info
-    registry = None
     heartbeat = None
     if wcfg.redis_url:
         registry = create_registry("redis", url=wcfg.redis_url, heartbeat_s=wcfg.heartbeat_s)
         await registry.start()
         await registry.announce(info)
-        heartbeat = asyncio.create_task(_report_load(registry, engine_loop, parts.worker, wcfg.heartbeat_s))
+        heartbeat = asyncio.create_task(_report_load(registry, engine_loop, worker_load, wcfg.heartbeat_s))
     ready = {"role": wcfg.role, "worker_id": wcfg.id, "grpc_addr": addr, "metrics_port": metrics_port,
              "pid": os.getpid(), "boot_epoch": wcfg.boot_epoch,
              "transfer_backend": parts.transfer_backend, "startup_s": round(time.monotonic() - t0, 2),
@@ -251,11 +262,11 @@ def _build_sync(engine_cfg: EngineConfig, wcfg: WorkerConfig, loop) -> RoleParts
     return ROLES[wcfg.role](engine_cfg, wcfg, loop)
 
 
-async def _report_load(registry, engine_loop: EngineLoop, worker, period: float) -> None:
+async def _report_load(registry, engine_loop: EngineLoop, load, period: float) -> None:
     while True:
         await asyncio.sleep(period)
         try:
-            registry.update_load(await engine_loop.call(worker.load))
+            registry.update_load(await engine_loop.call(load))
         except Exception:  # never let a metrics hiccup kill the heartbeat
             log.exception("load report failed")
 

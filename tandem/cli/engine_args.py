@@ -16,7 +16,7 @@ from tandem.engine.config import (
 )
 from tandem.services.common.arg_groups import ENGINE, LORA, MODEL, SCHEDULER, SPECULATIVE
 from tandem.services.common.flags import Flag, Owner, add_flags
-from tandem.services.common.shared_flags import MODEL_FLAG, QUEUE_FLAGS
+from tandem.services.common.shared_flags import LORA_RUNTIME_UPDATING, MODEL_FLAG, QUEUE_FLAGS
 
 _E = Owner.ENGINE
 
@@ -175,13 +175,16 @@ ENGINE_FLAGS = (
             "step mixes requests of different adapters and the base model (docs/lora.md)",
             "serve the base model only"),
     Flag(("--lora-modules",), _E, LORA,
-         "an adapter to load at start, NAME=PATH (PATH: a PEFT folder with adapter_config.json and "
+         "an adapter to serve, NAME=PATH (PATH: a PEFT folder with adapter_config.json and "
          "adapter_model.safetensors); repeat for more; needs --enable-lora", action="append", metavar="NAME=PATH"),
     Flag(("--max-loras",), _E, LORA, "most distinct adapters in one step", field="max_loras", type=int),
     Flag(("--max-lora-rank",), _E, LORA, "the largest adapter rank accepted (a higher one is refused at load)",
          field="max_lora_rank", type=int),
-    Flag(("--max-cpu-loras",), _E, LORA, "adapters kept loaded (default: --max-loras)", field="max_cpu_loras",
-         type=int),
+    Flag(("--max-cpu-loras",), _E, LORA, "adapters kept loaded (default: --max-loras); loading one more drops the "
+         "least recently used one no request in flight uses", field="max_cpu_loras", type=int),
+    Flag(("--lora-eager-load",), _E, LORA, "load every --lora-modules adapter at start (default: when a request "
+         "first needs it on this worker)", field="lora_eager_load", action="store_true"),
+    LORA_RUNTIME_UPDATING,
     Flag(("--disable-speculative-adaptive",), _E, SPECULATIVE,
          "keep speculating even when measured acceptance makes it slower than plain decode (by default a batch "
          "stops speculating then, and probes it again now and then)", field="speculative_adaptive",
@@ -240,6 +243,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        lora_eager_load=args.lora_eager_load,
+        enable_lora_runtime_updating=args.enable_lora_runtime_updating,
     )
 
 

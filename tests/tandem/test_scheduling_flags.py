@@ -61,7 +61,7 @@ def test_up_forwards_every_engine_flag_to_workers():
     switches = ["--disable-mixed-chunk", "--disable-prefix-cache", "--enable-priority-scheduling",
                 "--low-priority-values-first", "--enable-overlap-schedule", "--enable-graph",
                 "--disable-speculative-adaptive", "--disable-weight-prepack", "--disable-cpu-kernels",
-                "--enable-any-whitespace", "--enable-lora"]
+                "--enable-any-whitespace", "--enable-lora", "--lora-eager-load", "--enable-lora-runtime-updating"]
     probe = argparse.ArgumentParser()
     add_engine_arguments(probe)
     named = {a.option_strings[0] for a in probe._actions if a.option_strings and a.dest != "help"}
@@ -90,3 +90,18 @@ def test_up_forwards_the_routing_flags_to_the_router():
     assert router.policy == "cache_aware"
     assert router.route == RouteConfig(-1, 100, 3, 2.5, 7.0)
     assert not set(router_args(build_parser().parse_args(["up"]))) & set(flags[::2])  # defaults: the router's own
+
+
+def test_up_forwards_lora_runtime_updating_to_the_workers_and_the_gateway():
+    from tandem.cli.up_cmd import gateway_args
+    from tandem.services.gateway.config import GatewayConfig
+
+    up = build_parser().parse_args(["up", "--enable-lora", "--enable-lora-runtime-updating"])
+    worker = engine_config_from_args(build_parser().parse_args(["colocated", *worker_args(up)]))
+    assert worker.enable_lora_runtime_updating and not worker.lora_eager_load
+    gateway = GatewayConfig.from_args(build_parser().parse_args(["gateway", *gateway_args(up)]))
+    assert gateway.enable_lora_runtime_updating
+    default = build_parser().parse_args(["up"])
+    assert not GatewayConfig.from_args(build_parser().parse_args(["gateway", *gateway_args(default)])) \
+        .enable_lora_runtime_updating
+    assert "--enable-lora-runtime-updating" not in worker_args(default)

@@ -126,8 +126,8 @@ def _copy(src: Path, dst: Path, **config) -> Path:
 ])
 def test_a_bad_adapter_is_refused_at_load_saying_why(tiny_llama, adapters, tmp_path, config, says):
     bad = _copy(adapters["all8"], tmp_path / "bad", **config)
-    with pytest.raises(InvalidRequest, match=says):
-        engine_with(tiny_llama, {"bad": bad})
+    with pytest.raises(InvalidRequest, match=says):   # eager: the weights are read at start
+        engine_with(tiny_llama, {"bad": bad}, lora_eager_load=True)
 
 
 def test_the_flags_are_checked():

@@ -7,11 +7,12 @@ import pytest
 from tandem.services.router.cache_view import BLOCK_TOKENS, PrefixCacheView, PromptKey
 from tandem.services.router.cost import Candidate
 from tandem.services.router.planner import RoutePlanner
-from tandem.services.router.policy import LeastLoad, RoundRobin, make_policy, policy_names
+from tandem.services.router.policy import LeastLoad, RoundRobin, RouteRequest, make_policy, policy_names
 from tandem.services.router.route_config import RouteConfig
 from tandem.v1 import worker_pb2
 
 P, D = worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE
+BASE = RouteRequest(PromptKey.of([1, 2, 3]))
 
 
 def _w(wid: str, running=0, waiting=0, free=0, total=0, tokens=0) -> worker_pb2.WorkerInfo:
@@ -34,43 +35,43 @@ def test_registry_of_policies():
 def test_round_robin_cycles_and_survives_membership_changes():
     rr = make_policy("round_robin")
     cs = [_c("a"), _c("b"), _c("c")]
-    assert [rr.pick(cs).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
-    assert rr.pick(cs[:1]).worker_id == "a"  # a shrunken list still yields a worker
+    assert [rr.pick(BASE, cs).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert rr.pick(BASE, cs[:1]).worker_id == "a"  # a shrunken list still yields a worker
 
 
 def test_least_load_prefers_least_queued_prefill_tokens_then_requests():
     ll = make_policy("least_load")
     # "a" has fewer requests but one 3,000-token prompt queued: "b"'s two short ones are less work.
-    assert ll.pick([_c("a", waiting=1, tokens=3000), _c("b", waiting=2, tokens=100)]).worker_id == "b"
+    assert ll.pick(BASE, [_c("a", waiting=1, tokens=3000), _c("b", waiting=2, tokens=100)]).worker_id == "b"
     # What this router sent since the last heartbeat counts when it is more than the report.
-    assert ll.pick([_c("a", tokens=100, inflight_tokens=900), _c("b", tokens=500)]).worker_id == "b"
+    assert ll.pick(BASE, [_c("a", tokens=100, inflight_tokens=900), _c("b", tokens=500)]).worker_id == "b"
     cs = [_c("a", running=2, waiting=1), _c("b", running=1), _c("c", running=1, waiting=1)]
-    assert ll.pick(cs).worker_id == "b"
-    assert ll.pick([_c("a", running=2), _c("b", running=1, inflight=2), _c("c", running=2)]).worker_id == "a"
+    assert ll.pick(BASE, cs).worker_id == "b"
+    assert ll.pick(BASE, [_c("a", running=2), _c("b", running=1, inflight=2), _c("c", running=2)]).worker_id == "a"
 
 
 def test_least_load_breaks_ties_by_free_pages_then_order():
     ll = make_policy("least_load")
     cs = [_c("a", free=10, total=100), _c("b", free=90, total=100), _c("c", free=90, total=100)]
-    assert ll.pick(cs).worker_id == "b"
+    assert ll.pick(BASE, cs).worker_id == "b"
 
 
 def test_cache_aware_prefers_the_prefix_match_while_balanced():
     ca = make_policy("cache_aware", RouteConfig(balance_abs_threshold=4, balance_rel_threshold=1.5))
     cs = [_c("a", running=3, prompt=1100), _c("b", running=5, cached=1024, prompt=1100)]
-    assert ca.pick(cs).worker_id == "b"
+    assert ca.pick(BASE, cs).worker_id == "b"
     # ... but not when its queue holds more work than the match saves.
     cs = [_c("a", running=3, prompt=1100), _c("b", running=5, cached=1024, prompt=1100, tokens=2000)]
-    assert ca.pick(cs).worker_id == "a"
+    assert ca.pick(BASE, cs).worker_id == "a"
 
 
 def test_cache_aware_imbalance_overrides_the_cache():
     ca = make_policy("cache_aware", RouteConfig(balance_abs_threshold=4, balance_rel_threshold=1.5))
     cs = [_c("a", running=1, prompt=1100), _c("b", running=6, cached=1024, prompt=1100)]
-    assert ca.pick(cs).worker_id == "a"  # 6 - 1 > 4 and 6 > 1.5 * 1
+    assert ca.pick(BASE, cs).worker_id == "a"  # 6 - 1 > 4 and 6 > 1.5 * 1
     # Both thresholds must be exceeded: a gap of 5 between 20 and 25 is within 1.5x.
     cs = [_c("a", running=20, prompt=1100), _c("b", running=25, cached=1024, prompt=1100)]
-    assert ca.pick(cs).worker_id == "b"
+    assert ca.pick(BASE, cs).worker_id == "b"
 
 
 def test_prompt_keys_share_whole_block_prefixes_only():
