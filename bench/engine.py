@@ -180,7 +180,7 @@ def main() -> None:
                               kv_cache_gb=2.0, chunked_prefill_size=8192, max_running_requests=max_batch,
                               enable_mixed_chunk=False, num_threads=args.threads or None,
                               enable_weight_prepack=False if args.compare_prepack else None,
-                              enable_graph=graph, kv_layout="layer_first" if args.compare_kv_layout else "page_first",
+                              enable_graph=graph, kv_layout="layer_first" if args.compare_kv_layout else "auto",
                               graph_bs=tuple(int(b) for b in args.graph_bs.split(",")) if args.graph_bs else None)
     engines = {"tandem": cfg}
     if args.compare_graph:

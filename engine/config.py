@@ -21,7 +21,8 @@ class EngineConfig:
     page_size: int = 16                   # tokens per KV page
     # page_first: a page of every layer is one contiguous block (one piece to transfer or tier);
     # layer_first: one block per (layer, K|V). Attention reads either (engine/kvcache/kv_pool.py).
-    kv_layout: str = "page_first"
+    # auto: layer-first on CPU, page-first on GPUs (engine/hardware.py, choose_kv_layout).
+    kv_layout: str = "auto"
     max_total_tokens: int | None = None   # KV pool size in tokens; None: from kv_cache_gb
     kv_cache_gb: float = 1.0
     context_length: int | None = None     # None: the model's max_position_embeddings
@@ -156,8 +157,9 @@ class EngineConfig:
                                  "kv_host_cache_gb")
         if self.kv_disk_cache_dir is not None and not self.kv_disk_cache_dir.strip():
             raise InvalidRequest("--kv-disk-cache-dir is empty (unset it to turn L3 off)", "kv_disk_cache_dir")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise InvalidRequest(f"--kv-layout must be page_first or layer_first, got {self.kv_layout!r}", "kv_layout")
+        if self.kv_layout != "auto" and self.kv_layout not in KV_LAYOUTS:
+            raise InvalidRequest(f"--kv-layout must be auto, page_first or layer_first, got {self.kv_layout!r}",
+                                 "kv_layout")
         if self.kv_write_policy not in ("write_through", "write_back"):
             raise InvalidRequest(f"--kv-write-policy must be write_through or write_back, got {self.kv_write_policy!r}",
                                  "kv_write_policy")

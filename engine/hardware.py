@@ -161,6 +161,19 @@ def choose_weight_prepack(hw: Hardware, dtype: torch.dtype, graphs: bool, cpu_ke
     return Choice(True, "bf16 on a CPU whose oneDNN takes bf16")
 
 
+def choose_kv_layout(name: str, hw: Hardware) -> Choice:
+    """The KV pool's layout (engine/kvcache/kv_pool.py). Measured on CPU (docs/benchmarks.md, "KV layout"):
+    page-first makes every transfer backend 1.2-3.8x faster, but decode 3-23% slower over a request's
+    pages (allocated in runs), since each layer's page is then a short read far from the next
+    and the prefetcher restarts at each; so layer-first on CPU, page-first on GPUs (where attention
+    reads pages in parallel from HBM and transfers ride RDMA: vLLM's cross-layer blocks)."""
+    if name != "auto":
+        return Choice(name, "--kv-layout")
+    if hw.is_cpu:
+        return Choice("layer_first", "CPU decode attention reads a layer's pages in runs")
+    return Choice("page_first", "one piece per page to transfer; attention reads pages in parallel")
+
+
 def choose_cpu_kernels(hw: Hardware, graphs: bool) -> Choice:
     """Tandem's fused C++ kernels (kernels/cpu), in the variant of the effective ISA level."""
     if not hw.is_cpu:

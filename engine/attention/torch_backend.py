@@ -79,7 +79,7 @@ class TorchAttnMetadata:
     decode: list[DecodeBucket] = field(default_factory=list)
     extend: list[ExtendSeq] = field(default_factory=list)
     kernel: KernelRows | None = None
-    store_at: tuple[torch.Tensor, torch.Tensor] | None = None   # each new token's (page, offset)
+    store_at: torch.Tensor | None = None   # the pool rows of each new token's K and V, per layer (store_rows)
 
 
 @register_backend("torch")
@@ -95,7 +95,7 @@ class TorchAttention(AttentionBackend):
     def prepare(self, ctx: ForwardContext) -> None:
         device = ctx.input_ids.device
         ps = self.pool.spec.page_size
-        md = TorchAttnMetadata(store_at=self.pool.slot_index(ctx.out_slots))
+        md = TorchAttnMetadata(store_at=self.pool.store_rows(ctx.out_slots))
         starts, row = [], 0
         for n in ctx.q_lens:
             starts.append(row)
@@ -176,8 +176,7 @@ class TorchAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         md: TorchAttnMetadata = ctx.attn_metadata
-        self.pool.k(layer)[md.store_at] = k
-        self.pool.v(layer)[md.store_at] = v
+        self.pool.store(layer, k, v, md.store_at)
         if md.kernel is not None and md.kernel.rows is None:     # every row decodes, in order
             return self._decode_kernel(layer, q, md.kernel)
         if not md.extend and len(md.decode) == 1 and md.decode[0].rows.shape[0] == q.shape[0]:

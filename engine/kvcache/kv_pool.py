@@ -64,6 +64,7 @@ class KVPool:
         assert tuple(buffer.shape) == spec.shape and buffer.dtype == spec.dtype and buffer.is_contiguous(), (
             f"KV buffer {tuple(buffer.shape)} {buffer.dtype} does not match {spec.shape} {spec.dtype}")
         self.buffer = buffer
+        self._rows = buffer.view(-1, spec.kv_heads * spec.head_dim)
         # Each layer's K and V as `[num_pages, page_size, kv_heads, head_dim]` views (page-first: pages
         # num_layers * 2 blocks apart); every page's slots contiguous.
         if spec.kv_layout == "page_first":
@@ -84,6 +85,26 @@ class KVPool:
         """Slots (`page * page_size + offset`) as the (page, offset) index of `k(layer)` / `v(layer)`:
         `pool.k(layer)[pool.slot_index(slots)]` reads or writes those slots in either layout."""
         return slots // self.spec.page_size, slots % self.spec.page_size
+
+    def store_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """`[num_layers, 2, T]`: the rows of the pool seen as `[rows, kv_heads * head_dim]` (one row per
+        token, layer and K|V) that `slots`' K (`[:, 0]`) and V (`[:, 1]`) go to. Built once per step, so
+        each layer's store is one single-index write, whatever the layout."""
+        s = self.spec
+        ps, layers = s.page_size, s.num_layers
+        if s.kv_layout == "page_first":
+            per_page, per_layer, per_kv = 2 * layers * ps, 2 * ps, ps
+        else:
+            per_page, per_layer, per_kv = ps, 2 * s.num_pages * ps, s.num_pages * ps
+        base = (slots // ps) * per_page + slots % ps
+        layer = torch.arange(layers, device=slots.device) * per_layer
+        kv = torch.arange(2, device=slots.device) * per_kv
+        return base[None, None, :] + layer[:, None, None] + kv[None, :, None]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write a step's new K and V `[T, kv_heads, head_dim]` of `layer` at `rows` (`store_rows`)."""
+        self._rows[rows[layer, 0]] = k.reshape(k.shape[0], -1)
+        self._rows[rows[layer, 1]] = v.reshape(v.shape[0], -1)
 
     def _page(self, page: int) -> torch.Tensor:
         """Page `page` of every layer, K and V, as `[num_layers, 2, page_size, kv_heads, head_dim]`."""
@@ -112,3 +133,4 @@ class KVPool:
         s = self.spec
         dst = self._page(page)
         dst.copy_(src.view(s.dtype).view(s.num_layers, 2, s.page_size, s.kv_heads, s.head_dim))
+

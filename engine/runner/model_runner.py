@@ -18,7 +18,7 @@ from tandem.engine.attention.base import create_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequest
 from tandem.engine.forward_context import ForwardContext
-from tandem.engine.hardware import Choice, choose_cpu_kernels, choose_weight_prepack, detect
+from tandem.engine.hardware import Choice, choose_cpu_kernels, choose_kv_layout, choose_weight_prepack, detect
 from tandem.engine.hardware import resolve_dtype as choose_dtype
 from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.lora.batch import LoraBatch
@@ -81,6 +81,7 @@ class ModelRunner:
         # The hardware-dependent defaults this runner took, and why (logged; the worker's banner shows them).
         self.choices: dict[str, Choice] = {"dtype": choose_dtype(cfg.dtype, self.hardware, model_cfg.torch_dtype)}
         self.dtype = self.choices["dtype"].value
+        self.choices["KV layout"] = choose_kv_layout(cfg.kv_layout, self.hardware)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.cpu_ops = self._cpu_kernels()   # before the model: fp32 weights are packed for their linear kernel
@@ -130,7 +131,7 @@ class ModelRunner:
             tokens = int(cfg.kv_cache_gb * (1 << 30)) // per_token
         num_pages = max(1, tokens // cfg.page_size)
         return KVPoolSpec(m.num_layers, num_pages, cfg.page_size, m.num_kv_heads, m.head_dim, self.dtype,
-                          cfg.kv_layout)
+                          self.choices["KV layout"].value)
 
     def _load_model(self, context_len: int) -> torch.nn.Module:
         t0 = time.perf_counter()

@@ -67,8 +67,10 @@ ENGINE_FLAGS = (
          field="page_size", type=int),
     Flag(("--kv-layout",), _E, ENGINE,
          "KV pool layout: page_first keeps a page of every layer in one block (one piece per page to transfer "
-         "or tier), layer_first one block per layer and K|V; attention reads both",
-         field="kv_layout", choices=KV_LAYOUTS),
+         "or tier: transfers 1.2-3.8x faster), layer_first one block per layer and K|V (on CPU, decode 3-23%% "
+         "faster); auto: layer_first on CPU, page_first on GPUs. Prefill and decode "
+         "workers must use the same",
+         field="kv_layout", choices=("auto", *KV_LAYOUTS)),
     Flag(("--max-total-tokens",), _E, ENGINE, "KV pool size in tokens (default: what --kv-cache-gb holds)",
          field="max_total_tokens", type=int),
     Flag(("--kv-cache-gb",), _E, ENGINE, "KV pool size when --max-total-tokens is unset", field="kv_cache_gb",

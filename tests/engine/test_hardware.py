@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from tandem.engine.hardware import (
+    Choice,
     Hardware,
     choose_cpu_kernels,
     choose_dtype,
     choose_graphs,
+    choose_kv_layout,
     choose_overlap,
     choose_weight_prepack,
     detect,
@@ -110,3 +112,11 @@ def test_the_emulated_isa_is_in_force():
     if want == "avx2":
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
         assert not hw.onednn_bf16 and not hw.native_bf16
+
+
+def test_kv_layout_is_layer_first_on_every_cpu_and_page_first_on_gpus():
+    for hw in (AVX2, AVX512, ZEN4, ZEN4_AS_AVX2, GRAVITON3):
+        assert choose_kv_layout("auto", hw).value == "layer_first", hw.name
+    for hw in (A100, V100):
+        assert choose_kv_layout("auto", hw).value == "page_first", hw.name
+    assert choose_kv_layout("page_first", AVX2) == Choice("page_first", "--kv-layout")

@@ -17,6 +17,20 @@ def _pool(layout: str) -> KVPool:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_steps_store_lands_in_the_slots_each_layers_view_reads(layout):
+    pool = _pool(layout)
+    slots = torch.tensor([0, 5, 19, 7])
+    rows = pool.store_rows(slots)
+    assert rows.shape == (3, 2, 4)
+    for layer in range(3):
+        k = torch.randn(4, 2, 8)
+        pool.store(layer, k, -k, rows)
+        assert torch.equal(pool.k(layer)[pool.slot_index(slots)], k)
+        assert torch.equal(pool.v(layer)[pool.slot_index(slots)], -k)
+    assert (pool.buffer != 0).sum() == 3 * 2 * 4 * 2 * 8          # nothing else was written
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_slots_written_through_the_layer_views_read_back(layout):
     pool = _pool(layout)
     slots = torch.tensor([0, 5, 19, 7])
