@@ -152,8 +152,7 @@ class OneProcessCopy:
     def __init__(self, src: torch.Tensor, layout: PoolLayout, runs: list[tuple[int, int, int]], src_pages,
                  dst_pages):
         self.runs = runs
-        self.dst_pool = torch.zeros_like(src)
-        self.src, self.dst = layout.by_page(src), layout.by_page(self.dst_pool)     # [page, layer, K|V, ...]
+        self.src, self.dst = layout.by_page(src), layout.by_page(torch.zeros_like(src))   # [page, layer, K|V, ...]
         self.si, self.di = torch.tensor(src_pages), torch.tensor(dst_pages)
 
     def copy_loop(self) -> None:

@@ -25,6 +25,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
     xs = sorted(values_ms)
     if not xs:
@@ -50,10 +57,7 @@ def plot_cdfs(series: Mapping[str, Mapping[str, Sequence[float]]], path: Path, t
     axes.flat[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_capacity(series: Mapping[str, Sequence[tuple[float, float]]], goal: float, path: Path,
@@ -74,10 +78,7 @@ def plot_capacity(series: Mapping[str, Sequence[tuple[float, float]]], goal: flo
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def rate_label(rate: float) -> str:
@@ -117,10 +118,7 @@ def plot_vs_rate(series: Mapping[str, Sequence[tuple[float, dict]]], path: Path,
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _slo_of(series: Mapping[str, Sequence[tuple[float, dict]]]) -> str:
@@ -177,7 +175,4 @@ def plot_timeline(series: Mapping[str, Sequence[dict]], path: Path, title: str =
         ax.legend(fontsize=7, loc="upper right")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -10,6 +10,7 @@ from typing import Any
 
 from tandem.services.gateway.reasoning import ReasoningParser, split_reasoning
 from tandem.services.gateway.tokenizer import GatewayTokenizer
+from tandem.services.gateway.tool_parser import read_whole
 from tandem.v1 import generation_pb2
 
 FINISH_REASONS = {
@@ -237,9 +238,7 @@ class ChatFormat(CompletionFormat):
         message: dict = {"role": "assistant", "content": text if text or thought is None else None}
         reason = c.finish_reason
         if self.tool_parser:
-            parser = self.tool_parser()
-            content = parser.feed(text).content + parser.finish().content
-            calls = parser.calls
+            content, calls = read_whole(self.tool_parser(), text)
             if calls:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [call.message() for call in calls]}

@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from tandem.services.gateway.tool_parser import Delta, ToolCall, ToolCallParser, _hold, call_id
+from tandem.services.gateway.tool_parser import Delta, ToolCall, ToolCallParser, _hold, call_id, read_whole
 from tandem.services.gateway.tools import ToolUse
 
 _DECODER = json.JSONDecoder()
@@ -247,6 +247,4 @@ def parser_for(name: str, tools: ToolUse | None) -> Callable[[], Any] | None:
 
 def parse_whole(name: str, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
     """A whole output → (content, calls), with the parser `name`."""
-    p = create_tool_parser(name, tools)
-    content = p.feed(text).content + p.finish().content
-    return content, p.calls
+    return read_whole(create_tool_parser(name, tools), text)

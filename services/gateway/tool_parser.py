@@ -205,8 +205,12 @@ class ToolCallParser:
             out.calls.append({"index": index, "function": {"arguments": text}})
 
 
+def read_whole(parser, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole output → (content, calls), read by a fresh `parser` (any format's: one feed, a finish)."""
+    content = parser.feed(text).content + parser.finish().content
+    return content, parser.calls
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole output → (content, calls)."""
-    p = ToolCallParser()
-    content = p.feed(text).content + p.finish().content
-    return content, p.calls
+    """A whole Hermes-format output → (content, calls)."""
+    return read_whole(ToolCallParser(), text)
