@@ -10,12 +10,18 @@ load runs on the link's loader thread; the request is *loading* (`is_loading`) u
 on the scheduler's thread, finds it done and moves the loaded pages into the prefix cache. A loading
 request holds its slot and pages, and nothing may compute it or hand its pages to anyone else.
 `release` of a loading request cancels the load first (it waits at most for the page in progress).
+
+A request may name a `PrefixSource` (`req.kv_source`): another worker's pool that holds more of its
+prompt than this worker's L1 (a prefill worker's decode peer keeps each turn's answer, which the next
+turn's prompt repeats). Admission then fetches those pages from it in the same way, instead of
+loading from the tiers or computing them; `req.fetched_tokens` counts them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem.engine.kvcache.page_allocator import PageAllocator
 from tandem.engine.kvcache.radix_cache import PrefixMatch, RadixCache
@@ -35,14 +41,30 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+class PrefixSource(Protocol):
+    """Another worker's pool that holds the first `tokens` tokens of a request's prompt (whole pages).
+
+    `start_load` fetches its pages `first..last-1` into this pool's `pages` and returns the job (a
+    tiers/link.py `LoadJob`: `loaded` leading pages final once `done` is set), or None when nothing
+    can be fetched; `cancel` returns once nothing of the job can still land in its pages."""
+
+    tokens: int
+
+    def start_load(self, first: int, last: int, pages: Sequence[int]) -> LoadJob | None: ...
+
+    def cancel(self, job: LoadJob) -> None: ...
+
+
 @dataclass(eq=False)
 class _Loading:
-    """A request admitted with a load in flight: its L1 match (locked) and what it loads."""
+    """A request admitted with a load in flight: its L1 match (locked), what it loads and from where
+    (the tiers' link or the request's PrefixSource: `source.cancel(job)`)."""
 
     req: Request
     job: LoadJob
     match: PrefixMatch
     fill_ids: list[int]
+    source: Any
 
 
 class KVManager:
@@ -58,6 +80,7 @@ class KVManager:
         self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, **hooks)
         self.slots = ReqToPageTable(max_slots)
         self.num_loaded_pages = 0   # pages loaded from the tiers instead of recomputed
+        self.num_fetched_pages = 0  # pages fetched from another worker's pool (PrefixSource) instead
         self._loading: dict[int, _Loading] = {}   # slot -> its load in flight (admission order)
 
     # --- capacity ----------------------------------------------------------------------------
@@ -106,22 +129,32 @@ class KVManager:
         self.slots.set_pages(slot, req.pages)
         req.num_computed = match.num_tokens
         req.fill_len = len(fill_ids)
-        if self.tiers is not None:
-            self._start_load(req, fill_ids, match, new_pages)
+        source = req.kv_source
+        if source is not None and source.tokens > match.num_tokens:
+            self._start_load(req, fill_ids, match, new_pages, source)
+        elif self.tiers is not None:
+            self._start_load(req, fill_ids, match, new_pages, self.tiers)
         return True
 
-    def _start_load(self, req: Request, fill_ids: list[int], match: PrefixMatch, new_pages: list[int]) -> None:
-        """Start loading the full pages after `match` (up to one token short of `fill_ids`) that the
-        tiers hold into the head of `new_pages`; `req` is loading until `poll_loads` finishes it."""
+    def _start_load(self, req: Request, fill_ids: list[int], match: PrefixMatch, new_pages: list[int],
+                    source) -> None:
+        """Start loading the full pages after `match` (up to one token short of `fill_ids`) that
+        `source` (the tiers' link, or the request's PrefixSource) holds into the head of `new_pages`;
+        `req` is loading until `poll_loads` finishes it."""
         first, last = len(match.pages), (len(fill_ids) - 1) // self.page_size
         if last <= first or not new_pages:
             return
-        job = self.tiers.start_load(fill_ids, first, last, new_pages, self.cache.last_key(match.node))
+        if source is self.tiers:
+            job = self.tiers.start_load(fill_ids, first, last, new_pages, self.cache.last_key(match.node))
+        else:
+            last = min(last, source.tokens // self.page_size)
+            job = source.start_load(first, last, new_pages[:last - first])
         if job is not None:
-            self._loading[req.slot] = _Loading(req, job, match, list(fill_ids))
+            self._loading[req.slot] = _Loading(req, job, match, list(fill_ids), source)
 
     def is_loading(self, req: Request) -> bool:
-        """Whether `req`'s load from the tiers is still in flight (not finished by `poll_loads`)."""
+        """Whether `req`'s load (from the tiers or its PrefixSource) is still in flight (not finished
+        by `poll_loads`)."""
         load = self._loading.get(req.slot) if req.slot is not None else None
         return load is not None and load.req is req
 
@@ -135,19 +168,23 @@ class KVManager:
         done = [load for load in self._loading.values() if load.job.done.is_set()]
         for load in done:
             del self._loading[load.req.slot]
-            self._load_from_tiers(load)
-        if done:
+            self._finish_load(load)
+        if any(load.source is self.tiers for load in done):
             self.tiers.store.drain_events()   # what the loader's L3 promotions changed in L2
         return [load.req for load in done]
 
     def wait_loads(self, timeout: float) -> bool:
         """Block up to `timeout` seconds until a load in flight is done (for a caller with nothing
-        else to do; `poll_loads` then finishes it). False when none is, or none is in flight."""
+        else to do; `poll_loads` then finishes it). False when none is, or none is in flight. With a
+        fetch from a PrefixSource among them, this waits for the oldest load."""
         if not self._loading:
             return False
-        return self.tiers.wait_any([load.job for load in self._loading.values()], timeout)
+        loads = list(self._loading.values())
+        if all(load.source is self.tiers for load in loads):
+            return self.tiers.wait_any([load.job for load in loads], timeout)
+        return loads[0].job.done.wait(timeout)
 
-    def _load_from_tiers(self, load: _Loading) -> None:
+    def _finish_load(self, load: _Loading) -> None:
         """Hand the pages a finished job loaded to the prefix cache (L1 again), move the request's
         lock to the longer match and count those tokens as cached and computed. A partial load
         (a block missing or corrupt part way) keeps what it loaded: the rest is recomputed."""
@@ -169,7 +206,11 @@ class KVManager:
         req.pages[:n] = longer.pages
         self.slots.set_pages(req.slot, req.pages)
         req.cache_node, req.cache_len, req.num_computed = longer.node, longer.num_tokens, longer.num_tokens
-        self.num_loaded_pages += loaded
+        if load.source is self.tiers:
+            self.num_loaded_pages += loaded
+        else:
+            self.num_fetched_pages += loaded
+            req.fetched_tokens = loaded * ps
 
     def ensure_capacity(self, req: Request, num_tokens: int) -> bool:
         """Make `req.pages` cover `num_tokens` tokens, allocating (and evicting) as needed."""
@@ -204,7 +245,7 @@ class KVManager:
             return
         if self.is_loading(req):
             load = self._loading.pop(req.slot)
-            self.tiers.cancel(load.job)
+            load.source.cancel(load.job)
         ids = req.all_ids if token_ids is None else token_ids
         n_full = min(req.num_computed, len(ids)) // self.page_size
         dup = self.cache.insert(ids[: n_full * self.page_size], req.pages[:n_full], _ns(req))

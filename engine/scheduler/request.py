@@ -53,6 +53,11 @@ class Request:
     grammar: Any = None
     # LoRA: the request's adapter (engine/lora/adapters.py LoraAdapter); None: the base model.
     lora: Any = None
+    # Another worker's pool that holds more of the prompt than this one (engine/kvcache/kv_manager.py
+    # PrefixSource): admission fetches those pages instead of computing them. `fetched_tokens`: how
+    # many prompt tokens it did fetch.
+    kv_source: Any = None
+    fetched_tokens: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kvcache.kv_pool import KVPoolSpec
-from tandem.kvtransfer import create_receiver
+from tandem.kvtransfer import create_receiver, create_sender
 from tandem.kvtransfer.base import KVReceiver
+from tandem.services.decode.kv_source import KVSourceServicer
 from tandem.services.decode.servicer import BootstrapClient, DecodeServicer
 from tandem.services.decode.worker import DecodeTimeouts, DecodeWorker
 from tandem.services.worker.config import WorkerConfig
@@ -33,15 +34,29 @@ def build(engine_cfg: EngineConfig, wcfg: WorkerConfig, aio_loop) -> RoleParts:
     worker = DecodeWorker(engine, receiver, DecodeTimeouts(wcfg.transfer_timeout_s), peers,
                           max_prealloc=engine_cfg.max_queued_requests)
 
+    def make_sender():
+        # KV both ways: this worker's pool (the receiver's memory) as a prefill worker's fetch source.
+        return create_sender(wcfg.transfer_backend, receiver.buffer, layout_of(engine.runner.pool.spec), wcfg.id,
+                             **transfer_options(wcfg, "sender"))
+
     def add_servicers(server, loop) -> None:
         peers.bind(loop, worker)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, loop), server)
+        worker_pb2_grpc.add_KVSourceServicer_to_server(
+            KVSourceServicer(worker, loop, make_sender if wcfg.kv_reuse else None), server)
+
+    def close() -> None:
+        engine.close()
+        if worker.prefix_sender is not None:
+            worker.prefix_sender.close()
+        receiver.close()
 
     return RoleParts(
-        worker=worker, role_pb=worker_pb2.WORKER_ROLE_DECODE, service_names=["tandem.v1.DecodeWorker"],
+        worker=worker, role_pb=worker_pb2.WORKER_ROLE_DECODE,
+        service_names=["tandem.v1.DecodeWorker", "tandem.v1.KVSource"],
         add_servicers=add_servicers, engine=engine, transfer_backend=wcfg.transfer_backend,
         # After the engine loop stopped: the engine first (the KV tiers finish their disk writes while
         # the pool the receiver owns is still mapped), then the transfer end.
-        close=lambda: (engine.close(), receiver.close()), inflight=lambda: len(worker.streams),
+        close=close, inflight=lambda: len(worker.streams),
         on_listening=lambda addr: setattr(peers, "grpc_addr", addr),
     )

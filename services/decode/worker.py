@@ -25,12 +25,12 @@ from typing import Protocol
 import grpc
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.errors import GrammarViolation, ResourceExhausted
+from tandem.engine.errors import GrammarViolation, InvalidRequest, ResourceExhausted
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.scheduler.batch import SampledToken
 from tandem.engine.scheduler.queue_policy import PolicyQueue
 from tandem.engine.scheduler.request import Request
-from tandem.kvtransfer.base import KVReceiver, Progress, RoomState
+from tandem.kvtransfer.base import KVReceiver, KVSender, Progress, RoomState
 from tandem.services.common.grpc_errors import RpcFailed
 from tandem.services.worker import metrics
 from tandem.services.worker.convert import step_cost_to_pb
@@ -89,6 +89,7 @@ class DecodeRoom:
     kv_ready_at: float | None = None  # its KV arrived (a stamp for the request's trace)
     outlived_timeout: bool = False  # still waited for, thanks to progress, after transfer_s from the bootstrap
     prefill_epoch: int = 0          # boot epoch of the prefill instance the router paired (0: unchecked)
+    prefix_sent: bool = False       # this room's cached prefix pages are being sent to P (kv_source.py)
 
     # The prealloc queue orders rooms by their request's priority and arrival (queue_policy).
     @property
@@ -115,6 +116,7 @@ class DecodeWorker:
         self.transfer: dict[int, DecodeRoom] = {}
         self.loading: dict[int, DecodeRoom] = {}   # reserved, prefix loading from the KV tiers; no Bootstrap yet
         self.streams: dict[str, DecodeRoom] = {}   # rid -> room, for every request in flight
+        self.prefix_sender: KVSender | None = None  # KV both ways: set once a prefill worker asks (kv_source.py)
         metrics.QUEUE_CAP.labels("prealloc").set(max_prealloc)
 
     # --- commands ----------------------------------------------------------------------------
@@ -161,6 +163,29 @@ class DecodeWorker:
                                             room.prefill_id))
         elif room.state is RoomState.BOOTSTRAPPING:
             room.state = RoomState.WAITING_FOR_INPUT
+
+    def send_prefix(self, room_id: int, peer_id: str, first_page: int, dst_pages: list[int]) -> None:
+        """KV both ways (kv_source.py): queue the write of the room's cached prompt pages `first_page...`
+        (which its request keeps locked until it ends) into the prefill worker's `dst_pages`, and the
+        room's completion after them. On the engine thread, so that a drop of the room (which aborts
+        the send before its pages are freed) comes entirely before or after. Raises InvalidRequest."""
+        room = self.transfer.get(room_id)
+        if room is None or room.prefill_id != peer_id:
+            raise InvalidRequest(f"room {room_id} is not waiting for KV from {peer_id} here", "bootstrap_room")
+        if room.prefix_sent:
+            raise InvalidRequest(f"room {room_id}'s prefix was already sent", "bootstrap_room")
+        req, ps = room.req, self.engine.cfg.page_size
+        if not dst_pages or (first_page + len(dst_pages)) * ps > req.cache_len:
+            raise InvalidRequest(f"pages {first_page}..{first_page + len(dst_pages) - 1} are not all in the "
+                                 f"{req.cache_len} prompt tokens this worker holds", "dst_page_ids")
+        room.prefix_sent = True
+        self.prefix_sender.write(peer_id, room_id, req.pages[first_page:first_page + len(dst_pages)], dst_pages)
+        self.prefix_sender.finish(peer_id, room_id, b"prefix")
+
+    def _end_prefix_send(self, room: DecodeRoom) -> None:
+        """Before the room's pages may be freed: no write of its prefix can still read them."""
+        if room.prefix_sent:
+            self.prefix_sender.release(room.room)   # aborts one still running
 
     def cancel(self, rid: str) -> None:
         """The client went away: abort the request wherever it is."""
@@ -286,6 +311,7 @@ class DecodeWorker:
         room.kv_ready_at = time.monotonic()
         del self.transfer[room.room]
         self.receiver.release(room.room)
+        self._end_prefix_send(room)
         if status.seconds > 0:
             metrics.TRANSFER_SPEED.set(status.bytes_moved / status.seconds / 1e9)
             metrics.TRANSFER_LATENCY.observe(status.seconds * 1e3)
@@ -316,6 +342,7 @@ class DecodeWorker:
             # after abort() returns; P is told too so it stops computing and frees its side.
             self.receiver.abort(room.room)
             self.receiver.release(room.room)
+            self._end_prefix_send(room)
             self.peers.send_abort(room, reason)
             self.sched.release(req)
             self.engine.forget(req.rid)

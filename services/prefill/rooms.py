@@ -19,6 +19,7 @@ class BootstrapInfo:
     decode_prefix_len: int          # tokens D already holds (page-aligned): P does not send them
     peer_addr: str = ""             # D's gRPC address, for its liveness probe ("" : not watched)
     lora_digest: str = ""           # D's adapter for the room ("": the base model); must be P's too
+    peer_epoch: int = 0             # D's boot epoch (0: unchecked): a fetch from it takes only that instance's writes
 
 
 @dataclass(eq=False)
@@ -33,6 +34,7 @@ class PrefillRoom:
     error: str = ""
     rejection: BaseException | None = None      # the Prefill RPC fails with this status instead (queue full)
     on_done: Callable[[PrefillRoom], None] | None = None  # resolves the Prefill RPC
+    reuse_decode_kv: bool = False               # fetch what D holds beyond P's cache (PrefillRequest.reuse_decode_kv)
     # Stamps for the request's trace (services/worker/trace.py), time.monotonic(): when both halves
     # had arrived, and (step start, step end, tokens) of each step that ran one of its chunks.
     started_at: float | None = None

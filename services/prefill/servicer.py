@@ -38,7 +38,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             params, priority = sampling_from_pb(request.sampling), priority_from_pb(request)
             room = await self.loop.call(lambda: self.worker.add_prefill(
                 request.bootstrap_room, rid, prompt_from_pb(request), params, on_done, priority,
-                list(request.resume_ids), request.lora or None))
+                list(request.resume_ids), request.lora or None, request.reuse_decode_kv))
         except TandemError as e:
             await abort_with(context, e)
         try:
@@ -90,7 +90,7 @@ class BootstrapServicer(worker_pb2_grpc.BootstrapServicer):
             return worker_pb2.BootstrapResponse(
                 accepted=False, error=f"page size mismatch: decode {request.page_size}, prefill {self.worker.page_size}")
         info = BootstrapInfo(peer, list(request.dst_page_ids), request.decode_prefix_len, request.decode_grpc_addr,
-                             request.lora_digest)
+                             request.lora_digest, request.decode_boot_epoch)
         try:
             await self.loop.call(lambda: self.worker.bootstrap(request.bootstrap_room, info))
         except TandemError as e:

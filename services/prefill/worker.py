@@ -8,7 +8,8 @@ path takes layer writes: tcp, nixl), so that little is left to send after the la
 the chunk. With the last chunk the first token goes along as the aux record. P keeps the prompt's
 pages until the transfer reports success or failure, then releases them into its prefix cache. Before each step P reports the
 progress of its bootstrapped rooms to their decode workers (progress.py), whose transfer timeout
-follows it.
+follows it. When the router asks (`reuse_decode_kv`), the room's request fetches what D holds of
+the prompt beyond P's own cache from D instead of computing it (kv_fetch.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tandem.engine.outputs import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler.batch import SampledToken
 from tandem.kvtransfer.base import KVSender, RoomState
+from tandem.services.prefill.kv_fetch import KVFetcher
 from tandem.services.prefill.progress import ProgressReporter
 from tandem.services.prefill.rooms import BootstrapInfo, PrefillRoom
 from tandem.services.worker import metrics
@@ -41,8 +43,9 @@ class PrefillTimeouts:
 
 class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender: KVSender, timeouts: PrefillTimeouts, max_rooms: int = 1024,
-                 stream_layers: int = 0):
+                 stream_layers: int = 0, fetcher: KVFetcher | None = None):
         self.engine = engine
+        self.fetcher = fetcher          # KV both ways: fetches from decode workers (None: never fetch)
         self.sched = engine.scheduler
         self._export_tiers = metrics.kv_tier_exporter(engine)
         self.sender = sender
@@ -64,7 +67,7 @@ class PrefillWorker:
 
     # --- commands (called via EngineLoop.call) -----------------------------------------------
     def add_prefill(self, room_id: int, rid: str, prompt, params: SamplingParams, on_done, priority: int = 0,
-                    resume_ids=(), lora: str | None = None) -> PrefillRoom:
+                    resume_ids=(), lora: str | None = None, reuse_decode_kv: bool = False) -> PrefillRoom:
         """The router's Prefill: validate and wait for D's Bootstrap. Returns its room (whose stamps
         the servicer reads once it is done); raises InvalidRequest."""
         if room_id in self.rooms and self.rooms[room_id].req is not None:
@@ -80,7 +83,7 @@ class PrefillWorker:
                                        priority, resume_ids, lora)
         if room is None:
             room = self.rooms[room_id] = PrefillRoom(room_id)
-        room.req, room.on_done = req, on_done
+        room.req, room.on_done, room.reuse_decode_kv = req, on_done, reuse_decode_kv
         self._by_rid[rid] = room
         if room.ready:
             self._start(room)
@@ -194,6 +197,11 @@ class PrefillWorker:
                 raise InvalidRequest(f"LoRA adapter mismatch: the decode worker applies "
                                      f"{room.info.lora_digest[:12] or 'none'}, this prefill {ours[:12] or 'none'}",
                                      "lora")
+            if room.reuse_decode_kv and self.fetcher is not None:
+                # D holds the first decode_prefix_len tokens; admission fetches what P's cache lacks of them.
+                info = room.info
+                room.req.kv_source = self.fetcher.source(room.room, info.peer_id, info.peer_addr, info.peer_epoch,
+                                                         info.decode_prefix_len)
             self.sched.add(room.req)
             self.progress.admitted(room)
         except InvalidRequest as e:
@@ -289,7 +297,7 @@ class PrefillWorker:
             room.on_done(worker_pb2.PrefillResponse(
                 request_id=req.rid if req else "", bootstrap_room=room.room,
                 state=_STATE_PB[room.state], error=room.error,
-                cached_tokens=req.cache_len if req else 0,
+                cached_tokens=req.cache_len if req else 0, fetched_tokens=req.fetched_tokens if req else 0,
                 transfer_ms=seconds * 1e3, transfer_bytes=nbytes,
             ))
 
@@ -319,6 +327,7 @@ class PrefillWorker:
             running=stats.prefilling, waiting=stats.waiting + len(self.rooms),
             free_pages=stats.free_pages, total_pages=stats.total_pages,
             prefill_tokens=unstarted + stats.prefill_tokens, step_cost=step_cost_to_pb(self.sched.cost),
+            kv_fetch_gbps=self.fetcher.gbps if self.fetcher is not None else 0.0,
         )
 
 

@@ -60,6 +60,11 @@ class RouterMetrics:
             "tandem_router_prefill_route", "Disaggregated requests by where their prompt was prefilled: on a "
             "prefill worker (remote) or on the decode worker (local)", ["route"], registry=self.registry,
         )
+        self.kv_reuse = Counter(
+            "tandem_router_kv_reuse", "Disaggregated requests whose decode worker held more of the prompt than their "
+            "prefill worker, by the cost model's decision: fetch that KV from it, or compute it (--kv-reuse-policy)",
+            ["decision"], registry=self.registry,
+        )
         self.workers = Gauge("tandem_router_workers", "Registered workers by role", ["role"], registry=self.registry)
         # The admission queue (admission.py): who waits for an in-flight slot, and who was shed.
         self.queued = Gauge("tandem_router_queued_requests", "Requests waiting in the router queue for an in-flight "
@@ -101,6 +106,12 @@ class RouterMetrics:
     def watch_workers(self, source: Callable[[], Iterable[worker_pb2.WorkerInfo]]) -> None:
         """Export the load each worker of `source()` last announced, read at every scrape."""
         self.worker_loads.source = source
+
+    def count_route(self, route: str) -> None:
+        self.prefill_route.labels(route).inc()
+
+    def count_reuse(self, decision: str) -> None:
+        self.kv_reuse.labels(decision).inc()
 
     def observe_itl(self, gap_s: float, tokens: int) -> None:
         for _ in range(tokens):

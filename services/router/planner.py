@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.services.router.cache_view import PrefixCacheView, PromptKey
-from tandem.services.router.cost import Candidate
+from tandem.services.router.cost import Candidate, reuse_tokens
 from tandem.services.router.kv_feed import EventPrefixView
 from tandem.services.router.lora_routing import adapter_block_parent, lora_affinity
 from tandem.services.router.policy import RouteRequest, make_policy
@@ -56,6 +56,7 @@ class RoutePlan:
     first_token: bool = False
     considered: tuple[Candidate, ...] = ()      # every worker weighed, with its costs (the request's trace)
     fallback: str | None = None                 # why a disagg request prefills on D although it wanted P
+    reuse_decode_kv: bool = False               # P fetches what D holds of the prompt beyond its cache
 
     @property
     def prefill(self) -> worker_pb2.WorkerInfo | None:
@@ -72,7 +73,7 @@ class RoutePlan:
 
 class RoutePlanner:
     def __init__(self, policy: str, cfg: RouteConfig, roles: Sequence[int], on_route=None,
-                 exact: EventPrefixView | None = None):
+                 exact: EventPrefixView | None = None, on_reuse=None):
         """`exact`: the workers' KV events (kv_feed.py), asked first; the approximate view answers for
         workers without an exact view and for prompts without token ids."""
         self.cfg = cfg
@@ -80,6 +81,7 @@ class RoutePlanner:
         self.cache = PrefixCacheView(ttl_s=cfg.prefix_cache_ttl_s)
         self.exact = exact
         self.on_route = on_route                 # called with "remote" / "local" for every disagg plan
+        self.on_reuse = on_reuse                 # called with "fetch" / "compute" when D holds more than P
         self.inflight: Counter[str] = Counter()
         self.inflight_tokens: Counter[str] = Counter()
         self.inflight_adapters: Counter[tuple[str, str]] = Counter()   # (worker, LoRA adapter) -> requests
@@ -107,7 +109,9 @@ class RoutePlanner:
         considered = (*prefill, *decode)
         if route == "local":
             return RoutePlan((d.info,), "local", key, d.uncached_tokens, considered=considered)
-        return RoutePlan((p.info, d.info), "remote", key, p.uncached_tokens, considered=considered)
+        fetched = self._reuse(p, d)
+        return RoutePlan((p.info, d.info), "remote", key, p.uncached_tokens - fetched, considered=considered,
+                         reuse_decode_kv=fetched > 0)
 
     def begin(self, plan: RoutePlan) -> None:
         """The attempt is being sent: count it. A prefill worker caches the prompt as soon as it has
@@ -126,16 +130,21 @@ class RoutePlanner:
             plan.first_token = True
             _sub(self.inflight_tokens, plan.prefilling_worker, plan.prefill_tokens)
 
-    def end(self, plan: RoutePlan) -> None:
+    def end(self, plan: RoutePlan, output_ids: Sequence[int] = ()) -> None:
         """The attempt is over. A decode (or co-located) worker puts the prompt's pages in its prefix
         cache only when the request finishes: the router counts them from then on, so that a local
-        prefill is never chosen for a prefix still held by a running request only."""
+        prefill is never chosen for a prefix still held by a running request only. With the prompt's
+        token ids, `output_ids` (what the client got) count too: the worker caches the answer as well,
+        which the next turn of a conversation repeats (every token but the last has KV there)."""
         self.first_token(plan)
         for w in plan.workers:
             _sub(self.inflight, w.worker_id, 1)
             if plan.key.adapter:
                 _sub(self.inflight_adapters, (w.worker_id, plan.key.adapter), 1)
-        self.cache.record(plan.decode.worker_id, plan.key, capacity=plan.decode.load.total_pages)
+        key = plan.key
+        if key.token_ids is not None and len(output_ids) > 1:
+            key = PromptKey.of(token_ids=[*key.token_ids, *output_ids[:-1]], adapter=key.adapter)
+        self.cache.record(plan.decode.worker_id, key, capacity=plan.decode.load.total_pages)
 
     def retain(self, worker_ids: Iterable[str]) -> None:
         """Workers that left the registry: forget what the router believed they cached."""
@@ -178,6 +187,17 @@ class RoutePlanner:
             return True
         itl = d.itl_with_prefill_s(d.prefill_cost, MIXED_CHUNK_ITL_FACTOR)
         return itl is None or itl <= bound
+
+    def _reuse(self, p: Candidate, d: Candidate) -> int:
+        """Prompt tokens P fetches from D (KV both ways; cost.py `reuse_tokens`), by --kv-reuse-policy."""
+        policy = self.cfg.kv_reuse_policy
+        if policy == "never" or d.cached_tokens <= p.cached_tokens:
+            return 0
+        tokens = d.cached_tokens - p.cached_tokens if policy == "always" else \
+            reuse_tokens(p, d, self.cfg.kv_link_gbps)
+        if self.on_reuse is not None:
+            self.on_reuse("fetch" if tokens else "compute")
+        return tokens
 
     def _saturated(self, prefill: list[Candidate]) -> bool:
         limit = self.cfg.max_prefill_queue_tokens

@@ -20,6 +20,7 @@ DEFAULT_FALLBACK_LOCAL_PREFILL_MAX_TOKENS = 8192
 # The serving benchmarks' TPOT SLO (tandem bench sweep): a local prefill that would push D's running
 # requests past it goes to a prefill worker instead.
 DEFAULT_LOCAL_PREFILL_MAX_ITL_MS = 150.0
+KV_REUSE_POLICIES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class RouteConfig:
     # would then see stays within this (0: no bound): a local prefill must not break the TPOT SLO of
     # everything D decodes (docs/benchmarks.md, "Capacity at SLO").
     local_prefill_max_itl_ms: float = DEFAULT_LOCAL_PREFILL_MAX_ITL_MS
+    # KV both ways (cost.py `reuse_tokens`): "auto" fetches what D holds beyond P's cache when that is
+    # cheaper than computing it, "always" whenever D holds more, "never" computes it.
+    kv_reuse_policy: str = "auto"
+    kv_link_gbps: float = 10.0              # the P-D link the cost model assumes until P has measured a fetch
 
     def validate(self) -> None:
         if self.local_prefill_max_tokens < -1:
@@ -48,6 +53,11 @@ class RouteConfig:
                              f"got {self.fallback_local_prefill_max_tokens} (--no-fallback turns the fallback off)")
         if self.local_prefill_max_itl_ms < 0:
             raise ValueError(f"--local-prefill-max-itl-ms must be >= 0, got {self.local_prefill_max_itl_ms}")
+        if self.kv_reuse_policy not in KV_REUSE_POLICIES:
+            raise ValueError(f"--kv-reuse-policy must be one of {', '.join(KV_REUSE_POLICIES)}, "
+                             f"got {self.kv_reuse_policy!r}")
+        if self.kv_link_gbps <= 0:
+            raise ValueError(f"--kv-link-gbps must be > 0, got {self.kv_link_gbps}")
         if self.prefix_cache_ttl_s <= 0:
             raise ValueError(f"--prefix-cache-ttl must be > 0, got {self.prefix_cache_ttl_s}")
 
@@ -71,6 +81,9 @@ ROUTE_FLAGS = tuple(
          "cache_aware: ... and more than this many times the idlest's requests"),
         ("--prefix-cache-ttl", "prefix_cache_ttl_s", float,
          "seconds after its last use that the router stops counting a routed prefix as cached on a worker"),
+        ("--kv-link-gbps", "kv_link_gbps", float,
+         "disagg, --kv-reuse-policy auto: the prefill-decode link bandwidth (Gbit/s) the cost model assumes "
+         "until a prefill worker has measured its own fetches"),
         ("--fallback-local-prefill-max-tokens", "fallback_local_prefill_max_tokens", int,
          "disagg, decode-only fallback: when no prefill worker can take a prompt (none registered, every one "
          "failed or its circuit open), a prompt up to this many tokens is prefilled on its decode worker "
@@ -81,6 +94,11 @@ ROUTE_FLAGS = tuple(
          "(counted in tandem_router_fallbacks_total, traced as tandem.route.fallback)",
          field="route.fallback", action="on_off", off=("--no-fallback",),
          off_help="fail a request with UNAVAILABLE when no prefill worker can take it (fail fast)"),
+    Flag(("--kv-reuse-policy",), Owner.ROUTER, ROUTING,
+         "disagg, KV both ways: when the decode worker holds more of a prompt than its prefill worker (in a "
+         "multi-turn conversation, the earlier answers), the prefill worker fetches that KV from it instead of "
+         "computing it: auto when the cost model finds the fetch cheaper (--kv-link-gbps), always, or never "
+         "(workers: --kv-reuse-from-decode)", field="route.kv_reuse_policy", choices=KV_REUSE_POLICIES),
 )
 
 
@@ -94,6 +112,7 @@ def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
         prefix_cache_ttl_s=args.prefix_cache_ttl,
         fallback=RouteConfig.fallback if args.fallback is None else args.fallback,
         fallback_local_prefill_max_tokens=args.fallback_local_prefill_max_tokens,
+        kv_reuse_policy=args.kv_reuse_policy, kv_link_gbps=args.kv_link_gbps,
     )
     cfg.validate()
     return cfg

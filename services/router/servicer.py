@@ -136,7 +136,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.channels = channels
         self.metrics = metrics
         self.planner = RoutePlanner(config.policy, config.route, config.roles,
-                                    on_route=lambda route: metrics.prefill_route.labels(route).inc(), exact=kv_view)
+                                    on_route=metrics.count_route, on_reuse=metrics.count_reuse, exact=kv_view)
         self.admission = Admission(config.max_inflight, config.max_queued_requests, QueuePolicy(
             config.enable_priority_scheduling, config.low_priority_values_first), config.queue_timeout_s,
             on_shed=metrics.shed.inc)
@@ -308,7 +308,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if self.config.mode == "colocated":
                         await self._colocated(sent_request, rid, current.decode, relay, deadline)
                     else:
-                        await self._disagg(sent_request, rid, current.prefill, current.decode, relay, deadline)
+                        await self._disagg(sent_request, rid, current.prefill, current.decode, relay, deadline,
+                                           current.reuse_decode_kv)
                 self._outcome(current, None)
                 return relay.sent
             except RouteError as e:
@@ -343,7 +344,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 log.warning("[%s] %s; retrying on %s", rid, e.message, ", ".join(w.worker_id for w in plan.workers))
             finally:
                 tracing.end(span)
-                self.planner.end(current)
+                self.planner.end(current, ledger.sent_ids)
 
     def _trace_plan(self, plan: RoutePlan, attempt: int) -> dict | None:
         """The policy decision as span attributes (None, and nothing computed, when tracing is off)."""
@@ -396,8 +397,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     async def _disagg(self, request, rid, p: worker_pb2.WorkerInfo | None, d: worker_pb2.WorkerInfo, relay: _Relay,
-                      deadline):
-        """`p` None: D prefills the prompt itself (conditional disaggregation), no room is handed over."""
+                      deadline, reuse: bool = False):
+        """`p` None: D prefills the prompt itself (conditional disaggregation), no room is handed over.
+        `reuse`: P fetches what D holds of the prompt beyond its own cache (RoutePlan.reuse_decode_kv)."""
         room = secrets.randbits(63)
         prompt = {"token_ids": request.token_ids} if request.HasField("token_ids") else {"text": request.text}
         lora = request.model if request.model in served_adapters(d) else ""   # applied on both (P checks D's)
@@ -407,7 +409,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if p is not None:
             prefill_call = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(p.grpc_addr)).Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, bootstrap_room=room, sampling=request.sampling, lora=lora,
-                                          priority=request.priority, resume_ids=request.resume_ids, **prompt),
+                                          priority=request.priority, resume_ids=request.resume_ids,
+                                          reuse_decode_kv=reuse, **prompt),
                 timeout=timeout, metadata=tracing.outgoing(),
             )
             peer = {"prefill_bootstrap_addr": p.bootstrap_addr, "prefill_worker_id": p.worker_id,

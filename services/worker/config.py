@@ -42,6 +42,7 @@ class WorkerConfig:
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
     stream_layers: int = 5              # prefill: layers per KV write streamed while a chunk computes; 0: off
+    kv_reuse: bool = True               # KV both ways: prefill fetches prompt pages decode holds; decode sends them
     max_queue: int = 1024               # bootstrap rooms (P); D's prealloc queue: EngineConfig.max_queued_requests
     drain_timeout_s: float = 10.0       # SIGTERM: the most a drain waits (keep it below the pod's grace period)
     watchdog_timeout_s: float = 300.0   # a step still running after this dumps stacks and exits; 0: off
@@ -123,6 +124,13 @@ WORKER_FLAGS = (
          "pass runs, so that only the last few layers are left to send after it (where the decode worker's data "
          "path takes layer writes: tcp, nixl; shm and ucx send after each chunk); 0: after each chunk",
          field="stream_layers", type=_non_negative, metavar="LAYERS"),
+    Flag(("--kv-reuse-from-decode",), _W, DISAGGREGATION,
+         "KV both ways: a prefill worker fetches the part of a prompt its decode worker already holds (in a "
+         "multi-turn conversation, the earlier answers, computed only there) instead of computing it, when the "
+         "router's --kv-reuse-policy asks; a decode worker sends it. The prefill worker's KV pool then lives in "
+         "its transfer backend's memory, as a decode worker's does", field="kv_reuse",
+         action="on_off", off=("--no-kv-reuse-from-decode",),
+         off_help="prefill workers compute every token their own caches lack; decode workers refuse to send KV"),
     Flag(("--max-queue",), _W, DISAGGREGATION,
          "prefill: bootstrap rooms (requests waiting for their decode worker's half of the handshake) beyond "
          "which new ones get RESOURCE_EXHAUSTED; queues waiting for compute are bounded by --max-queued-requests",

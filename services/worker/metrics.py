@@ -81,6 +81,13 @@ KV_TIER_LOAD_WAIT = Histogram(
     "tandem_kv_tier_load_wait_seconds", "What a request waited for its prefix to load from the tiers (all its blocks)",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 # KV events to the router (services/worker/kv_events.py; --kv-events, with a Redis registry).
+KV_FETCHES = Counter("tandem_kv_fetches_total",
+                     "Prefill worker: fetches of a prompt prefix from its decode peer (KV both ways), by outcome",
+                     ["outcome"])
+KV_FETCHED_TOKENS = Counter("tandem_kv_fetched_tokens_total",
+                            "Prefill worker: prompt tokens fetched from decode workers instead of computed")
+KV_PREFIX_SENDS = Counter("tandem_kv_prefix_sends_total",
+                          "Decode worker: SendPrefix calls from prefill workers, by outcome", ["outcome"])
 KV_EVENTS_PUBLISHED = Counter("tandem_kv_events_published_total",
                               "KV block events (stored / removed, any tier) written to this worker's event stream")
 KV_EVENT_MESSAGES = Counter("tandem_kv_event_messages_total",

@@ -168,6 +168,7 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
         load=worker_load(), pod_uid=wcfg.pod_uid, boot_epoch=wcfg.boot_epoch,
         kv_events=kv_events.source if kv_events is not None else None,
         lora_adapters=sorted(engine.loras.known),
+        kv_bytes_per_token=_kv_bytes_per_token(engine.runner.pool.spec),
     )
     identity.info = info
     heartbeat = None
@@ -312,3 +313,8 @@ def run(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     except SystemExit as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _kv_bytes_per_token(spec) -> int:
+    """KV cache bytes of one token, every layer, K and V (what a transfer of it moves)."""
+    return spec.page_bytes * spec.num_layers * 2 // spec.page_size

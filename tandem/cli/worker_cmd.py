@@ -54,6 +54,7 @@ def run(role: str, args: argparse.Namespace) -> int:
         require_rdma=args.require_rdma, cpu_cores=args.cpu_cores, profile_dir=args.profile_dir,
         step_trace_dir=args.step_trace_dir, log_stats_interval_s=args.log_stats_interval, faults=faults,
         peer_probe_s=args.peer_probe_interval, kv_events=args.kv_events, auth=auth,
+        kv_reuse=WorkerConfig.kv_reuse if args.kv_reuse_from_decode is None else args.kv_reuse_from_decode,
     )
     tracing.configure(args.otlp_traces_endpoint, f"tandem-{role}")
     return run_worker(engine_config_from_args(args), wcfg)
