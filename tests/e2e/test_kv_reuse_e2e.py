@@ -46,8 +46,6 @@ def test_turn_two_fetches_the_answer_from_the_decode_worker(tiny_llama):
         assert fetched >= 12, stack.log                     # the answer's full pages (15 tokens with KV on D)
         assert got2.usage.cached_tokens >= 60 + fetched - 4
         assert router_metric(stack, "tandem_router_kv_reuse_total") == 1
-        for w in (prefill, decode):
-            free, total = stack.wait_pages_free(w)
-            assert free == total
+        assert all(free == total for free, total in map(stack.wait_pages_free, (prefill, decode)))
     finally:
         stack.close()

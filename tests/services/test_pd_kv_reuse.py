@@ -137,26 +137,21 @@ def test_turn_two_fetches_the_answer_from_decode(make, colocated, backend):
     check_idle(prefill, decode)
 
 
-def test_without_reuse_p_computes_the_answer_again(make, colocated):
-    prefill, decode, peers = make(reuse=False)
+def _corrupt(room: int) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("options, asked", [
+    (dict(reuse=False), 0),            # the worker fetches nothing: P computes turn 1's answer again
+    (dict(refuse=True), 1),            # D refuses (its room gone, its pages moved): computed
+    (dict(corrupt=_corrupt), 1),       # the bytes arrive corrupt: P's receiver checksums refuse them
+], ids=["no-reuse", "refused", "corrupt"])
+def test_a_fetch_not_made_or_failed_is_computed(make, colocated, options, asked):
+    prefill, decode, peers = make(**options)
     answers, turn2 = converse(prefill, decode)
     assert answers == list(colocated)
-    assert peers.asked == 0 and turn2.fetched_tokens == 0 and turn2.cached_tokens == 36
-    check_idle(prefill, decode)
-
-
-def test_a_refused_fetch_is_computed(make, colocated):
-    prefill, decode, peers = make(refuse=True)
-    answers, turn2 = converse(prefill, decode)
-    assert answers == list(colocated)
-    assert peers.asked == 1 and turn2.fetched_tokens == 0 and turn2.cached_tokens == 36
-    check_idle(prefill, decode)
-
-
-def test_corrupt_kv_from_decode_is_refused_by_checksums_and_computed(make, colocated):
-    prefill, decode, peers = make(corrupt=lambda room: True)
-    answers, turn2 = converse(prefill, decode)
-    assert answers == list(colocated)
-    assert peers.asked == 1 and turn2.fetched_tokens == 0
-    assert sum(prefill.fetcher.receiver.integrity_by_path.values()) == 1
+    assert peers.asked == asked and turn2.fetched_tokens == 0 and turn2.cached_tokens == 36
+    assert prefill.engine.scheduler.kv.num_fetched_pages == 0
+    if "corrupt" in options:
+        assert sum(prefill.fetcher.receiver.integrity_by_path.values()) == 1
     check_idle(prefill, decode)
