@@ -34,7 +34,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-RATE_SMOOTHING = 0.3    # weight of the newest fetch in the reported rate (WorkerLoad.kv_fetch_gbps)
+RATE_SMOOTHING = 0.3    # weight of the newest fetch in the reported rate and overhead (WorkerLoad.kv_fetch_*)
 
 
 class KVFetcher:
@@ -52,7 +52,8 @@ class KVFetcher:
         # How a fetch's SendPrefix reaches D: called on the engine thread, must not block, and calls
         # `refused` if D does not send. `bind` sets the gRPC one; in-process tests call D directly.
         self.ask: Callable[[DecodePrefix, worker_pb2.SendPrefixRequest], None] | None = None
-        self.gbps = 0.0                     # smoothed measured rate of successful fetches
+        self.gbps = 0.0                     # smoothed measured transfer rate of successful fetches
+        self.overhead_s = 0.0               # smoothed rest of their time: the call, set-up, completion
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -121,9 +122,12 @@ class KVFetcher:
             status = self.receiver.poll(src.room)
         if status.state is RoomState.SUCCESS and not job.cancelled:
             job.loaded = len(job.pages)
-            seconds = max(status.seconds, time.monotonic() - t0, 1e-6)
-            rate = status.bytes_moved * 8 / seconds / 1e9
-            self.gbps = rate if not self.gbps else (1 - RATE_SMOOTHING) * self.gbps + RATE_SMOOTHING * rate
+            total = time.monotonic() - t0
+            moving = min(max(status.seconds, 1e-6), total)
+            self.gbps = _smooth(self.gbps, status.bytes_moved * 8 / moving / 1e9)
+            self.overhead_s = _smooth(self.overhead_s, total - moving)
+            log.debug("room %d: fetched %d pages (%d bytes) from %s in %.1f ms, %.1f ms of it moving bytes",
+                      src.room, len(job.pages), status.bytes_moved, src.peer_id, total * 1e3, moving * 1e3)
             metrics.KV_FETCHES.labels("success").inc()
             metrics.KV_FETCHED_TOKENS.inc(len(job.pages) * self.page_size)
         else:
@@ -137,6 +141,10 @@ class KVFetcher:
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+def _smooth(old: float, new: float) -> float:
+    return new if not old else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
 
 
 class DecodePrefix:

@@ -328,6 +328,7 @@ class PrefillWorker:
             free_pages=stats.free_pages, total_pages=stats.total_pages,
             prefill_tokens=unstarted + stats.prefill_tokens, step_cost=step_cost_to_pb(self.sched.cost),
             kv_fetch_gbps=self.fetcher.gbps if self.fetcher is not None else 0.0,
+            kv_fetch_overhead_ms=self.fetcher.overhead_s * 1e3 if self.fetcher is not None else 0.0,
         )
 
 

@@ -83,15 +83,18 @@ def reuse_tokens(p: Candidate, d: Candidate, link_gbps: float) -> int:
     """KV both ways: the prompt tokens prefill worker `p` should fetch from decode worker `d` rather
     than compute (0: compute them). They are what D holds beyond P's own cache (a multi-turn prompt's
     earlier answers live only on D), and fetching pays when moving their KV — at P's measured fetch
-    rate, else `link_gbps` — plus FETCH_OVERHEAD_S takes less than P computing them by its step-cost
+    rate, else `link_gbps` — plus the fixed part of a fetch (P's measured, else FETCH_OVERHEAD_S) takes
+    less than P computing them by its step-cost
     fit. With no fit yet the fetch is taken: on every CPU measured a link of 1 Gbit/s moves a token's
     KV several times faster than a prefill computes it (docs/benchmarks.md, "KV both ways")."""
     tokens = d.cached_tokens - p.cached_tokens
     per_token_bytes = d.info.kv_bytes_per_token or p.info.kv_bytes_per_token
     if tokens <= 0 or not per_token_bytes:
         return 0
-    gbps = p.info.load.kv_fetch_gbps or link_gbps
-    fetch_s = FETCH_OVERHEAD_S + tokens * per_token_bytes * 8 / (gbps * 1e9)
+    load = p.info.load
+    gbps = load.kv_fetch_gbps or link_gbps
+    overhead_s = load.kv_fetch_overhead_ms / 1e3 if load.kv_fetch_gbps else FETCH_OVERHEAD_S
+    fetch_s = overhead_s + tokens * per_token_bytes * 8 / (gbps * 1e9)
     cost = p.info.load.step_cost
     if cost.steps and fetch_s >= tokens * cost.per_prefill_token_s:
         return 0

@@ -22,6 +22,7 @@ among the workers lora_routing.py prefers for it; its prompt key is under the ad
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class RoutePlanner:
         considered = (*prefill, *decode)
         if route == "local":
             return RoutePlan((d.info,), "local", key, d.uncached_tokens, considered=considered)
-        fetched = self._reuse(p, d)
+        fetched = self._reuse(p, d, key)
         return RoutePlan((p.info, d.info), "remote", key, p.uncached_tokens - fetched, considered=considered,
                          reuse_decode_kv=fetched > 0)
 
@@ -188,13 +189,17 @@ class RoutePlanner:
         itl = d.itl_with_prefill_s(d.prefill_cost, MIXED_CHUNK_ITL_FACTOR)
         return itl is None or itl <= bound
 
-    def _reuse(self, p: Candidate, d: Candidate) -> int:
-        """Prompt tokens P fetches from D (KV both ways; cost.py `reuse_tokens`), by --kv-reuse-policy."""
+    def _reuse(self, p: Candidate, d: Candidate, key: PromptKey) -> int:
+        """Prompt tokens P fetches from D (KV both ways; cost.py `reuse_tokens`), by --kv-reuse-policy.
+        What D holds is the larger of its two views: the answer D caches as the previous turn ends
+        reaches the exact view (KV events) a little later, and the next turn may come sooner; a belief
+        that is wrong costs nothing, since P fetches only what D's Bootstrap says it holds."""
         policy = self.cfg.kv_reuse_policy
-        if policy == "never" or d.cached_tokens <= p.cached_tokens:
+        held = max(d.cached_tokens, self.cache.cached_tokens(d.worker_id, key))
+        if policy == "never" or held <= p.cached_tokens:
             return 0
-        tokens = d.cached_tokens - p.cached_tokens if policy == "always" else \
-            reuse_tokens(p, d, self.cfg.kv_link_gbps)
+        d = dataclasses.replace(d, cached_tokens=held)
+        tokens = held - p.cached_tokens if policy == "always" else reuse_tokens(p, d, self.cfg.kv_link_gbps)
         if self.on_reuse is not None:
             self.on_reuse("fetch" if tokens else "compute")
         return tokens

@@ -83,3 +83,20 @@ def test_kv_reuse_flags_are_checked():
         RouteConfig(kv_reuse_policy="sometimes").validate()
     with pytest.raises(ValueError, match="kv-link-gbps"):
         RouteConfig(kv_link_gbps=0).validate()
+
+
+def test_an_answer_the_exact_view_has_not_heard_of_yet_still_counts_for_the_fetch():
+    """D caches the answer as the turn ends; its KV events reach the router a little later, and the next
+    turn may come first: the router's own record of the answer counts."""
+
+    class Lagging:   # the exact view: each worker holds turn 1's prompt only
+        def cached_tokens(self, worker, token_ids, parent=None):
+            return 192
+
+    planner = RoutePlanner("least_load", RouteConfig(local_prefill_max_tokens=-1), (P, D), exact=Lagging())
+    p, d = _w("p", P, per_token_s=7e-4), _w("d", D)
+    plan = planner.plan(PromptKey.of(token_ids=list(range(1, 200))), {P: [p], D: [d]})
+    planner.begin(plan)
+    planner.end(plan, list(range(200, 300)))
+    plan2 = planner.plan(PromptKey.of(token_ids=list(range(1, 330))), {P: [p], D: [d]})
+    assert plan2.reuse_decode_kv and plan2.prefill_tokens == 329 - 288
