@@ -3,8 +3,8 @@ the bandwidth each achieves as a share of the device's peak.
 
 Paged decode attention is bench/kernels.py's measurement (a fragmented pool, L2 flushed before every
 timing, Llama-3-8B-like heads), against the torch backend. RMSNorm, RoPE, KV store and KV page
-packing are memory-bound too: their bytes are what they must read and write once, against
-kernels/reference.py. Peaks: the datasheet figure (bench.kernels.PEAK_GBPS), the one computed from
+packing (from both pool layouts) are memory-bound too: their bytes are what they must read and
+write once, against kernels/reference.py. Peaks: the datasheet figure (bench.kernels.PEAK_GBPS), the one computed from
 the device's memory clock and bus width, and a device-to-device copy measured here (the practical
 ceiling). A kernel that disagrees with its reference fails the part; a slow one does not.
 """
@@ -115,25 +115,37 @@ def kv_store(peaks: dict, tokens: int = 16384, pages: int = 4096, page_size: int
 
 def kv_pack(peaks: dict, layers: int = 8, pages: int = 2048, picked: int = 1024, page_size: int = 16,
             kv_heads: int = 8, dim: int = 128) -> list[dict]:
+    """Both pool layouts (`--kv-layout`): page-first, the GPU default, reads each page of every layer as
+    one block; layer-first reads 2 x layers strided pieces of it."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    by_layer = torch.randn(layers, 2, pages, page_size, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    ids = torch.randperm(pages, device="cuda", generator=g)[:picked]
+    shape = f"{picked} of {pages} pages, {layers} layers, {page_size}x{kv_heads}x{dim} bf16"
+    rows = kv_pack_layout(peaks, by_layer, ids, "page_first", shape)
+    torch.cuda.empty_cache()
+    return rows + kv_pack_layout(peaks, by_layer, ids, "layer_first", shape)
+
+
+def kv_pack_layout(peaks: dict, by_layer: torch.Tensor, ids: torch.Tensor, kv_layout: str, shape: str) -> list[dict]:
     from tandem.kernels import reference
     from tandem.kernels.kv_pack import pack_kv_pages, unpack_kv_pages
 
-    g = torch.Generator(device="cuda").manual_seed(3)
-    buf = torch.randn(layers, 2, pages, page_size, kv_heads, dim, device="cuda", generator=g).bfloat16()
-    ids = torch.randperm(pages, device="cuda", generator=g)[:picked]
-    staged = pack_kv_pages(buf, ids)
-    require(torch.equal(staged, reference.pack_kv_pages(buf, ids)), "pack_kv_pages differs from the reference")
+    buf = by_layer.movedim(2, 0).contiguous() if kv_layout == "page_first" else by_layer
+    staged = pack_kv_pages(buf, ids, kv_layout=kv_layout)
+    require(torch.equal(staged, reference.pack_kv_pages(by_layer, ids)),
+            f"pack_kv_pages ({kv_layout}) differs from the reference")
     back = torch.zeros_like(buf)
-    unpack_kv_pages(staged, back, ids)
+    unpack_kv_pages(staged, back, ids, kv_layout=kv_layout)
     ref = torch.zeros_like(buf)
-    reference.unpack_kv_pages(staged, ref, ids)
-    require(torch.equal(back, ref), "unpack_kv_pages differs from the reference")
+    reference.unpack_kv_pages(staged, ref, ids, kv_layout=kv_layout)
+    require(torch.equal(back, ref), f"unpack_kv_pages ({kv_layout}) differs from the reference")
     nbytes = 2 * staged.numel() * 2
-    shape = f"{picked} of {pages} pages, {layers} layers, {page_size}x{kv_heads}x{dim} bf16"
-    return [rate("pack_kv_pages", nbytes, bench_ms(lambda: pack_kv_pages(buf, ids, out=staged)),
-                 bench_ms(lambda: reference.pack_kv_pages(buf, ids)), peaks, shape=shape),
-            rate("unpack_kv_pages", nbytes, bench_ms(lambda: unpack_kv_pages(staged, back, ids)),
-                 bench_ms(lambda: reference.unpack_kv_pages(staged, ref, ids)), peaks, shape=shape)]
+    shape = f"{shape}, {kv_layout}"
+    return [rate("pack_kv_pages", nbytes, bench_ms(lambda: pack_kv_pages(buf, ids, kv_layout=kv_layout, out=staged)),
+                 bench_ms(lambda: reference.pack_kv_pages(buf, ids, kv_layout=kv_layout)), peaks, shape=shape),
+            rate("unpack_kv_pages", nbytes, bench_ms(lambda: unpack_kv_pages(staged, back, ids, kv_layout=kv_layout)),
+                 bench_ms(lambda: reference.unpack_kv_pages(staged, ref, ids, kv_layout=kv_layout)), peaks,
+                 shape=shape)]
 
 
 def run(report, args) -> None:
@@ -157,7 +169,7 @@ def run(report, args) -> None:
                  lambda: [rope(peaks)], lambda: [kv_store(peaks)], lambda: kv_pack(peaks)):
         for row in step():
             d["rows"].append(row)
-            print(f"{row['kernel']:<17} {row['shape']:<52} triton {row['triton_gbps']:>8} GB/s "
+            print(f"{row['kernel']:<18} {row['shape']:<64} triton {row['triton_gbps']:>8} GB/s "
                   f"({row['triton_pct_peak']}% of peak, {row['triton_pct_copy']}% of copy)  "
                   f"torch {row['torch_gbps']:>8} GB/s  x{row['speedup']}", flush=True)
         report.save()
