@@ -81,6 +81,24 @@ def unpack_kv_pages(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch
     _by_layer(buffer, kv_layout)[:, :, page_ids.long()] = src
 
 
+def lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: torch.Tensor,
+         rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`y[rows of s] += (x[rows of s] @ a[cols].T) @ b[:, cols].T` per segment s, its adapter's columns
+    `cols = spans[slot] = (start, rank)`; in place. Returns the fp32 shrink result `[n, max rank]`
+    (zeros past each segment's rank), what kernels.lora's partial sums add up to."""
+    spans_, starts_, slots_ = spans.tolist(), starts.tolist(), slots.tolist()
+    xa = torch.zeros(rows.shape[0], max([r for _, r in spans_], default=0), device=x.device)
+    for s, slot in enumerate(slots_):
+        col, rank = spans_[slot]
+        idx = rows[starts_[s]:starts_[s + 1]].long()
+        if rank == 0 or idx.numel() == 0:
+            continue
+        part = x[idx].float() @ a[col:col + rank].float().T
+        xa[starts_[s]:starts_[s + 1], :rank] = part
+        y[idx] = (y[idx].float() + part @ b[:, col:col + rank].float().T).to(y.dtype)
+    return xa
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """As engine.models.layers.RMSNorm: normalise in fp32, cast to the weight's dtype, then scale."""
