@@ -1,13 +1,17 @@
 """Mixed-adapter LoRA kernels (kernels/lora.py): shrink and expand against the torch reference for
 fp32, fp16 and bf16 storage; adapters of different ranks (one above a rank tile, one that does not
 adapt the projection), base-model rows left alone bit for bit, empty segments, gathered rows of
-strided activations, split-K."""
+strided activations, split-K; and the engine's LoRA batch on the kernels against its torch paths."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tandem.engine.lora import batch as lora_batch
+from tandem.engine.lora.adapters import LoraAdapter
+from tandem.engine.lora.batch import LoraBatch
+from tandem.engine.lora.registry import Stack
 from tandem.kernels import reference
 from tandem.kernels.lora import Segments, add_lora, lora_expand, lora_shrink, split_k
 from tests.kernels.helpers import DEVICE, DTYPES, TOL, assert_close, randn
@@ -141,3 +145,47 @@ def test_wrappers_refuse_what_the_kernels_cannot_read():
         lora_shrink(x, a, spans, 8, Segments(segs.rows, segs.starts[:2], segs.slots, 2))
     with pytest.raises(ValueError, match="output rows"):
         add_lora(x, torch.zeros(4, 12, device=DEVICE), a, b, spans, 8, segs)
+
+
+# ---- the engine's LoRA batch (engine/lora/batch.py) on the kernels ----------------------------------------
+
+def adapter(name: str, rank: int, projections: dict[str, tuple[int, int]], gen, dtype) -> LoraAdapter:
+    blocks = {(0, p): (randn(rank, n_in, dtype=dtype, gen=gen) * n_in ** -0.5, randn(n_out, rank, dtype=dtype, gen=gen))
+              for p, (n_in, n_out) in projections.items()}
+    return LoraAdapter(name, "/nowhere", rank, 1.0, name * 8, blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lora_batch_on_the_kernels_equals_its_torch_paths(dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    qkv, o = (48, 80), (40, 48)
+    adapters = [adapter("all4", 4, {"qkv_proj": qkv, "o_proj": o}, gen, dtype),
+                adapter("qkv12", 12, {"qkv_proj": qkv}, gen, dtype),
+                adapter("o2", 2, {"o_proj": o}, gen, dtype)]
+    stack = Stack(adapters)
+    a1, a2, a3 = adapters
+    seqs = [a2, None, a1, a3, a2, None, a1]          # prefill-sized and decode-sized sequences, interleaved
+    q_lens = [5, 3, 1, 1, 9, 2, 1]
+    tokens = sum(q_lens)
+    for proj, (n_in, n_out) in (("qkv_proj", qkv), ("o_proj", o)):
+        x = randn(tokens, n_in, dtype=dtype, gen=gen)
+        y = randn(tokens, n_out, dtype=dtype, gen=gen)
+        outs = {}
+        for path in ("segmented", "stacked", "kernels"):
+            monkeypatch.setattr(lora_batch, "use_kernels", lambda device, path=path: path == "kernels")
+            batch = LoraBatch.build(seqs, q_lens, DEVICE, None if path == "segmented" else stack)
+            assert (batch.kernel_segments is not None, batch.stack is not None) == {
+                "segmented": (False, False), "stacked": (False, True), "kernels": (True, True)}[path]
+            outs[path] = y.clone()
+            batch.apply(0, proj, x, outs[path])
+        for path in ("segmented", "stacked"):
+            assert_close(outs["kernels"], outs[path], dtype)
+        # rows 5-7 and 19-20 are the base model's; row 9 (o2) has no qkv_proj, rows 0-4 and 10-18 (qkv12) no o_proj
+        base = [5, 6, 7, 19, 20] + ([9] if proj == "qkv_proj" else [*range(5), *range(10, 19)])
+        assert torch.equal(outs["kernels"][base], y[base])
+        assert not torch.equal(outs["kernels"], y)
+        before = outs["kernels"].clone()
+        batch.apply(1, proj, x, outs["kernels"])                          # no adapter has layer 1
+        assert torch.equal(outs["kernels"], before)
+    monkeypatch.setattr(lora_batch, "use_kernels", lambda device: True)
+    assert LoraBatch.build([None, None], [3, 1], DEVICE, stack) is None
