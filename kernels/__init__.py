@@ -6,7 +6,8 @@ reference (`kernels.reference`).
 | `decode_attention` | `paged_decode_attention` | one query per sequence over its KV pages; GQA, split-K |
 | `extend_attention` | `extend_attention` | new tokens attend causally to themselves and a paged prefix |
 | `kv_store` | `store_kv` | write a step's new K/V rows into their page slots |
-| `kv_pack` | `pack_kv_pages`, `unpack_kv_pages` | gather pages into a contiguous staging buffer and back |
+| `kv_pack` | `pack_kv_pages`, `unpack_kv_pages` | gather pages (either pool layout) into a contiguous staging buffer and back |
+| `lora` | `add_lora` (`lora_shrink`, `lora_expand`) | mixed-adapter LoRA: each adapter's rows times its A, then added into y via its B |
 | `rmsnorm` | `rms_norm` | RMSNorm, optionally fused with the residual add |
 | `rope` | `apply_rope` | rotate-half rotary embedding of q and k in one launch |
 

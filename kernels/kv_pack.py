@@ -1,14 +1,22 @@
 """KV pack/unpack: gather scattered pages of the pool into one contiguous staging buffer and back.
 
 For transfer backends that want one contiguous buffer (a registered bounce buffer, one large
-send) instead of a descriptor per page run. The pool is `[L, 2, num_pages, page_size, KVH, D]`
-(`KVPool.buffer`, or a slice of its layers); the staging buffer holds the chosen pages of every
-given layer and of K and V:
+send) instead of a descriptor per page run. The pool (`KVPool.buffer`, or a slice of its layers) is
+in either of the pool's layouts (engine/kvcache/kv_pool.py, `--kv-layout`), named by `kv_layout`:
+
+- `layer_first`: `[L, 2, num_pages, page_size, KVH, D]`
+- `page_first`: `[num_pages, L, 2, page_size, KVH, D]`
+
+The shape alone cannot tell them apart (a two-layer page-first pool of two pages fits both), so the
+caller names it. The staging buffer does not depend on it: it holds the chosen pages of every given
+layer and of K and V as
 
 - `NHD` (the pool's own page layout): `[L, 2, N, page_size, KVH, D]`
 - `HND` (head-major pages, e.g. for a peer that splits KV heads differently): `[L, 2, N, KVH, page_size, D]`
 
-One program copies a `BLOCK`-element chunk of one page of one (layer, K|V).
+One program copies a `BLOCK`-element chunk of one page of one (layer, K|V). The kernel takes every
+stride of both sides, so a layout is only a view: a page-first pool is handed to it as its
+`[L, 2, P, ...]` permutation, and a slice of layers in either layout is just other strides.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import triton.language as tl
 
 from tandem.kernels.common import check, check_tensor, next_pow2
 
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = ("NHD", "HND")                    # staging
+KV_LAYOUTS = ("layer_first", "page_first")  # pool (engine.config.KV_LAYOUTS; kernels never import engine)
 
 
 @triton.jit
@@ -50,17 +59,26 @@ def _copy_pages_kernel(
     tl.store(Dst + layer * d_l + kv * d_kv + dst_n * d_n + tok * d_t + h * d_h + d, x, mask=mask)
 
 
-def staging_shape(buffer: torch.Tensor, num_pages: int, layout: str = "NHD") -> tuple[int, ...]:
-    layers, two, _, page_size, kv_heads, head_dim = buffer.shape
+def by_layer(buffer: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """The pool as a layer-first `[L, 2, P, page_size, KVH, D]` view, whichever its layout."""
+    check(kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    check_tensor("buffer", buffer, 6)
+    view = buffer.movedim(0, 2) if kv_layout == "page_first" else buffer
+    check(view.shape[1] == 2, f"a {kv_layout} buffer must be "
+          f"{'[P, L, 2' if kv_layout == 'page_first' else '[L, 2, P'}, page_size, KVH, D], got {tuple(buffer.shape)}")
+    return view
+
+
+def staging_shape(buffer: torch.Tensor, num_pages: int, layout: str = "NHD", *, kv_layout: str) -> tuple[int, ...]:
+    """The staging buffer's shape for `num_pages` pages of `buffer` (a pool in `kv_layout`)."""
+    layers, two, _, page_size, kv_heads, head_dim = by_layer(buffer, kv_layout).shape
     if layout == "HND":
         return (layers, two, num_pages, kv_heads, page_size, head_dim)
     return (layers, two, num_pages, page_size, kv_heads, head_dim)
 
 
-def _check(buffer: torch.Tensor, page_ids: torch.Tensor, layout: str) -> None:
-    check_tensor("buffer", buffer, 6)
-    check_tensor("page_ids", page_ids, 1, (torch.int32, torch.int64), buffer.device)
-    check(buffer.shape[1] == 2, f"buffer must be [L, 2, P, page_size, KVH, D], got {tuple(buffer.shape)}")
+def _check(pool: torch.Tensor, page_ids: torch.Tensor, layout: str) -> None:
+    check_tensor("page_ids", page_ids, 1, (torch.int32, torch.int64), pool.device)
     check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
@@ -79,33 +97,37 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor, gather
     )
 
 
-def pack_kv_pages(buffer: torch.Tensor, page_ids: torch.Tensor, *, layout: str = "NHD",
+def pack_kv_pages(buffer: torch.Tensor, page_ids: torch.Tensor, *, kv_layout: str, layout: str = "NHD",
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy pages `page_ids` of every layer's K and V of `buffer` into a contiguous staging buffer.
+    """Copy pages `page_ids` of every layer's K and V of `buffer` (a pool in `kv_layout`) into a
+    contiguous staging buffer.
 
-    Returns `out` (allocated when None) shaped `staging_shape(buffer, len(page_ids), layout)`.
+    Returns `out` (allocated when None) shaped `staging_shape(buffer, len(page_ids), layout, kv_layout=...)`.
     """
-    _check(buffer, page_ids, layout)
-    shape = staging_shape(buffer, page_ids.shape[0], layout)
+    pool = by_layer(buffer, kv_layout)
+    _check(pool, page_ids, layout)
+    shape = staging_shape(pool, page_ids.shape[0], layout, kv_layout="layer_first")
     if out is None:
         out = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
     check(tuple(out.shape) == shape and out.dtype == buffer.dtype and out.device == buffer.device,
           f"out must be {shape} {buffer.dtype} on {buffer.device}, got {tuple(out.shape)} {out.dtype}")
     check(out.is_contiguous(), "out (the staging buffer) must be contiguous")
     dst = out.transpose(3, 4) if layout == "HND" else out
-    _launch(buffer, dst, page_ids, gather=True)
+    _launch(pool, dst, page_ids, gather=True)
     return out
 
 
-def unpack_kv_pages(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor, *,
+def unpack_kv_pages(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor, *, kv_layout: str,
                     layout: str = "NHD") -> None:
-    """Inverse of `pack_kv_pages`: scatter the staged pages into pages `page_ids` of `buffer`.
+    """Inverse of `pack_kv_pages`: scatter the staged pages into pages `page_ids` of `buffer` (a pool in
+    `kv_layout`).
 
     Page ids must be distinct.
     """
-    _check(buffer, page_ids, layout)
-    shape = staging_shape(buffer, page_ids.shape[0], layout)
+    pool = by_layer(buffer, kv_layout)
+    _check(pool, page_ids, layout)
+    shape = staging_shape(pool, page_ids.shape[0], layout, kv_layout="layer_first")
     check_tensor("staging", staging, 6, (buffer.dtype,), buffer.device)
     check(tuple(staging.shape) == shape, f"staging must be {shape}, got {tuple(staging.shape)}")
     src = staging.transpose(3, 4) if layout == "HND" else staging
-    _launch(src, buffer, page_ids, gather=False)
+    _launch(src, pool, page_ids, gather=False)

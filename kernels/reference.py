@@ -62,16 +62,41 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)
 
 
-def pack_kv_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layout: str = "NHD") -> torch.Tensor:
-    """buffer [L, 2, P, ps, KVH, D] -> staging [L, 2, N, ps, KVH, D] (NHD) or [L, 2, N, KVH, ps, D] (HND)."""
-    staged = buffer[:, :, page_ids.long()]
+def _by_layer(buffer: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """A page-first pool `[P, L, 2, ...]` seen as the layer-first `[L, 2, P, ...]` (a view)."""
+    return buffer.movedim(0, 2) if kv_layout == "page_first" else buffer
+
+
+def pack_kv_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layout: str = "NHD",
+                  kv_layout: str = "layer_first") -> torch.Tensor:
+    """buffer [L, 2, P, ps, KVH, D] (or page-first [P, L, 2, ps, KVH, D]) -> staging [L, 2, N, ps, KVH, D]
+    (NHD) or [L, 2, N, KVH, ps, D] (HND)."""
+    staged = _by_layer(buffer, kv_layout)[:, :, page_ids.long()]
     return staged.transpose(3, 4).contiguous() if layout == "HND" else staged.contiguous()
 
 
 def unpack_kv_pages(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor,
-                    layout: str = "NHD") -> None:
+                    layout: str = "NHD", kv_layout: str = "layer_first") -> None:
     src = staging.transpose(3, 4) if layout == "HND" else staging
-    buffer[:, :, page_ids.long()] = src
+    _by_layer(buffer, kv_layout)[:, :, page_ids.long()] = src
+
+
+def lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: torch.Tensor,
+         rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`y[rows of s] += (x[rows of s] @ a[cols].T) @ b[:, cols].T` per segment s, its adapter's columns
+    `cols = spans[slot] = (start, rank)`; in place. Returns the fp32 shrink result `[n, max rank]`
+    (zeros past each segment's rank), what kernels.lora's partial sums add up to."""
+    spans_, starts_, slots_ = spans.tolist(), starts.tolist(), slots.tolist()
+    xa = torch.zeros(rows.shape[0], max([r for _, r in spans_], default=0), device=x.device)
+    for s, slot in enumerate(slots_):
+        col, rank = spans_[slot]
+        idx = rows[starts_[s]:starts_[s + 1]].long()
+        if rank == 0 or idx.numel() == 0:
+            continue
+        part = x[idx].float() @ a[col:col + rank].float().T
+        xa[starts_[s]:starts_[s + 1], :rank] = part
+        y[idx] = (y[idx].float() + part @ b[:, col:col + rank].float().T).to(y.dtype)
+    return xa
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

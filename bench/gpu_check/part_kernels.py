@@ -3,8 +3,9 @@ the bandwidth each achieves as a share of the device's peak.
 
 Paged decode attention is bench/kernels.py's measurement (a fragmented pool, L2 flushed before every
 timing, Llama-3-8B-like heads), against the torch backend. RMSNorm, RoPE, KV store and KV page
-packing are memory-bound too: their bytes are what they must read and write once, against
-kernels/reference.py. Peaks: the datasheet figure (bench.kernels.PEAK_GBPS), the one computed from
+packing (from both pool layouts) are memory-bound too: their bytes are what they must read and
+write once, against kernels/reference.py. The LoRA shrink/expand kernels (a decode and a prefill
+step of mixed adapters) are timed through the engine's LoRA batch against its torch paths. Peaks: the datasheet figure (bench.kernels.PEAK_GBPS), the one computed from
 the device's memory clock and bus width, and a device-to-device copy measured here (the practical
 ceiling). A kernel that disagrees with its reference fails the part; a slow one does not.
 """
@@ -115,25 +116,90 @@ def kv_store(peaks: dict, tokens: int = 16384, pages: int = 4096, page_size: int
 
 def kv_pack(peaks: dict, layers: int = 8, pages: int = 2048, picked: int = 1024, page_size: int = 16,
             kv_heads: int = 8, dim: int = 128) -> list[dict]:
+    """Both pool layouts (`--kv-layout`): page-first, the GPU default, reads each page of every layer as
+    one block; layer-first reads 2 x layers strided pieces of it."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    by_layer = torch.randn(layers, 2, pages, page_size, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    ids = torch.randperm(pages, device="cuda", generator=g)[:picked]
+    shape = f"{picked} of {pages} pages, {layers} layers, {page_size}x{kv_heads}x{dim} bf16"
+    rows = kv_pack_layout(peaks, by_layer, ids, "page_first", shape)
+    torch.cuda.empty_cache()
+    return rows + kv_pack_layout(peaks, by_layer, ids, "layer_first", shape)
+
+
+def kv_pack_layout(peaks: dict, by_layer: torch.Tensor, ids: torch.Tensor, kv_layout: str, shape: str) -> list[dict]:
     from tandem.kernels import reference
     from tandem.kernels.kv_pack import pack_kv_pages, unpack_kv_pages
 
-    g = torch.Generator(device="cuda").manual_seed(3)
-    buf = torch.randn(layers, 2, pages, page_size, kv_heads, dim, device="cuda", generator=g).bfloat16()
-    ids = torch.randperm(pages, device="cuda", generator=g)[:picked]
-    staged = pack_kv_pages(buf, ids)
-    require(torch.equal(staged, reference.pack_kv_pages(buf, ids)), "pack_kv_pages differs from the reference")
+    buf = by_layer.movedim(2, 0).contiguous() if kv_layout == "page_first" else by_layer
+    staged = pack_kv_pages(buf, ids, kv_layout=kv_layout)
+    require(torch.equal(staged, reference.pack_kv_pages(by_layer, ids)),
+            f"pack_kv_pages ({kv_layout}) differs from the reference")
     back = torch.zeros_like(buf)
-    unpack_kv_pages(staged, back, ids)
+    unpack_kv_pages(staged, back, ids, kv_layout=kv_layout)
     ref = torch.zeros_like(buf)
-    reference.unpack_kv_pages(staged, ref, ids)
-    require(torch.equal(back, ref), "unpack_kv_pages differs from the reference")
+    reference.unpack_kv_pages(staged, ref, ids, kv_layout=kv_layout)
+    require(torch.equal(back, ref), f"unpack_kv_pages ({kv_layout}) differs from the reference")
     nbytes = 2 * staged.numel() * 2
-    shape = f"{picked} of {pages} pages, {layers} layers, {page_size}x{kv_heads}x{dim} bf16"
-    return [rate("pack_kv_pages", nbytes, bench_ms(lambda: pack_kv_pages(buf, ids, out=staged)),
-                 bench_ms(lambda: reference.pack_kv_pages(buf, ids)), peaks, shape=shape),
-            rate("unpack_kv_pages", nbytes, bench_ms(lambda: unpack_kv_pages(staged, back, ids)),
-                 bench_ms(lambda: reference.unpack_kv_pages(staged, ref, ids)), peaks, shape=shape)]
+    shape = f"{shape}, {kv_layout}"
+    return [rate("pack_kv_pages", nbytes, bench_ms(lambda: pack_kv_pages(buf, ids, kv_layout=kv_layout, out=staged)),
+                 bench_ms(lambda: reference.pack_kv_pages(buf, ids, kv_layout=kv_layout)), peaks, shape=shape),
+            rate("unpack_kv_pages", nbytes, bench_ms(lambda: unpack_kv_pages(staged, back, ids, kv_layout=kv_layout)),
+                 bench_ms(lambda: reference.unpack_kv_pages(staged, ref, ids, kv_layout=kv_layout)), peaks,
+                 shape=shape)]
+
+
+LORA_CASES = ((64, 8, 1), (8192, 4, 512))   # (tokens, adapters, tokens per sequence): a decode and a prefill step
+
+
+def lora(peaks: dict) -> list[dict]:
+    rows = []
+    for tokens, count, per_seq in LORA_CASES:
+        rows.append(lora_case(peaks, tokens, count, per_seq))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def lora_case(peaks: dict, tokens: int, count: int, per_seq: int, hidden: int = 4096, out: int = 6144,
+              rank: int = 48) -> dict:
+    """One fused projection (q/k/v of a Llama-3-8B-like model, rank 16 on each part: 48) for a step of
+    `tokens` whose sequences use `count` adapters, interleaved, through the engine's LoRA batch
+    (engine/lora/batch.py): the kernels against the faster of the torch paths (segmented, stacked)
+    that run without them. The bytes are what must move once: the rows' x, the adapters' A and B,
+    y read and written."""
+    from tandem.engine.lora.adapters import LoraAdapter
+    from tandem.engine.lora.batch import LoraBatch
+    from tandem.engine.lora.registry import Stack
+    from tandem.kernels import reference
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    adapters = [LoraAdapter(f"a{i}", "", rank, 1.0, "", {(0, "qkv_proj"): (
+        (torch.randn(rank, hidden, device="cuda", generator=g) * hidden ** -0.5).bfloat16(),
+        (torch.randn(out, rank, device="cuda", generator=g) * rank ** -0.5).bfloat16())}) for i in range(count)]
+    stack = Stack(adapters)
+    seqs = [adapters[i % count] for i in range(tokens // per_seq)]
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    y = torch.randn(tokens, out, device="cuda", generator=g).bfloat16()
+    y_ref = y.clone()
+    kernel = LoraBatch.build(seqs, [per_seq] * len(seqs), torch.device("cuda"), stack)
+    require(kernel.kernel_segments is not None, "the LoRA batch on CUDA does not take the kernels")
+    kernel.apply(0, "qkv_proj", x, y)
+    segs = kernel.kernel_segments
+    a_all, b_all, layout = stack.weights[(0, "qkv_proj")]
+    reference.lora(x, y_ref, a_all, b_all, stack.spans[layout][0], segs.rows, segs.starts, segs.slots)
+    diff = (y.float() - y_ref.float()).abs().max().item()
+    require(torch.allclose(y.float(), y_ref.float(), atol=BF16_ATOL, rtol=BF16_ATOL),
+            f"LoRA kernels ({tokens} tokens) differ from the reference by {diff:.3g}")
+    owner = torch.arange(tokens, device="cuda") // per_seq % count
+    segmented = LoraBatch([(a, (owner == i).nonzero().flatten()) for i, a in enumerate(adapters)])
+    stacked = LoraBatch(segmented.segments, stack, stack.masks([a.name for a in seqs for _ in range(per_seq)], "cuda"))
+    torch_ms = {"segmented": bench_ms(lambda: segmented.apply(0, "qkv_proj", x, y_ref)),
+                "stacked": bench_ms(lambda: stacked.apply(0, "qkv_proj", x, y_ref))}
+    best = min(torch_ms, key=torch_ms.get)
+    nbytes = (tokens * hidden + count * rank * (hidden + out) + 2 * tokens * out) * 2
+    return rate("lora_shrink_expand", nbytes, bench_ms(lambda: kernel.apply(0, "qkv_proj", x, y)), torch_ms[best],
+                peaks, torch_path=best, max_abs_diff=diff,
+                shape=f"{tokens} tokens of {count} adapters, {hidden}->{out} rank {rank} bf16")
 
 
 def run(report, args) -> None:
@@ -154,10 +220,10 @@ def run(report, args) -> None:
     print(f"{name}: datasheet {sheet} GB/s, device {device} GB/s ({how}), copy {copy} GB/s", flush=True)
     report.save()
     for step in (lambda: decode_attention(peaks, sheet or device), lambda: [rms_norm(peaks)],
-                 lambda: [rope(peaks)], lambda: [kv_store(peaks)], lambda: kv_pack(peaks)):
+                 lambda: [rope(peaks)], lambda: [kv_store(peaks)], lambda: kv_pack(peaks), lambda: lora(peaks)):
         for row in step():
             d["rows"].append(row)
-            print(f"{row['kernel']:<17} {row['shape']:<52} triton {row['triton_gbps']:>8} GB/s "
+            print(f"{row['kernel']:<18} {row['shape']:<64} triton {row['triton_gbps']:>8} GB/s "
                   f"({row['triton_pct_peak']}% of peak, {row['triton_pct_copy']}% of copy)  "
                   f"torch {row['torch_gbps']:>8} GB/s  x{row['speedup']}", flush=True)
         report.save()

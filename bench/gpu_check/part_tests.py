@@ -28,6 +28,7 @@ CUDA_TESTS = {
     "test_extend_attention.py": "extend (prefill) attention kernel on the GPU",
     "test_kv_pack.py": "KV page pack/unpack kernels on the GPU",
     "test_kv_store.py": "KV store kernel on the GPU",
+    "test_lora_kernels.py": "LoRA shrink/expand kernels and the engine's LoRA batch on them, on the GPU",
     "test_rmsnorm.py": "RMSNorm kernel on the GPU",
     "test_rope.py": "RoPE kernel on the GPU",
     "test_triton_backend.py": "the engine with the triton backend on CUDA against the torch backend and HF",

@@ -1,14 +1,17 @@
 """A step's LoRA: which rows of the flattened tokens use which adapter, applied after each projection.
 
 Each adapter's parts of a fused projection are one (A, B) pair (adapters.py `blocks`: q/k/v or
-gate/up stacked, the scaling in B). Two ways to apply them, chosen per step:
-- **segmented** (few of the loaded adapters in the step): per adapter, gather its rows, two thin
-  matmuls (`[n, in] @ [in, k*r]`, then `@ [k*r, out]`), add into their rows of the output;
-- **stacked** (most of them): every loaded adapter's A and B side by side (registry.py `Stack`): one
-  `x @ A_all.T` for all rows, each row's columns of other adapters zeroed by a mask, one
-  `y += xa @ B_all.T`. Three ops per projection whatever the number of adapters, at the cost of
+gate/up stacked, the scaling in B). Three ways to apply them, chosen per step in `build`:
+- **kernels** (the tensors are on CUDA, `use_kernels`): the Triton shrink and expand of
+  kernels/lora.py over the stacked weights, the tokens grouped per adapter once per step: two
+  launches per projection whatever the mix of adapters, each row multiplied by its own adapter only;
+- **segmented** (torch; few of the loaded adapters in the step): per adapter, gather its rows, two
+  thin matmuls (`[n, in] @ [in, k*r]`, then `@ [k*r, out]`), add into their rows of the output;
+- **stacked** (torch; most of them): every loaded adapter's A and B side by side (registry.py
+  `Stack`): one `x @ A_all.T` for all rows, each row's columns of other adapters zeroed by a mask,
+  one `y += xa @ B_all.T`. Three ops per projection whatever the number of adapters, at the cost of
   multiplying by adapters a row does not use.
-Base-model rows are untouched either way. This is the torch reference and what runs on CPU.
+Base-model rows are untouched either way. The torch paths are the reference and what runs on CPU.
 """
 
 from __future__ import annotations
@@ -22,19 +25,32 @@ from tandem.engine.lora.adapters import LoraAdapter
 STACKED_SHARE = 0.5      # stacked once the step uses at least this share of the loaded adapters
 
 
+def use_kernels(device: torch.device | str) -> bool:
+    """The one choice between the Triton kernels and torch: the kernels wherever the tensors are on
+    CUDA. On CPU they would run only under the Triton interpreter (correctness, not speed), so the
+    torch paths serve there."""
+    return torch.device(device).type == "cuda"
+
+
 class LoraBatch:
     def __init__(self, segments: list[tuple[LoraAdapter, torch.Tensor | None]], stack=None,
-                 masks: list[torch.Tensor] | None = None):
+                 masks: list[torch.Tensor] | None = None, kernel_segments=None):
         """`segments`: (adapter, its rows; None: every row of the step). `stack` (registry.py): apply
-        all of them stacked, with `masks[layout id]` [rows, stacked rank] keeping each row's own columns."""
+        all of them stacked, with `masks[layout id]` [rows, stacked rank] keeping each row's own
+        columns, or, with `kernel_segments` (kernels/lora.py `Segments`), by the kernels."""
         self.segments = segments
         self.stack = stack
         self.masks = masks or []
+        self.kernel_segments = kernel_segments
 
     @staticmethod
     def build(adapters: Sequence[LoraAdapter | None], q_lens: Sequence[int], device, stack=None) -> LoraBatch | None:
         """The step's batch from each sequence's adapter (None: base model) and its token count; None
         when no sequence uses one. `stack`: the registry's stacked weights (None: segmented only)."""
+        if all(a is None for a in adapters):
+            return None
+        if stack is not None and use_kernels(device):
+            return LoraBatch._for_kernels(adapters, q_lens, device, stack)
         rows: dict[int, tuple[LoraAdapter, list[int]]] = {}
         owner: list[str | None] = []
         start = 0
@@ -43,23 +59,37 @@ class LoraBatch:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + n))
             owner.extend([adapter.name if adapter is not None else None] * n)
             start += n
-        if not rows:
-            return None
         segments = [(a, None if len(r) == start else torch.tensor(r, dtype=torch.int64, device=device))
                     for a, r in rows.values()]
         if stack is None or len(rows) < STACKED_SHARE * stack.count:
             return LoraBatch(segments)
         return LoraBatch(segments, stack, stack.masks(owner, device))
 
+    @staticmethod
+    def _for_kernels(adapters: Sequence[LoraAdapter | None], q_lens: Sequence[int], device, stack) -> LoraBatch:
+        from tandem.kernels.lora import Segments
+
+        # Every adapter of a request in flight is loaded, so it is in the stack.
+        slots = torch.tensor([stack.index[a.name] if a is not None else -1 for a in adapters], dtype=torch.int64)
+        token_slots = torch.repeat_interleave(slots, torch.tensor(list(q_lens), dtype=torch.int64))
+        return LoraBatch([], stack, kernel_segments=Segments.from_token_slots(token_slots, device))
+
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every adapter's delta of projection `proj` of `layer` (input `x`, output `y`) into `y`."""
         if self.stack is not None:
             entry = self.stack.weights.get((layer, proj))
-            if entry is not None:
-                a, b, layout = entry
-                xa = x @ a.t()
-                xa.mul_(self.masks[layout])
-                y.addmm_(xa, b.t())
+            if entry is None:
+                return
+            a, b, layout = entry
+            if self.kernel_segments is not None:
+                from tandem.kernels.lora import add_lora
+
+                spans, max_rank = self.stack.spans[layout]
+                add_lora(x, y, a, b, spans, max_rank, self.kernel_segments)
+                return
+            xa = x @ a.t()
+            xa.mul_(self.masks[layout])
+            y.addmm_(xa, b.t())
             return
         for adapter, rows in self.segments:
             block = adapter.blocks.get((layer, proj))

@@ -19,6 +19,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import Conflict, InvalidRequest, ModelNotFound
 from tandem.engine.lora.adapters import LoraAdapter, check_adapter, load_adapter
+from tandem.engine.lora.batch import use_kernels
 from tandem.engine.lora.pool import AdapterPool
 from tandem.engine.models.config import ModelConfig
 
@@ -116,13 +117,19 @@ class LoraRegistry:
         return adapter
 
     def _restack(self) -> None:
-        self.stack = Stack(list(self.adapters.values())) if len(self.adapters) > 1 else None
+        # The torch paths stack only several adapters (one alone is applied segmented); the kernels read
+        # stacked weights whatever their number (batch.py use_kernels).
+        fewest = 1 if use_kernels(self._load_args[2]) else 2
+        self.stack = Stack(list(self.adapters.values())) if len(self.adapters) >= fewest else None
         self._on_stack(self.stack)
 
 
 class Stack:
     """Every loaded adapter's blocks side by side, per (layer, fused projection): A_all `[S, in]`, B_all
-    `[out, S]`, and its layout (which adapter each of the S columns belongs to) that row masks follow."""
+    `[out, S]`, and its layout (which adapter each of the S columns belongs to) that row masks follow.
+    `spans[layout id]`: the same layout as the kernels read it (kernels/lora.py): `[count, 2]` int32 on
+    the weights' device, each adapter's first column and rank (0 where it does not adapt that
+    projection), and the largest rank."""
 
     def __init__(self, adapters: list[LoraAdapter]):
         self.count = len(adapters)
@@ -130,6 +137,7 @@ class Stack:
         # (layer, projection) -> (A_all, B_all, layout id); layout id -> (owner of each column, dtype)
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._columns: list[tuple[torch.Tensor, torch.dtype]] = []
+        self.spans: list[tuple[torch.Tensor, int]] = []
         layouts: dict[tuple[int, ...], int] = {}
         for key in sorted({k for a in adapters for k in a.blocks}):
             present = [(i, a.blocks[key]) for i, a in enumerate(adapters) if key in a.blocks]
@@ -138,6 +146,10 @@ class Stack:
             if layout not in layouts:
                 layouts[layout] = len(self._columns)
                 self._columns.append((torch.tensor(layout, dtype=torch.int64), a_all.dtype))
+                ranks = [layout.count(i) for i in range(self.count)]
+                starts = [layout.index(i) if r else 0 for i, r in enumerate(ranks)]
+                self.spans.append((torch.tensor(list(zip(starts, ranks, strict=True)), dtype=torch.int32,
+                                                device=a_all.device), max(ranks)))
             self.weights[key] = (a_all, torch.cat([b for _, (_, b) in present], dim=1).contiguous(), layouts[layout])
 
     def masks(self, owner: list[str | None], device) -> list[torch.Tensor]:

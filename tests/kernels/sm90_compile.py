@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tandem.kernels import decode_attention, extend_attention, kv_pack, kv_store, rmsnorm, rope
+from tandem.kernels import decode_attention, extend_attention, kv_pack, kv_store, lora, rmsnorm, rope
 from tandem.kernels.common import attention_tile, num_warps_for
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -70,6 +70,12 @@ def cases():
         for gather in (True, False):
             yield (dt, kv_pack._copy_pages_kernel, dict(Src=f"*{dt}", Dst=f"*{dt}", PageIds="*i64"),
                    dict(PAGE_SIZE=16, KV_HEADS=8, HEAD_DIM=128, BLOCK=4096, GATHER=gather), (), 4)
+        segs = dict(Rows="*i32", Starts="*i32", Slots="*i32", Spans="*i32")
+        for block_m in (16, 64):                      # decode-sized and prefill-sized segments
+            yield (dt, lora._shrink_kernel, {"X": f"*{dt}", "A": f"*{dt}", "Part": "*fp32", **segs},
+                   dict(BLOCK_M=block_m, BLOCK_R=lora.MAX_BLOCK_R, BLOCK_K=lora.BLOCK_K, UPCAST=up), (), lora.num_warps(block_m))
+            yield (dt, lora._expand_kernel, {"Part": "*fp32", "B": f"*{dt}", "Y": f"*{dt}", **segs},
+                   dict(BLOCK_M=block_m, BLOCK_N=lora.BLOCK_N, BLOCK_R=lora.MAX_BLOCK_R, UPCAST=up), (), lora.num_warps(block_m))
         yield (dt, rmsnorm._rms_norm_kernel,
                dict(X=f"*{dt}", Res=f"*{dt}", W=f"*{dt}", Out=f"*{dt}", ResOut=f"*{dt}"),
                dict(HAS_RESIDUAL=True, BLOCK_N=4096), ("eps",), num_warps_for(4096))
