@@ -37,15 +37,23 @@ class ToolCallSpec:
         object.__setattr__(self, "schemas", tuple(self.schemas))
 
 
+# How a thinking model's output opens (services/gateway/reasoning.py's parsers): a constraint with
+# `reasoning` holds only after the thinking (engine/structured/compile.py).
+REASONING_FORMATS = ("qwen3", "deepseek_r1")
+
+
 @dataclass(frozen=True)
 class StructuredSpec:
     """One constraint. `value` by kind: the schema text (JSON_SCHEMA), the regex (REGEX), the grammar
     (GRAMMAR), the strings (CHOICE, a tuple), a ToolCallSpec (TOOL_CALLS), None (JSON_OBJECT).
-    `strict` (JSON_SCHEMA): a keyword the decoder cannot enforce is an error instead of ignored."""
+    `strict` (JSON_SCHEMA): a keyword the decoder cannot enforce is an error instead of ignored.
+    `reasoning` (one of REASONING_FORMATS, "" none): the model thinks freely first, then the
+    constraint holds."""
 
     kind: Kind
     value: str | tuple[str, ...] | ToolCallSpec | None = None
     strict: bool = False
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.value, list):
@@ -64,7 +72,8 @@ class StructuredSpec:
             v = _canonical_json(v)
         elif self.kind is Kind.TOOL_CALLS:
             v = [v.begin, v.end, v.separator, [_canonical_json(s) for s in v.schemas], v.min_calls, v.max_calls]
-        return json.dumps([self.kind.value, v, self.strict], separators=(",", ":"))
+        head = [self.kind.value, v, self.strict] + ([self.reasoning] if self.reasoning else [])
+        return json.dumps(head, separators=(",", ":"))
 
 
 def _canonical_json(text: str) -> str:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import llguidance
 
 from tandem.engine.errors import InvalidRequest
-from tandem.engine.structured_output import Kind, StructuredSpec, ToolCallSpec
+from tandem.engine.structured_output import REASONING_FORMATS, Kind, StructuredSpec, ToolCallSpec
 
 MAX_SPEC_CHARS = 256 * 1024        # a schema / grammar / regex / choice list, as text
 MAX_CHOICES = 1024
@@ -65,6 +65,32 @@ def validate_structured(spec: StructuredSpec | None) -> None:
 
 
 def _build(spec: StructuredSpec, compact: bool) -> str:
+    grammar = _build_value(spec, compact)
+    return _after_thinking(grammar, spec.reasoning) if spec.reasoning else grammar
+
+
+def _after_thinking(grammar: str, reasoning: str) -> str:
+    """`grammar` preceded by a thinking model's free thinking, as its reasoning format opens it (the
+    gateway's --reasoning-parser): qwen3 may open with `<think>` ... `</think>` (thinking off: it
+    does not), deepseek_r1's prompt opened the thinking, so the output thinks up to `</think>` (a
+    leading `<think>` allowed). The thinking is one lazy lexeme, ended by the first `</think>`; the
+    constraint's own grammar, from the whitespace after it, is a sub-grammar (llguidance `@answer`).
+    Literal text: in both families `<think>` and `</think>` are added tokens that are not special."""
+    if reasoning not in REASONING_FORMATS:
+        raise InvalidRequest(f"structured.reasoning must be one of {', '.join(REASONING_FORMATS)}, "
+                             f"got {reasoning!r}", "structured.reasoning")
+    inner = json.loads(grammar)["grammars"]
+    inner[0] = {**inner[0], "name": "answer"}
+    if reasoning == "qwen3":
+        lines = ["start: think? answer", 'think: "<think>" thought']
+    else:
+        lines = ['start: "<think>"? thought answer']
+    lark = "\n".join([*lines, r"thought[lazy]: /(?s:.*)<\/think>/", r"answer: /[ \t\n]*/ @answer"]) + "\n"
+    return _checked(json.dumps({"grammars": [{"name": "main", "lark_grammar": lark}, *inner]}),
+                    "structured.reasoning", "thinking format")
+
+
+def _build_value(spec: StructuredSpec, compact: bool) -> str:
     kind, v = spec.kind, spec.value
     if kind is Kind.JSON_SCHEMA:
         param = "structured.json_schema"

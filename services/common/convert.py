@@ -50,12 +50,12 @@ def structured_from_pb(so: generation_pb2.StructuredOutput) -> StructuredSpec | 
         value = None
     else:
         value = getattr(so, which)
-    return StructuredSpec(kind, value, so.strict)
+    return StructuredSpec(kind, value, so.strict, so.reasoning)
 
 
 def structured_to_pb(spec: StructuredSpec) -> generation_pb2.StructuredOutput:
     """The inverse of `structured_from_pb` (the Python API and tests build wire requests with it)."""
-    so = generation_pb2.StructuredOutput(strict=spec.strict)
+    so = generation_pb2.StructuredOutput(strict=spec.strict, reasoning=spec.reasoning)
     if spec.kind is Kind.CHOICE:
         so.choice.choices.extend(spec.value)
     elif spec.kind is Kind.TOOL_CALLS:

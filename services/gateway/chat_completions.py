@@ -20,6 +20,7 @@ from tandem.services.gateway.protocol import (
     tool_use,
 )
 from tandem.services.gateway.responses import ChatFormat, OpenAIChunks
+from tandem.services.gateway.structured import after_thinking
 from tandem.services.gateway.tool_formats import parser_for
 
 
@@ -39,7 +40,7 @@ class ChatCompletionsAPI:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
         tools = tool_use(req)
-        constraint = output_constraint(req, tools)
+        constraint = after_thinking(output_constraint(req, tools), gateway.config.reasoning_parser)
         messages = chat_messages(req)
         model = await gateway.catalog.get(req.model)
         ids = await chat_prompt(gateway, model, messages, tools, "messages", req.chat_template_kwargs,

@@ -31,6 +31,7 @@ from tandem.services.gateway.pipeline import Gateway, Plan, add_post, chat_promp
 from tandem.services.gateway.protocol import check_priority_field, make_sampling, parse
 from tandem.services.gateway.responses import Choice, sse_event, usage
 from tandem.services.gateway.responses_items import new_id
+from tandem.services.gateway.structured import after_thinking
 from tandem.services.gateway.tool_formats import parser_for
 from tandem.services.gateway.tools import ToolUse
 from tandem.v1 import generation_pb2
@@ -136,7 +137,7 @@ class MessagesAPI:
         checked(limits.check_stop, req.stop, "stop_sequences")
         checked(limits.check_max_tokens, req.max_tokens)
         tools = tool_use(req)
-        constraint = output_format(req, tools)
+        constraint = after_thinking(output_format(req, tools), gateway.config.reasoning_parser)
         model, ids = await prompt_ids(gateway, req, tools)
         max_tokens = max_tokens_for(model, len(ids), req.max_tokens, "messages", "max_tokens")
         sampling = make_sampling(req, max_tokens, logprobs=False, top_logprobs=0, defaults=model.sampling,

@@ -36,6 +36,7 @@ from tandem.services.gateway.responses_items import (
     text_format,
     tool_use,
 )
+from tandem.services.gateway.structured import after_thinking
 from tandem.services.gateway.tokenizer import GatewayTokenizer
 from tandem.services.gateway.tool_formats import parser_for
 from tandem.v1 import generation_pb2
@@ -194,7 +195,7 @@ class ResponsesAPI:
         checked(limits.check_stop, req.stop)
         checked(limits.check_max_tokens, req.max_output_tokens, "max_output_tokens")
         tools = tool_use(req)
-        constraint = text_format(req, tools)
+        constraint = after_thinking(text_format(req, tools), gateway.config.reasoning_parser)
         history: list[dict] = []
         if req.previous_response_id is not None:
             previous = await gateway.store.get(req.previous_response_id)

@@ -16,6 +16,7 @@ text parses, a choice list holds non-empty strings).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -172,6 +173,17 @@ def constraints(response_format: Any, structured_outputs: Any, flat: dict[str, A
         if flat.get(name) is not None:
             out.append(_one(key, flat[name], name))
     return out
+
+
+def after_thinking(c: Constraint | None, reasoning: str | None) -> Constraint | None:
+    """A chat request's constraint with a thinking model (--reasoning-parser): it holds once the model
+    has thought (docs/structured-output.md), which the reasoning parser then splits off as reasoning."""
+    if c is None or not reasoning:
+        return c
+    structured = pb.StructuredOutput()
+    structured.CopyFrom(c.structured)
+    structured.reasoning = reasoning
+    return dataclasses.replace(c, structured=structured)
 
 
 def only_one(found: list[Constraint]) -> Constraint | None:

@@ -89,7 +89,8 @@ def test_wire_round_trip():
     for spec in (StructuredSpec(Kind.JSON_OBJECT), StructuredSpec(Kind.CHOICE, ("a", "b")),
                  StructuredSpec.json_schema(PERSON, strict=True), StructuredSpec(Kind.REGEX, "x"),
                  StructuredSpec(Kind.GRAMMAR, 'start: "a"\n'),
-                 StructuredSpec(Kind.TOOL_CALLS, ToolCallSpec("<a>", "</a>", "\n", ("{}",), 2, 0))):
+                 StructuredSpec(Kind.TOOL_CALLS, ToolCallSpec("<a>", "</a>", "\n", ("{}",), 2, 0)),
+                 StructuredSpec(Kind.CHOICE, ("a", "b"), reasoning="deepseek_r1")):
         sp = generation_pb2.SamplingParams(max_tokens=3)
         sp.structured.CopyFrom(structured_to_pb(spec))
         assert sampling_from_pb(sp).structured == spec

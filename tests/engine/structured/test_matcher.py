@@ -139,3 +139,27 @@ def test_json_whitespace_compact_or_the_models_own_bounded(backend, tok, smollm2
     assert accepts(free, tok, spec, '{"name":"Ann","age":3}')
     assert not accepts(free, tok, spec, '{\n\n  "name": "Ann", "age": 3}')          # no blank lines
     assert not accepts(free, tok, spec, '{' + " " * 40 + '"name": "Ann", "age": 3}')  # no runs of spaces
+
+
+@pytest.mark.parametrize("kind", [Kind.JSON_SCHEMA, Kind.CHOICE])
+def test_a_thinking_model_thinks_freely_then_the_constraint_holds(backend, tok, kind):
+    """--reasoning-parser qwen3: an optional <think> ... </think> (anything, newlines, braces, even a
+    stray "<think>") before the constrained value; deepseek_r1: the prompt opened the thinking, so the
+    output thinks up to </think> first. After </think> only the constraint; without the reasoning
+    format the thinking itself is refused."""
+    value, other = ('{"name": "Ada", "age": 36}', '{"name": "Ada"}') if kind is Kind.JSON_SCHEMA else ("yes", "maybe")
+    base = StructuredSpec.json_schema(PERSON) if kind is Kind.JSON_SCHEMA else StructuredSpec(Kind.CHOICE, ("yes", "no"))
+    qwen3 = StructuredSpec(base.kind, base.value, base.strict, reasoning="qwen3")
+    r1 = StructuredSpec(base.kind, base.value, base.strict, reasoning="deepseek_r1")
+    thought = 'Ada is 36 {not json} <think> and\nsays "hi".'
+    assert accepts(backend, tok, qwen3, f"<think>{thought}</think>\n\n{value}")
+    assert accepts(backend, tok, qwen3, value)                                # thinking off
+    assert not accepts(backend, tok, qwen3, f"<think>{thought}</think>\n{other}")
+    assert not accepts(backend, tok, qwen3, f"Sure! {value}")                 # no free text outside the thinking
+    assert accepts(backend, tok, r1, f"{thought}</think>{value}")
+    assert accepts(backend, tok, r1, f"<think>{thought}</think> {value}")
+    assert not accepts(backend, tok, r1, f"{thought}</think>{other}")
+    assert not accepts(backend, tok, base, f"<think>{thought}</think>{value}")
+    assert qwen3.key != base.key != r1.key
+    with pytest.raises(InvalidRequest, match="structured.reasoning"):
+        backend.matcher(StructuredSpec(base.kind, base.value, reasoning="o1"))

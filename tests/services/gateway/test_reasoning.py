@@ -113,3 +113,35 @@ def test_the_finish_reason_survives_a_stream_that_ends_in_reasoning(tiny_llama):
     events = sse_events(asyncio.run(go()).text)
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
     assert "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events[:-1]) == "out of tokens"
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1", None])
+def test_a_constraint_holds_after_the_thinking(tiny_llama, parser):
+    """With a reasoning parser the gateway asks for the constraint after the model's thinking (the
+    worker's grammar then lets it think first: tests/engine/structured/test_matcher.py); without one,
+    from the first token. Chat completions, Responses and Messages alike."""
+    seen: list[pb.GenerateRequest] = []
+
+    def handler(req, ctx):
+        seen.append(req)
+        yield from _answer(req, '{"city": "Paris"}')
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    bodies = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "?"}], "max_tokens": 32,
+                                 "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}},
+        "/v1/responses": {"input": "?", "max_output_tokens": 32,
+                          "text": {"format": {"type": "json_schema", "name": "c", "schema": schema}}},
+        "/v1/messages": {"messages": [{"role": "user", "content": "?"}], "max_tokens": 32,
+                         "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    }
+
+    async def go():
+        with FakeRouter(handler, models=MODELS) as fake:
+            async with gateway_client(fake.addr, str(tiny_llama), reasoning_parser=parser) as (client, _gw):
+                return [await client.post(path, json={"model": MODEL, **body}) for path, body in bodies.items()]
+
+    for r in asyncio.run(go()):
+        assert r.status_code == 200, r.text
+    assert [req.sampling.structured.reasoning for req in seen] == [parser or ""] * 3
+    assert all(json.loads(req.sampling.structured.json_schema)["required"] == ["city"] for req in seen)
