@@ -1,4 +1,4 @@
-"""KV both ways, in one process over real transfers both ways (tcp, and shm for the main case) (no gRPC: D's SendPrefix is called
+"""KV both ways, in one process over real transfers both ways (every backend for the main case) (no gRPC: D's SendPrefix is called
 directly; tests/e2e/test_kv_reuse_e2e.py runs the gRPC path through `tandem up`).
 
 Turn 2 of a conversation repeats turn 1's answer, which only D computed. With reuse, P fetches the
@@ -125,7 +125,7 @@ def check_idle(prefill, decode):
     assert not prefill.rooms and not decode.transfer
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
 def test_turn_two_fetches_the_answer_from_decode(make, colocated, backend):
     prefill, decode, peers = make(backend=backend)
     answers, turn2 = converse(prefill, decode)
