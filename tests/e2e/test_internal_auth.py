@@ -57,6 +57,9 @@ def _internal_calls(channel: grpc.Channel, role: str, metadata=()) -> dict[str, 
         calls["Decode"] = lambda: worker_pb2_grpc.DecodeWorkerStub(channel).Decode(
             worker_pb2.DecodeRequest(request_id="stranger", bootstrap_room=1, text="hi",
                                      prefill_bootstrap_addr="127.0.0.1:1"), metadata=metadata, timeout=10)
+        calls["SendPrefix"] = lambda: worker_pb2_grpc.KVSourceStub(channel).SendPrefix(
+            worker_pb2.SendPrefixRequest(bootstrap_room=1, prefill_worker_id="stranger", dst_page_ids=[0]),
+            metadata=metadata, timeout=10)
     else:
         gen = generation_pb2_grpc.GenerationStub(channel)
         calls |= {
