@@ -25,7 +25,7 @@ import urllib.request
 
 import grpc
 
-from tandem.bench.flags import add_out_flag
+from tandem.bench.flags import add_load_flags, add_out_flag
 from tandem.bench.results import write_result
 from tandem.bench.serve.procs import start_tandem_up
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -106,10 +106,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--user-len", type=int, default=128)
     ap.add_argument("--answer-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mbit", type=int, default=1000, help="the cross-host link (0: unshaped; -1: skip that part)")
     ap.add_argument("--worker-args", default="--kv-host-cache-gb 0.5",
                     help="more flags for both workers (default: an L2 host tier)")
+    add_load_flags(ap, seed=0)
     add_out_flag(ap)
     args = ap.parse_args()
     common = ["--model", args.model, "--local-prefill-max-tokens", "-1", *args.worker_args.split()]

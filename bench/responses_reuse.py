@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 
-from tandem.bench.flags import add_out_flag
+from tandem.bench.flags import add_load_flags, add_out_flag
 from tandem.bench.results import write_result
 from tandem.bench.serve.backends import http_url
 from tandem.bench.serve.procs import start_tandem_up
@@ -79,9 +79,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    add_load_flags(ap, seed=0, max_tokens=96)
     add_out_flag(ap)
     args = ap.parse_args()
     result: dict = {"bench": "responses_reuse", "config": vars(args), "runs": {}}

@@ -8,13 +8,18 @@ the schema does not name (must be 0: objects are closed).
 
 One engine per whitespace mode (SmolLM2 by default, fp32 as issue [24]'s held-out check), 24 prompts
 over 6 schemas (nested objects, arrays, enums, numbers), all in one batch per temperature; T=0.3 runs
-`--seeds` seeds per prompt.
+`--seeds` seeds per prompt. `--vllm`: the same requests, side by side, to vLLM's CPU backend (`make
+vllm-venv`) over its chat completions API (`response_format` json_schema, strict; its default
+structured-output backend; the same chat template, from the same model folder), scored the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import jsonschema
 
@@ -104,12 +109,63 @@ def score(results, names: list[str]) -> dict:
             "mean_output_tokens": sum(len(r.token_ids) for r in results) / n}
 
 
+@dataclass
+class HttpResult:
+    """A chat completion from an HTTP server, as `score` reads an engine's result."""
+
+    text: str
+    finish_reason: FinishReason
+    token_ids: list
+
+
+def vllm_rows(args, asks: list[tuple[str, str]]) -> list[dict]:
+    """The same requests to vLLM's CPU backend (chat messages: it applies the folder's chat template)."""
+    from tandem.bench.serve.sweep import SweepConfig, VllmServe
+
+    server = VllmServe(SweepConfig(model=args.model, dtype=args.dtype, vllm_kv_cache_gb=1))
+    endpoint = server.start()
+    try:
+        def one(name: str, ask: str, temperature: float, seed: int | None) -> HttpResult:
+            body = {"model": endpoint.model, "max_tokens": args.max_tokens, "temperature": temperature,
+                    "messages": [{"role": "user", "content": ask}],
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}},
+                    **({"seed": seed} if seed is not None else {})}
+            req = urllib.request.Request(endpoint.base_url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+            choice = out["choices"][0]
+            reason = FinishReason.LENGTH if choice["finish_reason"] == "length" else FinishReason.STOP
+            return HttpResult(choice["message"]["content"] or "", reason,
+                              [0] * out["usage"]["completion_tokens"])
+
+        rows = []
+        for temperature, seeds in ((0.0, [None]), (0.3, [args.seed + i for i in range(args.seeds)])):
+            batch = [(name, ask, seed) for name, ask in asks for seed in seeds]
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda b, t=temperature: one(b[0], b[1], t, b[2]), batch))
+            rows.append(_row("vLLM CPU backend (its default)", temperature, results, [n for n, _, _ in batch]))
+        return rows
+    finally:
+        server.close()
+
+
+def _row(label: str, temperature: float, results, names: list[str]) -> dict:
+    row = {"whitespace": label, "temperature": temperature, **score(results, names), "sample": results[0].text[:200]}
+    print(f"{row['whitespace']:>32} T={temperature}: ended valid {row['ended_valid']}/{row['completions']}, "
+          f"cut {row['cut_at_max_tokens']}, invalid {row['ended_invalid']}, unknown keys "
+          f"{row['unknown_keys']}, {row['mean_output_tokens']:.0f} tokens", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_flags(ap, seed=0, max_tokens=256)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per prompt at temperature 0.3")
+    ap.add_argument("--vllm", action="store_true", help="the same requests to vLLM's CPU backend, side by side")
     add_out_flag(ap)
     args = ap.parse_args()
     rows = []
@@ -122,14 +178,11 @@ def main() -> None:
                                      structured=StructuredSpec.json_schema(SCHEMAS[name], strict=True))
                       for name, _, seed in batch]
             results = engine.generate([text for _, text, _ in batch], params)
-            row = {"whitespace": "none (default)" if compact else "model's own, bounded (--enable-any-whitespace)",
-                   "temperature": temperature, **score(results, [name for name, _, _ in batch]),
-                   "sample": results[0].text[:200]}
-            rows.append(row)
-            print(f"{row['whitespace']:>32} T={temperature}: ended valid {row['ended_valid']}/{row['completions']}, "
-                  f"cut {row['cut_at_max_tokens']}, invalid {row['ended_invalid']}, unknown keys "
-                  f"{row['unknown_keys']}, {row['mean_output_tokens']:.0f} tokens", flush=True)
+            rows.append(_row("none (default)" if compact else "model's own, bounded (--enable-any-whitespace)",
+                             temperature, results, [name for name, _, _ in batch]))
         engine.close()
+    if args.vllm:
+        rows += vllm_rows(args, [(name, f"{ask} Answer in JSON.") for name, asks in ASKS.items() for ask in asks])
     if args.out:
         write_result(args.out, {"bench": "structured_quality", "model": args.model, "dtype": args.dtype,
                                 "max_tokens": args.max_tokens, "rows": rows}, tool="tandem.bench.structured_quality")
