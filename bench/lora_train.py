@@ -31,6 +31,7 @@ import resource
 import time
 from pathlib import Path
 
+from tandem.bench.flags import add_load_flags, add_out_flag
 from tandem.bench.results import write_result
 from tandem.engine.models.source import resolve_model
 
@@ -224,17 +225,19 @@ def train(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="the adapter's folder (made if missing)")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=8, help="adapt the last N layers")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-answer-tokens", type=int, default=40, help="of the base model's answers")
-    ap.add_argument("--show-tokens", type=int, default=32, help="of the held-out answers in lora_train.json")
+    add_out_flag(ap, required=True, type=Path, help="the adapter's folder (made if missing)")
+    ap.add_argument("--model", default="smollm2-135m", help="the base model (default: %(default)s)")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank; alpha is twice it (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=8, help="adapt the last N layers (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="examples per step (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    add_load_flags(ap, seed=0, helps={"seed": "seed of the adapter's initial weights and of the batch order"})
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    ap.add_argument("--max-answer-tokens", type=int, default=40,
+                    help="longest base-model answer asked for (default: %(default)s)")
+    ap.add_argument("--show-tokens", type=int, default=32,
+                    help="tokens of the held-out answers in lora_train.json (default: %(default)s)")
     args = ap.parse_args(argv)
     result = train(args)
     write_result(args.out / "lora_train.json", result, tool="tandem.bench.lora_train")
