@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tandem.engine.models.source import default_cache_dir
+from tandem.engine.models.source import default_cache_dir, resolve_model
 from tests.e2e.stack import ROOT, Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -43,8 +43,10 @@ def pirate() -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         # run by path, not `-m tandem.bench.lora_train`: the script of this checkout is the one keyed
         subprocess.run([sys.executable, "-P", str(SCRIPT), "--out", str(tmp)], check=True, timeout=1800)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:          # another run made it meanwhile (only whole folders are renamed into place)
+            shutil.rmtree(tmp)
     return out
 
 
@@ -78,8 +80,6 @@ def hf_answers(model_dir: Path, adapter: Path, questions: list[str]) -> dict[str
 
 
 def test_the_trained_adapter_talks_like_a_pirate_and_the_base_model_does_not(pirate):
-    from tandem.engine.models.source import resolve_model
-
     questions = json.loads((pirate / "lora_train.json").read_text())["held_out"]
     stack = Stack("--model", "smollm2-135m", "--dtype", "float32", "--kv-cache-gb", "0.25", "--enable-lora",
                   "--lora-modules", f"pirate={pirate}", gateway=True, timeout_s=600)
