@@ -59,6 +59,22 @@ def converse(router: str, conversations: int, turns: int, user_len: int, answer_
     return rows
 
 
+def wait_serving(router: str, timeout_s: float = 120.0) -> None:
+    """Until the router serves a 1-token request (its registry has seen both workers)."""
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router))
+    req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=1))
+    req.token_ids.ids.extend([1000, 1001])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            list(stub.Generate(req, timeout=60))
+            return
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def summary(rows: list[dict]) -> dict:
     later = [r for r in rows if r["turn"] >= 2]
     ttft = [r["ttft_s"] for r in later]
@@ -93,6 +109,7 @@ def across_hosts(policy: str, args, mbit: int) -> dict:
     router = ("--local-prefill-max-tokens", "-1", "--kv-reuse-policy", policy)
     with Network("reuse") as net, Cluster(net, model=args.model, worker_args=tuple(args.worker_args.split()),
                                           router_args=router, gateway=False) as c:
+        wait_serving(c.router_addr)
         net.shape("prefill-0", mbit or None)
         rows = converse(c.router_addr, args.conversations, args.turns, args.user_len, args.answer_len, args.seed)
         net.shape("prefill-0", None)
@@ -107,6 +124,7 @@ def main() -> None:
     ap.add_argument("--user-len", type=int, default=128)
     ap.add_argument("--answer-len", type=int, default=128)
     ap.add_argument("--mbit", type=int, default=1000, help="the cross-host link (0: unshaped; -1: skip that part)")
+    ap.add_argument("--no-one-host", action="store_true", help="only the cross-host part")
     ap.add_argument("--worker-args", default="--kv-host-cache-gb 0.5",
                     help="more flags for both workers (default: an L2 host tier)")
     add_load_flags(ap, seed=0)
@@ -114,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     common = ["--model", args.model, "--local-prefill-max-tokens", "-1", *args.worker_args.split()]
     result: dict = {"bench": "kv_reuse", "config": vars(args), "one_host": {}, "across_hosts": {}}
-    for policy in POLICIES:
+    for policy in () if args.no_one_host else POLICIES:
         result["one_host"][policy] = r = one_host(policy, args, common)
         print(f"one host, {policy:>5}: turn>=2 TTFT p50 {r['turn2plus_ttft_p50_ms']:.0f} ms, "
               f"p90 {r['turn2plus_ttft_p90_ms']:.0f} ms; P computed {r['turn2plus_computed_by_p']} of "

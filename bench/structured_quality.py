@@ -90,10 +90,13 @@ def unknown_keys(value, schema: dict) -> int:
 
 
 def score(results, names: list[str]) -> dict:
-    ended = valid = cut = extra = 0
+    ended = valid = cut = extra = failed = 0
     for r, name in zip(results, names, strict=True):
         if r.finish_reason is FinishReason.LENGTH:
             cut += 1
+            continue
+        if r.finish_reason is FinishReason.ABORT:   # the server never answered (HTTP peers only)
+            failed += 1
             continue
         ended += 1
         try:
@@ -105,6 +108,7 @@ def score(results, names: list[str]) -> dict:
             pass
     n = len(names)
     return {"completions": n, "ended_valid": valid, "ended_invalid": ended - valid, "cut_at_max_tokens": cut,
+            "failed": failed,
             "ended_valid_share": valid / n, "unknown_keys": extra,
             "mean_output_tokens": sum(len(r.token_ids) for r in results) / n}
 
@@ -133,8 +137,12 @@ def vllm_rows(args, asks: list[tuple[str, str]]) -> list[dict]:
                     **({"seed": seed} if seed is not None else {})}
             req = urllib.request.Request(endpoint.base_url + "/v1/chat/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as r:
-                out = json.loads(r.read())
+            try:
+                with urllib.request.urlopen(req, timeout=300) as r:
+                    out = json.loads(r.read())
+            except OSError as e:    # counted as not ended (a request the server lost), not fatal to the run
+                print(f"vLLM request failed: {e}", flush=True)
+                return HttpResult("", FinishReason.ABORT, [])
             choice = out["choices"][0]
             reason = FinishReason.LENGTH if choice["finish_reason"] == "length" else FinishReason.STOP
             return HttpResult(choice["message"]["content"] or "", reason,
@@ -166,10 +174,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per prompt at temperature 0.3")
     ap.add_argument("--vllm", action="store_true", help="the same requests to vLLM's CPU backend, side by side")
+    ap.add_argument("--no-tandem", action="store_true", help="with --vllm: vLLM's rows only")
     add_out_flag(ap)
     args = ap.parse_args()
     rows = []
-    for compact in (False, True):
+    for compact in () if args.no_tandem else (False, True):
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, enable_any_whitespace=not compact))
         reqs = requests(engine)
         for temperature, seeds in ((0.0, [None]), (0.3, [args.seed + i for i in range(args.seeds)])):
