@@ -35,12 +35,15 @@ CONFIGS = {"default": [], "remote-prefill": ["--local-prefill-max-tokens", "-1"]
 
 
 def _turn(client, model: str, **kw) -> tuple[float, object]:
-    t0, first = time.perf_counter(), None
+    t0, first, final = time.perf_counter(), None, None
     with client.responses.stream(model=model, max_output_tokens=kw.pop("max_tokens"), temperature=0, **kw) as s:
         for event in s:
             if first is None and event.type == "response.output_text.delta":
                 first = time.perf_counter() - t0
-        final = s.get_final_response()
+            if event.type in ("response.completed", "response.incomplete"):   # incomplete: max_output_tokens
+                final = event.response
+    if final is None:
+        raise RuntimeError("the stream ended without response.completed / response.incomplete")
     return first if first is not None else time.perf_counter() - t0, final
 
 
