@@ -82,10 +82,12 @@ def test_colocated_matches_transformers(reference, colocated_outputs):
     assert colocated_outputs == reference[1]
 
 
-# nixl and ucx run the 1P1D shape only: their data paths are covered by tests/kvtransfer.
-# 2P2D over tcp runs in `make test-slow` (2P2D over shm and 1P1D over tcp stay in the default run).
-SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), pytest.param("tcp", (2, 2), marks=pytest.mark.slow),
-          ("nixl", (1, 1)), ("ucx", (1, 1))]
+# nixl and ucx run the 1P1D shape only, in `make test-slow` (a stack each; their data paths are covered
+# in the default run by tests/kvtransfer). 2P2D over tcp runs there too (2P2D over shm and 1P1D over shm
+# and tcp stay in the default run).
+SLOW = pytest.mark.slow
+SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), pytest.param("tcp", (2, 2), marks=SLOW),
+          pytest.param("nixl", (1, 1), marks=SLOW), pytest.param("ucx", (1, 1), marks=SLOW)]
 IDS = ["1p1d-shm", "1p1d-tcp", "2p2d-shm", "2p2d-tcp", "1p1d-nixl", "1p1d-ucx"]
 
 
@@ -113,7 +115,9 @@ def test_disagg_matches_colocated_and_transformers(request, tiny_llama, referenc
             stack.close()
 
 
-OVERLAP = [("--mode", "colocated"), ("--transfer-backend", "shm")]
+# Co-located in `make test-slow` (tests/engine/test_overlap.py holds the engine's overlap to the plain
+# schedule in the default run); 1P1D, whose prefill worker's sends follow each launched chunk, stays.
+OVERLAP = [pytest.param(("--mode", "colocated"), marks=SLOW), ("--transfer-backend", "shm")]
 
 
 @pytest.mark.parametrize("mode", OVERLAP, ids=["colocated", "1p1d-shm"])
