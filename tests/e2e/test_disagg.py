@@ -68,22 +68,37 @@ def colocated_outputs(tiny_llama, reference):
         stack.close()
 
 
+@pytest.fixture(scope="module")
+def tcp_1p1d(tiny_llama):
+    """The plain 1P1D deployment over tcp, started once: the shape matrix's 1p1d-tcp row, the bad
+    request and the cancel tests share it (each runs on whatever the others left in its prefix
+    caches, and checks that every page is free when it is done)."""
+    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
+    yield stack
+    stack.close()
+
+
 def test_colocated_matches_transformers(reference, colocated_outputs):
     assert colocated_outputs == reference[1]
 
 
-# nixl and ucx run the 1P1D shape only: their data paths are covered by tests/kvtransfer.
-# 2P2D over tcp runs in `make test-slow` (2P2D over shm and 1P1D over tcp stay in the default run).
-SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), pytest.param("tcp", (2, 2), marks=pytest.mark.slow),
-          ("nixl", (1, 1)), ("ucx", (1, 1))]
+# nixl and ucx run the 1P1D shape only, in `make test-slow` (a stack each; their data paths are covered
+# in the default run by tests/kvtransfer). 2P2D over tcp runs there too (2P2D over shm and 1P1D over shm
+# and tcp stay in the default run).
+SLOW = pytest.mark.slow
+SHAPES = [("shm", (1, 1)), ("tcp", (1, 1)), ("shm", (2, 2)), pytest.param("tcp", (2, 2), marks=SLOW),
+          pytest.param("nixl", (1, 1), marks=SLOW), pytest.param("ucx", (1, 1), marks=SLOW)]
 IDS = ["1p1d-shm", "1p1d-tcp", "2p2d-shm", "2p2d-tcp", "1p1d-nixl", "1p1d-ucx"]
 
 
 @pytest.mark.parametrize(("backend", "shape"), SHAPES, ids=IDS)
-def test_disagg_matches_colocated_and_transformers(tiny_llama, reference, colocated_outputs, backend, shape):
+def test_disagg_matches_colocated_and_transformers(request, tiny_llama, reference, colocated_outputs, backend,
+                                                  shape):
     items, hf_outs = reference
-    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", backend,
-                  "--prefill", str(shape[0]), "--decode", str(shape[1]))
+    shared = (backend, shape) == ("tcp", (1, 1))
+    stack = request.getfixturevalue("tcp_1p1d") if shared else Stack(
+        "--model", str(tiny_llama), *ENGINE, "--transfer-backend", backend,
+        "--prefill", str(shape[0]), "--decode", str(shape[1]))
     try:
         # Warm the prefix caches with the shared prefix, then the concurrent burst.
         stack.generate(items[-1][0], max_tokens=2, ignore_eos=True)
@@ -96,10 +111,13 @@ def test_disagg_matches_colocated_and_transformers(tiny_llama, reference, coloca
             free, total = stack.wait_pages_free(w)
             assert free == total, f"{w['worker_id']} leaked KV pages: {free}/{total}"
     finally:
-        stack.close()
+        if not shared:
+            stack.close()
 
 
-OVERLAP = [("--mode", "colocated"), ("--transfer-backend", "shm")]
+# Co-located in `make test-slow` (tests/engine/test_overlap.py holds the engine's overlap to the plain
+# schedule in the default run); 1P1D, whose prefill worker's sends follow each launched chunk, stays.
+OVERLAP = [pytest.param(("--mode", "colocated"), marks=SLOW), ("--transfer-backend", "shm")]
 
 
 @pytest.mark.parametrize("mode", OVERLAP, ids=["colocated", "1p1d-shm"])
@@ -137,40 +155,35 @@ def test_decode_graphs_match_colocated_and_transformers(tiny_llama, reference, c
         stack.close()
 
 
-def test_bad_request_gets_clear_error(tiny_llama):
-    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
-    try:
-        with pytest.raises(grpc.RpcError) as e:
-            stack.generate("", max_tokens=4)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in e.value.details()
-        with pytest.raises(grpc.RpcError) as e:
-            stack.generate([5] * 600, max_tokens=4)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
-        assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
-    finally:
-        stack.close()
+def test_bad_request_gets_clear_error(tcp_1p1d):
+    stack = tcp_1p1d
+    with pytest.raises(grpc.RpcError) as e:
+        stack.generate("", max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stack.generate([5] * 600, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
+    assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
 
 
-def test_client_cancel_frees_pages_on_both_sides(tiny_llama):
-    stack = Stack("--model", str(tiny_llama), *ENGINE, "--transfer-backend", "tcp")
-    try:
-        from tandem.v1 import generation_pb2
-        req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
-        req.token_ids.ids.extend(range(3, 60))
-        call = stack.stub.Generate(req, timeout=60)
-        got = 0
-        for chunk in call:
-            got += len(chunk.token_ids)
-            if got >= 3:
-                call.cancel()
-                break
-        assert got < 400
-        for w in stack.info["workers"]:
-            free, total = stack.wait_pages_free(w)
-            assert free == total, f"{w['worker_id']} still holds pages after cancel: {free}/{total}"
-        assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
-    finally:
-        stack.close()
+def test_client_cancel_frees_pages_on_both_sides(tcp_1p1d):
+    from tandem.v1 import generation_pb2
+
+    stack = tcp_1p1d
+    req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+    req.token_ids.ids.extend(range(3, 60))
+    call = stack.stub.Generate(req, timeout=60)
+    got = 0
+    for chunk in call:
+        got += len(chunk.token_ids)
+        if got >= 3:
+            call.cancel()
+            break
+    assert got < 400
+    for w in stack.info["workers"]:
+        free, total = stack.wait_pages_free(w)
+        assert free == total, f"{w['worker_id']} still holds pages after cancel: {free}/{total}"
+    assert len(stack.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
 
 
 def test_sigkill_prefill_worker(tiny_llama):

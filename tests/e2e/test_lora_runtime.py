@@ -162,6 +162,10 @@ def test_unloading_an_adapter_in_use_is_refused_until_its_requests_finish(stack)
     assert "all8" not in models(stack)
 
 
+# The next two start a stack each: `make test-slow` (CI runs them). In `make test`: the runtime load and
+# unload above, 1P1D with adapters (tests/e2e/test_lora.py), a room whose workers differ
+# (tests/services/test_pd_workers.py) and LoRA-aware routing (tests/services/router/test_lora_routing.py).
+@pytest.mark.slow
 def test_a_runtime_load_reaches_both_workers_of_a_disaggregated_pair(tiny_llama, adapters):
     # P and D both load it (the router calls every worker); P's bootstrap check of D's digest passes.
     s = Stack("--mode", "disagg", "--model", str(tiny_llama), *ENGINE, "--enable-lora",
@@ -182,6 +186,7 @@ def test_a_runtime_load_reaches_both_workers_of_a_disaggregated_pair(tiny_llama,
         s.close()
 
 
+@pytest.mark.slow
 def test_the_router_sends_an_adapter_to_the_worker_that_has_it_loaded(tiny_llama, adapters):
     from tandem.v1 import generation_pb2, generation_pb2_grpc
 

@@ -143,6 +143,9 @@ class _Receiver:
         self.server.start()
 
 
+# A stack of its own for the co-located role's two spans: `make test-slow` (CI runs it). The 1P1D trace
+# above, through every service, stays in `make test`.
+@pytest.mark.slow
 def test_colocated_worker_joins_the_trace(tiny_llama, tmp_path):
     path = tmp_path / "traces.jsonl"
     stack = Stack(*engine_args(tiny_llama), "--mode", "colocated", "--otlp-traces-endpoint", f"file://{path}",
