@@ -3,13 +3,16 @@ its torch reference (kernels/reference.py `lora_parts`) for fp32, bf16 and fp16;
 ranks (below and above a micro-tile's columns), fused parts writing only their own outputs, an adapter
 without weights for the projection, more rows of one adapter than one tile, widths that are not a
 multiple of the vector; base rows untouched bit for bit; strided x and y; no rows, one row; any thread
-count; bad input refused."""
+count; bad input refused. Then the engine's LoRA batch on the kernel against its torch paths."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tandem.engine.lora.adapters import LoraAdapter
+from tandem.engine.lora.batch import LoraBatch
+from tandem.engine.lora.registry import Stack
 from tandem.kernels import reference
 from tests.kernels.helpers import TOL, assert_close
 
@@ -137,3 +140,63 @@ def test_lora_refuses_bad_input(ops):
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         call(x=x.double(), y=y.double(), a=a.double(), b_t=b_t.double())
 
+
+# ---- the engine's LoRA batch (engine/lora/batch.py) on the kernel -------------------------------------
+
+def fused_adapter(name: str, rank: int, projections: dict[str, tuple[int, list[tuple[int, int]]]], g, dtype):
+    """As adapters.py loads one: per fused projection one A [k*r, in] and one B [out, k*r] whose part i
+    is non-zero only in its output rows."""
+    blocks, parts = {}, {}
+    for proj, (n_in, spans) in projections.items():
+        n_out = 80 if proj == "qkv_proj" else 48
+        a = (torch.randn(rank * len(spans), n_in, generator=g) * n_in ** -0.5).to(dtype)
+        b = torch.zeros(n_out, rank * len(spans), dtype=dtype)
+        for i, (out, n) in enumerate(spans):
+            b[out:out + n, i * rank:(i + 1) * rank] = torch.randn(n, rank, generator=g).to(dtype)
+        blocks[(0, proj)], parts[(0, proj)] = (a, b), tuple(spans)
+    return LoraAdapter(name, "/nowhere", rank, 1.0, name * 8, blocks, parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lora_batch_on_the_cpu_kernel_equals_its_torch_paths(ops, dtype):
+    g = torch.Generator().manual_seed(4)
+    qkv, o = (48, [(0, 48), (48, 16), (64, 16)]), (40, [(0, 48)])
+    adapters = [fused_adapter("all4", 4, {"qkv_proj": qkv, "o_proj": o}, g, dtype),
+                fused_adapter("qv12", 12, {"qkv_proj": (48, [(0, 48), (64, 16)])}, g, dtype),
+                fused_adapter("o2", 2, {"o_proj": o}, g, dtype)]
+    a1, a2, a3 = adapters
+    seqs = [a2, None, a1, a3, a2, None, a1]          # prefill-sized and decode-sized sequences, interleaved
+    q_lens = [5, 3, 1, 1, 9, 2, 1]
+    tokens = sum(q_lens)
+    kernel = Stack(adapters, ops)
+    for proj, (n_in, n_out) in (("qkv_proj", (48, 80)), ("o_proj", (40, 48))):
+        x = torch.randn(tokens, n_in, generator=g).to(dtype)
+        y = torch.randn(tokens, n_out, generator=g).to(dtype)
+        outs = {}
+        for path, stack in (("segmented", None), ("stacked", Stack(adapters)), ("kernel", kernel)):
+            batch = LoraBatch.build(seqs, q_lens, "cpu", stack)
+            assert (batch.cpu_slots is not None, batch.stack is not None) == {
+                "segmented": (False, False), "stacked": (False, True), "kernel": (True, True)}[path]
+            outs[path] = y.clone()
+            batch.apply(0, proj, x, outs[path])
+        for path in ("segmented", "stacked"):
+            assert_close(outs["kernel"], outs[path], dtype)
+        # rows 5-7 and 19-20 are the base model's; row 9 (o2) has no qkv_proj, rows 0-4 and 10-18 (qv12)
+        # no o_proj, and qv12 leaves the k outputs (48-63) of its rows alone
+        base = [5, 6, 7, 19, 20] + ([9] if proj == "qkv_proj" else [*range(5), *range(10, 19)])
+        assert torch.equal(outs["kernel"][base], y[base])
+        if proj == "qkv_proj":
+            qv = [*range(5), *range(10, 19)]
+            assert torch.equal(outs["kernel"][qv, 48:64], y[qv, 48:64])
+        before = outs["kernel"].clone()
+        batch.apply(1, proj, x, outs["kernel"])                           # no adapter has layer 1
+        assert torch.equal(outs["kernel"], before)
+    one = Stack([a1], ops)                              # one adapter alone runs on the kernel too
+    batch = LoraBatch.build([a1, None], [3, 1], "cpu", one)
+    x, y = torch.randn(4, 40, generator=g).to(dtype), torch.randn(4, 48, generator=g).to(dtype)
+    got, want = y.clone(), y.clone()
+    batch.apply(0, "o_proj", x, got)
+    LoraBatch.build([a1, None], [3, 1], "cpu", None).apply(0, "o_proj", x, want)
+    assert_close(got, want, dtype)
+    assert torch.equal(got[3], y[3])
+    assert LoraBatch.build([None, None], [3, 1], "cpu", kernel) is None
