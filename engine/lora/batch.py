@@ -7,7 +7,7 @@ registry lays its `Stack` out for it) and followed per step in `build`:
   stacked weights, the tokens grouped per adapter once per step: two launches per projection whatever
   the mix of adapters, each row multiplied by its own adapter only;
 - **cpu** (on CPU with Tandem's CPU kernels loaded, kernels/cpu): `lora_` of kernels/cpu/lora.cpp
-  over the stacked weights (B kept transposed, `Stack.parts`): one call per projection whatever the
+  over the stacked weights (B kept transposed, `Stack.cpu`): one call per projection whatever the
   mix, one adapter alone too; each row multiplied by its own adapter only, each part of a fused
   projection (q/k/v, gate/up) into its own outputs only, never by the zero blocks of the fused B;
 - **torch** (the reference, and CPU without the kernels), per step either
@@ -111,8 +111,8 @@ class LoraBatch:
                 return
             a, b, layout = entry
             if self.cpu_slots is not None:
-                parts, first_part = self.stack.parts[(layer, proj)]
-                self.stack.cpu_ops.lora_(x, y, a, b.t(), self.cpu_slots, parts, first_part)
+                b_t, parts, first_part = self.stack.cpu[(layer, proj)]
+                self.stack.cpu_ops.lora_(x, y, a, b_t, self.cpu_slots, parts, first_part)
                 return
             if self.kernel_segments is not None:
                 from tandem.kernels.lora import add_lora

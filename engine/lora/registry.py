@@ -136,15 +136,15 @@ class Stack:
     projection), and the largest rank.
 
     With `cpu_ops` (kernels.cpu's module: the CPU kernel applies them, batch.py), B_all is kept
-    transposed (`[out, S]`, column-major: the kernel reads `B_all.t()`, each column's outputs
-    contiguous), and `parts[(layer, projection)]` says what it multiplies: int32 `[P, 4]`, each part's
-    first column, rank, first output and outputs (one per adapted module of a fused q/k/v or gate/up
-    block), and int32 `[count + 1]`, where each adapter's parts start."""
+    transposed (`[out, S]`, column-major) and `cpu[(layer, projection)]` is what the kernel reads:
+    `B_all.t()` (contiguous `[S, out]`: each column's outputs side by side), the parts it multiplies
+    (int32 `[P, 4]`: each part's first column, rank, first output and outputs; one per adapted module
+    of a fused q/k/v or gate/up block) and where each adapter's parts start (int32 `[count + 1]`)."""
 
     def __init__(self, adapters: list[LoraAdapter], cpu_ops=None):
         self.count = len(adapters)
         self.cpu_ops = cpu_ops
-        self.parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cpu: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index = {a.name: i for i, a in enumerate(adapters)}
         # (layer, projection) -> (A_all, B_all, layout id); layout id -> (owner of each column, dtype)
@@ -167,7 +167,7 @@ class Stack:
             b_all = b_all.t().contiguous().t() if cpu_ops is not None else b_all.contiguous()
             self.weights[key] = (a_all, b_all, layouts[layout])
             if cpu_ops is not None:
-                self.parts[key] = self._parts(adapters, key, tables)
+                self.cpu[key] = (b_all.t(), *self._parts(adapters, key, tables))
 
     def _parts(self, adapters: list[LoraAdapter], key: tuple[int, str], tables: dict) -> tuple[torch.Tensor, torch.Tensor]:
         rows, first, col = [], [0], 0
