@@ -70,7 +70,8 @@ class LLMEngine:
         self.context_len = min(cfg.context_length or model_ctx, model_ctx)
         self.runner = ModelRunner(cfg, self.model_config, self.context_len, kv_allocator)
         self.loras = LoraRegistry(cfg, self.model_config, self.runner.dtype, self.runner.device,
-                                  on_stack=lambda stack: setattr(self.runner, "lora_stack", stack))
+                                  on_stack=lambda stack: setattr(self.runner, "lora_stack", stack),
+                                  cpu_ops=self.runner.cpu_ops)
         self.kv_tiers = self._open_kv_tiers() if cfg.kv_tiers_enabled else None
         self.kv_events: EventLink | None = None   # open_kv_events (a worker publishing KV events)
         self.scheduler = Scheduler(cfg, self.runner.num_pages, self.context_len, tiers=self.kv_tiers)

@@ -99,6 +99,23 @@ def lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spa
     return xa
 
 
+def lora_parts(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, slots: torch.Tensor,
+               parts: torch.Tensor, first_part: torch.Tensor) -> None:
+    """The CPU kernel's `lora_` (kernels/cpu/lora.cpp), in place: for each adapter s, its rows
+    (`slots == s`) and each of its parts `(col, rank, out, len)`: `xa = x[rows] @ a[col:col + rank].T`
+    in fp32, rounded to the dtype (as torch's `x @ a.t()`), then `y[rows, out:out + len] += xa @
+    b_t[col:col + rank, out:out + len]` in fp32, rounded once."""
+    parts_, first_ = parts.tolist(), first_part.tolist()
+    for s in range(len(first_) - 1):
+        idx = (slots == s).nonzero()[:, 0]
+        for col, rank, out, n in parts_[first_[s]:first_[s + 1]]:
+            if idx.numel() == 0 or rank == 0 or n == 0:
+                continue
+            xa = (x[idx].float() @ a[col:col + rank].float().T).to(x.dtype).float()
+            cols = slice(out, out + n)
+            y[idx, cols] = (y[idx, cols].float() + xa @ b_t[col:col + rank, cols].float()).to(y.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """As engine.models.layers.RMSNorm: normalise in fp32, cast to the weight's dtype, then scale."""

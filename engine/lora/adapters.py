@@ -47,6 +47,9 @@ class LoraAdapter:
     # (layer, fused projection) -> (A [k*r, in], B [fused out, k*r]): the k adapted parts in one pair,
     # B placed at each part's output rows and scaled: the delta is (x @ A.T) @ B.T (batch.py)
     blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    # (layer, fused projection) -> each part's (first output row, output rows), in the order of its
+    # rank columns in the block (q/k/v, gate/up); absent: one part over every output (registry.py Stack)
+    parts: dict[tuple[int, str], tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
 
     @property
     def cache_key(self) -> bytes:
@@ -146,11 +149,12 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, *, max_ran
             (offset, a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous()))
     fused_out = {"qkv_proj": model_cfg.q_size + 2 * model_cfg.kv_size, "o_proj": model_cfg.hidden_size,
                  "gate_up_proj": 2 * model_cfg.intermediate_size, "down_proj": model_cfg.hidden_size}
-    blocks = {}
+    blocks, parts_of = {}, {}
     for key, parts_ in mods.items():
         a = torch.cat([a for _, a, _ in parts_])
         b = torch.zeros(fused_out[key[1]], a.shape[0], dtype=dtype, device=device)
         for i, (offset, _, part_b) in enumerate(parts_):
             b[offset:offset + part_b.shape[0], i * rank:(i + 1) * rank] = part_b * scaling
         blocks[key] = (a.contiguous(), b.contiguous())
-    return LoraAdapter(name, str(path), rank, scaling, digest, blocks)
+        parts_of[key] = tuple((offset, part_b.shape[0]) for offset, _, part_b in parts_)
+    return LoraAdapter(name, str(path), rank, scaling, digest, blocks, parts_of)

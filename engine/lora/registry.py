@@ -19,7 +19,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import Conflict, InvalidRequest, ModelNotFound
 from tandem.engine.lora.adapters import LoraAdapter, check_adapter, load_adapter
-from tandem.engine.lora.batch import use_kernels
+from tandem.engine.lora.batch import choose
 from tandem.engine.lora.pool import AdapterPool
 from tandem.engine.models.config import ModelConfig
 
@@ -37,8 +37,12 @@ class AdapterUse:
 
 class LoraRegistry:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 on_stack: Callable[[Stack | None], None] = lambda stack: None):
+                 on_stack: Callable[[Stack | None], None] = lambda stack: None, cpu_ops=None):
+        """`cpu_ops`: kernels.cpu's module where the model runner loaded Tandem's CPU kernels (batch.py
+        `choose`: then they apply the adapters)."""
         self.enabled = cfg.enable_lora
+        self.path = choose(device, dtype, cpu_ops)   # triton, cpu or torch (batch.py)
+        self._cpu_ops = cpu_ops if self.path == "cpu" else None
         self.max_loras = cfg.max_loras
         self.max_rank = cfg.max_lora_rank
         self._load_args = (model_cfg, dtype, device)
@@ -118,9 +122,9 @@ class LoraRegistry:
 
     def _restack(self) -> None:
         # The torch paths stack only several adapters (one alone is applied segmented); the kernels read
-        # stacked weights whatever their number (batch.py use_kernels).
-        fewest = 1 if use_kernels(self._load_args[2]) else 2
-        self.stack = Stack(list(self.adapters.values())) if len(self.adapters) >= fewest else None
+        # stacked weights whatever their number (batch.py choose).
+        fewest = 2 if self.path == "torch" else 1
+        self.stack = Stack(list(self.adapters.values()), self._cpu_ops) if len(self.adapters) >= fewest else None
         self._on_stack(self.stack)
 
 
@@ -129,10 +133,19 @@ class Stack:
     `[out, S]`, and its layout (which adapter each of the S columns belongs to) that row masks follow.
     `spans[layout id]`: the same layout as the kernels read it (kernels/lora.py): `[count, 2]` int32 on
     the weights' device, each adapter's first column and rank (0 where it does not adapt that
-    projection), and the largest rank."""
+    projection), and the largest rank.
 
-    def __init__(self, adapters: list[LoraAdapter]):
+    With `cpu_ops` (kernels.cpu's module: the CPU kernel applies them, batch.py), B_all is kept
+    transposed (`[out, S]`, column-major) and `cpu[(layer, projection)]` is what the kernel reads:
+    `B_all.t()` (contiguous `[S, out]`: each column's outputs side by side), the parts it multiplies
+    (int32 `[P, 4]`: each part's first column, rank, first output and outputs; one per adapted module
+    of a fused q/k/v or gate/up block) and where each adapter's parts start (int32 `[count + 1]`)."""
+
+    def __init__(self, adapters: list[LoraAdapter], cpu_ops=None):
         self.count = len(adapters)
+        self.cpu_ops = cpu_ops
+        self.cpu: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index = {a.name: i for i, a in enumerate(adapters)}
         # (layer, projection) -> (A_all, B_all, layout id); layout id -> (owner of each column, dtype)
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -150,7 +163,28 @@ class Stack:
                 starts = [layout.index(i) if r else 0 for i, r in enumerate(ranks)]
                 self.spans.append((torch.tensor(list(zip(starts, ranks, strict=True)), dtype=torch.int32,
                                                 device=a_all.device), max(ranks)))
-            self.weights[key] = (a_all, torch.cat([b for _, (_, b) in present], dim=1).contiguous(), layouts[layout])
+            b_all = torch.cat([b for _, (_, b) in present], dim=1)
+            b_all = b_all.t().contiguous().t() if cpu_ops is not None else b_all.contiguous()
+            self.weights[key] = (a_all, b_all, layouts[layout])
+            if cpu_ops is not None:
+                self.cpu[key] = (b_all.t(), *self._parts(adapters, key, tables))
+
+    def _parts(self, adapters: list[LoraAdapter], key: tuple[int, str], tables: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, first, col = [], [0], 0
+        for adapter in adapters:
+            block = adapter.blocks.get(key)
+            if block is not None:
+                a, b = block
+                parts = adapter.parts.get(key) or ((0, b.shape[0]),)
+                rank = a.shape[0] // len(parts)
+                assert rank * len(parts) == a.shape[0], (adapter.name, key, parts)
+                rows.extend((col + i * rank, rank, out, n) for i, (out, n) in enumerate(parts))
+                col += a.shape[0]
+            first.append(len(rows))
+        table = (tuple(rows), tuple(first))
+        if table not in tables:   # most layers share one
+            tables[table] = (torch.tensor(rows, dtype=torch.int32).view(-1, 4), torch.tensor(first, dtype=torch.int32))
+        return tables[table]
 
     def masks(self, owner: list[str | None], device) -> list[torch.Tensor]:
         """Per layout id, `[rows, S]`: 1 in each row's own adapter's columns (rows of the base model: 0)."""

@@ -69,7 +69,8 @@ MODULE = "tandem_cpu_ops"
 # Kernel sources with their own flags: RoPE and the norm must not fuse multiply-adds (bit-identical to
 # the torch code); attention may.
 KERNELS = {"ops.cpp": ["-ffp-contract=off"], "attention.cpp": ["-ffp-contract=fast"],
-           "extend.cpp": ["-ffp-contract=fast"], "linear.cpp": ["-ffp-contract=fast"]}
+           "extend.cpp": ["-ffp-contract=fast"], "linear.cpp": ["-ffp-contract=fast"],
+           "lora.cpp": ["-ffp-contract=fast"]}
 HEADERS = ["kernels.h", "common.h"]
 BINDING = "binding.cpp"
 # -fopenmp: the kernels run OpenMP teams; the libgomp.so.1 they link is the one torch ships and has

@@ -184,6 +184,55 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y;
 }
 
+// y[t] += each part of row t's adapter (lora.cpp), in place. The stacked weights: a [S, in], b_t [S, out]
+// (B transposed); parts [P, 4] int32 (first column, rank, first output, outputs), adapter s's parts
+// [first_part[s], first_part[s + 1]); slots [tokens] int32 (-1: the base model's row, untouched).
+void lora_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const at::Tensor& b_t, const at::Tensor& slots,
+           const at::Tensor& parts, const at::Tensor& first_part) {
+  for (const at::Tensor* t : {&x, static_cast<const at::Tensor*>(&y), &a, &b_t, &slots, &parts, &first_part})
+    check_cpu(*t, "every argument");
+  TORCH_CHECK(has_kernel_dtype(x.scalar_type()), "lora_ takes float32, bfloat16 or float16, not ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && (x.stride(1) == 1 || x.size(1) <= 1) &&
+                  (y.stride(1) == 1 || y.size(1) <= 1) && y.size(0) == x.size(0),
+              "x and y must be [tokens, in] and [tokens, out] with unit stride in their columns");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == x.size(1), "a must be contiguous [stacked, ",
+              x.size(1), "]");
+  TORCH_CHECK(b_t.dim() == 2 && b_t.is_contiguous() && b_t.size(0) == a.size(0) && b_t.size(1) == y.size(1),
+              "b_t must be contiguous [", a.size(0), ", ", y.size(1), "] (the stacked B, transposed)");
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&y), &a, &b_t})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "x, y, a and b_t must share a dtype");
+  const auto int32s = [](const at::Tensor& t, int64_t dim) {
+    return t.scalar_type() == at::kInt && t.dim() == dim && t.is_contiguous();
+  };
+  TORCH_CHECK(int32s(slots, 1) && slots.size(0) == x.size(0), "slots must be contiguous int32 [tokens]");
+  TORCH_CHECK(int32s(parts, 2) && parts.size(1) == 4, "parts must be contiguous int32 [parts, 4]");
+  TORCH_CHECK(int32s(first_part, 1) && first_part.size(0) >= 1, "first_part must be contiguous int32 [adapters + 1]");
+  const int64_t adapters = first_part.size(0) - 1, stacked = a.size(0), n_out = y.size(1);
+  const int32_t* fp = first_part.data_ptr<int32_t>();
+  const int32_t* pp = parts.data_ptr<int32_t>();
+  TORCH_CHECK(fp[0] == 0 && fp[adapters] == parts.size(0), "first_part must run from 0 to the number of parts");
+  for (int64_t s = 0; s < adapters; ++s) {
+    TORCH_CHECK(fp[s] <= fp[s + 1], "first_part must not decrease");
+    for (int32_t p = fp[s]; p < fp[s + 1]; ++p) {
+      const int32_t* q = pp + 4 * p;
+      TORCH_CHECK(q[0] >= 0 && q[1] >= 0 && q[0] + int64_t{q[1]} <= stacked, "part ", p, ": columns [", q[0], ", ",
+                  q[0] + int64_t{q[1]}, ") outside the ", stacked, " stacked");
+      TORCH_CHECK(q[2] >= 0 && q[3] >= 0 && q[2] + int64_t{q[3]} <= n_out, "part ", p, ": outputs [", q[2], ", ",
+                  q[2] + int64_t{q[3]}, ") outside the ", n_out);
+      for (int32_t o = fp[s]; o < p; ++o)   // one adapter's parts write disjoint outputs: no two tasks share one
+        TORCH_CHECK(q[1] == 0 || q[3] == 0 || pp[4 * o + 1] == 0 || pp[4 * o + 3] == 0 ||
+                        q[2] >= pp[4 * o + 2] + pp[4 * o + 3] || pp[4 * o + 2] >= q[2] + q[3],
+                    "parts ", o, " and ", p, " of adapter ", s, " write the same outputs");
+    }
+  }
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < adapters, "slots[", t, "] = ", sp[t], " outside [-1, ", adapters, ")");
+  tandem_cpu::lora(tandem_cpu::LoraArgs{kernel_dtype(x.scalar_type()), x.size(0), x.size(1), n_out, x.stride(0),
+                                        y.stride(0), adapters, x.data_ptr(), a.data_ptr(), b_t.data_ptr(),
+                                        y.data_ptr(), sp, pp, fp, threads()});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -201,4 +250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("dtype") = py::none());
   m.def("linear", &linear, "y = x · Wᵀ (+ bias) in fp32 from pack_linear's weight; n: W's rows (out features)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"));
+  m.def("lora_", &lora_, "y[t] += (x[t] · A_partᵀ) · B_partᵀ for each part of row t's adapter (slots[t]; -1: none), "
+        "from the stacked a [S, in] and b_t [S, out], in place", py::arg("x"), py::arg("y"), py::arg("a"),
+        py::arg("b_t"), py::arg("slots"), py::arg("parts"), py::arg("first_part"));
 }

@@ -70,6 +70,18 @@ struct LinearArgs {         // y[m, :] = x[m, :] · Wᵀ (+ bias) in fp32; W pac
   int threads;
 };
 
+struct LoraArgs {           // y[t, part's outputs] += round(x[t] · A[part]ᵀ) · Bᵀ[part], each part of row t's adapter
+  DType dtype;              // of x, y and the weights
+  int64_t tokens, n_in, n_out, x_row, y_row, adapters;
+  const void *x;            // [tokens, n_in], unit stride in n_in
+  const void *a, *b_t;      // the stacked weights: a [S, n_in], b_t [S, n_out] (B transposed), contiguous
+  void* y;                  // [tokens, n_out], unit stride in n_out, updated in place
+  const int32_t* slots;     // [tokens]: each row's adapter in [0, adapters), or -1 (untouched)
+  const int32_t* parts;     // [P][4]: first stacked column, rank, first output, outputs (disjoint per adapter)
+  const int32_t* first_part;  // [adapters + 1]: adapter s's parts are [first_part[s], first_part[s + 1])
+  int threads;
+};
+
 const char* level();                               // the ISA level this variant was compiled for
 bool extend_supported(DType dtype, int64_t dim);   // whether extend_attention takes these
 void decode_attention(const DecodeArgs& a);
@@ -78,5 +90,6 @@ void rms_norm(const NormArgs& a);
 void rope(const RopeArgs& a);
 int64_t linear_panel();                            // output columns per weight panel in this variant
 void linear(const LinearArgs& a);
+void lora(const LoraArgs& a);
 
 }  // namespace tandem_cpu

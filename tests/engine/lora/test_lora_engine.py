@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.errors import InvalidRequest
+from tandem.engine.lora import registry
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_vs_hf import hf_greedy, random_prompts
 
@@ -78,6 +79,23 @@ def test_a_mixed_batch_of_adapters_and_the_base_model_equals_peft(tiny_llama, ad
     assert [r.token_ids for r in got] == refs
     for name in ADAPTERS:     # every adapter changed some of its prompts' tokens: the test can tell them apart
         assert any(refs[i] != base[i] for i, n in enumerate(names) if n == name), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpu_kernel_gives_the_tokens_of_the_torch_paths(tiny_llama, adapters, monkeypatch, dtype):
+    """On CPU the adapters run on Tandem's CPU kernel (kernels/cpu/lora.cpp) where it is loaded: one
+    adapter on every row, then a mixed batch, greedy, against the same engine on the torch paths."""
+    kernel = engine_with(tiny_llama, adapters, dtype=dtype)
+    monkeypatch.setattr(registry, "choose", lambda device, dtype, cpu_ops: "torch")
+    plain = engine_with(tiny_llama, adapters, dtype=dtype)
+    assert kernel.loras.path == "cpu" and plain.loras.path == "torch"
+    prompts = random_prompts([5, 9, 17, 3, 12, 7, 22, 30], kernel.model_config.vocab_size, seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for names in (["all8"] * 8, [None, "all8", "attn4", "mlp16"] * 2):
+        got = [r.token_ids for r in kernel.generate(prompts, params, loras=names)]
+        assert kernel.runner.lora_stack.cpu_ops is not None       # a stack of one adapter too
+        assert got == [r.token_ids for r in plain.generate(prompts, params, loras=names)], names
+    kernel.check_idle()
 
 
 def test_adapters_change_the_output_and_never_share_kv(tiny_llama, adapters):
