@@ -71,6 +71,8 @@ def main() -> None:
                                         max_loras=args.adapters, max_lora_rank=args.rank,
                                         max_running_requests=max(64, *map(int, args.batches.split(",")))))
         names = list(paths)
+        path = engine.loras.path      # how the adapters are applied (engine/lora/batch.py choose)
+        print(f"adapters applied by: {path}", flush=True)
         rows = []
         vocab = engine.model_config.vocab_size
         for b in map(int, args.batches.split(",")):
@@ -87,7 +89,8 @@ def main() -> None:
         r["tpot_vs_base"] = round(r["tpot_ms"] / base[r["batch"]], 3)
     if args.out:
         write_result(args.out, {"bench": "lora", "model": args.model, "dtype": args.dtype, "rank": args.rank,
-                                "adapters": args.adapters, "input_len": args.input_len, "max_tokens": args.max_tokens,
+                                "adapters": args.adapters, "lora_path": path, "input_len": args.input_len,
+                                "max_tokens": args.max_tokens,
                                 "rows": rows}, tool="tandem.bench.lora")
         print(f"wrote {args.out}")
 

@@ -1,5 +1,6 @@
 """Fused C++ kernels for the CPU path: paged decode attention, paged prefill/extend attention,
-RMSNorm (+ residual) and RoPE, one source per operation, compiled once per ISA level.
+RMSNorm (+ residual), RoPE, the fp32 linear and mixed-adapter LoRA, one source per operation,
+compiled once per ISA level.
 
 Why: a decode step of a small model on a CPU core is mostly many small ops. Profiled at the serving
 shape (12 sequences x 300 keys, one core, bf16, prepacked weights), the torch attention spent
@@ -12,21 +13,28 @@ sequence's pages (SDPA needs a gather and an explicit mask once a prefix is cach
 softmax, fp32 compute. `linear` is the fp32 projection on weights packed once into panels
 (`pack_linear`): at decode's 1-64 rows MKL's and oneDNN's fp32 GEMMs use a third to a half of the
 core, and the projections are ~95% of an fp32 decode step (engine/models/prepack.py).
+`lora_` (lora.cpp) adds a step's LoRA adapters into a projection's output (engine/lora/batch.py):
+each row by its own adapter's columns of the stacked A and Bᵀ only (the torch paths multiplied every
+row by every loaded adapter, or gathered rows per adapter, in bf16 matmuls that oneDNN reorders per
+call), each part of a fused q/k/v or gate/up block into its own outputs only.
 vLLM's CPU backend has kernels of the same kind; these are our own.
 
 Numerics: fp32 arithmetic throughout, rounding to the model dtype where the torch code rounds. RoPE
 and the norm's element-wise part are bit-identical to the torch code (ops.cpp is compiled with
 `-ffp-contract=off`: no fused multiply-adds); the norm's sum of squares and attention's dot products
 sum in another order, and attention keeps its scores and probabilities in fp32; `linear` sums each
-output over k in order (not MKL's order), deterministic for any thread count. The one exception
-is bf16 extend attention in the `avx512_bf16` variant, which multiplies bf16 pairs with
-`vdpbf16ps` (fp32 sums, ~2x the rate of fp32 FMAs) and splits each probability into two bf16
-parts (~16 significant bits) for the P.V products (extend.cpp).
+output over k in order (not MKL's order), deterministic for any thread count; `lora_` sums in fp32
+and rounds `x · A` to the dtype and the output once, where the torch code `y.addmm_(x @ a.t(), b.t())`
+rounds, deterministic for any thread count too (in bf16 the `avx512_bf16` variant multiplies its
+bf16 operands in pairs with `vdpbf16ps`: exact products, fp32 sums). The one exception is bf16
+extend attention in the `avx512_bf16` variant, which multiplies bf16 pairs with `vdpbf16ps` (fp32
+sums, ~2x the rate of fp32 FMAs) and splits each probability into two bf16 parts (~16 significant
+bits) for the P.V products (extend.cpp).
 
 Variants: one per ISA level of `kernels.cpu.isa` (`generic` < `avx2` < `avx512` < `avx512_bf16`),
 each the same sources compiled with that level's flags (`LEVEL_FLAGS`; the differences inside the
 sources are `#if`s on the compiler's feature macros: vector width and tile sizes, the `vdpbf16ps`
-kernel). The variant loaded is `isa.effective_level()`: the host's best, capped the way torch and
+kernels). The variant loaded is `isa.effective_level()`: the host's best, capped the way torch and
 oneDNN are capped (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`), so that an AVX-512 machine
 emulating an AVX2-only one runs the avx2 kernels too. The loaded module says which (`LEVEL`) and
 what its extend kernel takes (`extend_attention_supported(dtype, head_dim)`).
@@ -85,7 +93,7 @@ LEVEL_FLAGS = {
 BINDING_FLAGS = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", f"-DTORCH_EXTENSION_NAME={MODULE}",
                  "-DTORCH_API_INCLUDE_EXTENSION_H", "-w"]
 # Cold build times on a 2-core Zen 4 (the first log line quotes their sum): the binding (torch
-# headers) and one variant's three kernel sources, compiled in parallel.
+# headers) and one variant's kernel sources, compiled in parallel.
 BINDING_S, VARIANT_S = 25.0, 4.0
 
 _lock = threading.Lock()
