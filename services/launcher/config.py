@@ -25,7 +25,7 @@ class UpConfig:
     worker_args: tuple[str, ...] = ()    # the flags every worker gets (forwarded from `tandem up`'s)
     router_args: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0       # first run imports the default model
-    quiet: bool = False                  # no banner, no progress, no worker logs (errors only)
+    quiet: bool = False                  # no banner, no progress, services log warnings and errors only
     ready_json: bool = False             # print READY_JSON_PREFIX + summary JSON on stdout once up
     stop_grace_s: float = 20.0           # SIGTERM -> SIGKILL; above the workers' drain timeout
     gateway_port: int = 8000             # OpenAI-compatible HTTP gateway (0: any free port, -1: none)
@@ -73,7 +73,7 @@ LAUNCHER_FLAGS = (
          "by hand at any time); the router then serves with no prefill worker too (--min-prefill-workers 0 "
          "unless given)", field="planner", action="store_true"),
     Flag(("--quiet",), _L, OBSERVABILITY,
-         "no banner and no service logs, only the services' readiness lines and errors", field="quiet",
+         "no banner and no service INFO logs: only the services' readiness lines, warnings and errors", field="quiet",
          action="store_true"),
     Flag(("--ready-json",), _L, OBSERVABILITY,
          "once everything is ready, print one line `TANDEM_UP {json}` on stdout (addresses of router, gateway, "

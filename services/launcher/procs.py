@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -43,6 +44,7 @@ class Child:
     on_line: Callable[[str, str], None] | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     started_at: float = 0.0
+    _capture: list[str] | None = field(default=None, repr=False)   # lines kept by dump_stacks
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -61,6 +63,8 @@ class Child:
                 self.ready_event.set()
             else:
                 self.tail.append(line)
+                if self._capture is not None:
+                    self._capture.append(line)
             if self.on_line is not None:
                 self.on_line(self.name, line)
         self.ready_event.set()  # EOF: the process died; waiters must look at `alive`
@@ -92,6 +96,18 @@ class Child:
         if self.alive:
             self.proc.send_signal(signal.SIGTERM)
 
+    def dump_stacks(self, wait_s: float) -> list[str]:
+        """Ask the child to print its threads' stacks and give it `wait_s` to do so; returns what it
+        printed meanwhile (also when `--quiet` forwards none of its lines)."""
+        if not self.alive:
+            return []
+        self._capture = []
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(STACK_DUMP_SIGNAL)
+        self.wait(wait_s)
+        lines, self._capture = self._capture, None
+        return lines
+
     def kill(self) -> None:
         if self.alive:
             self.proc.kill()
@@ -106,16 +122,30 @@ class Child:
             return False
 
 
+STACK_DUMP_SIGNAL = signal.SIGUSR1   # workers print every thread's stack on it (faulthandler)
+STACK_DUMP_WAIT_S = 1.0
+
+
 def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
-    """SIGTERM everyone (router first, so no new work arrives), wait, then SIGKILL stragglers."""
+    """SIGTERM everyone (router first, so no new work arrives), wait, then SIGKILL stragglers: each
+    first prints where its threads are (its log says why the stop hung), and what a killed worker
+    leaves in /dev/shm is removed, as its successor would at start."""
     for c in children:
         c.terminate()
     deadline = time.monotonic() + grace_s
+    killed = False
     for c in children:
         if not c.wait(max(0.0, deadline - time.monotonic())):
-            log.warning("%s did not stop within %.0fs: killing it", c.name, grace_s)
+            stacks = c.dump_stacks(STACK_DUMP_WAIT_S)
+            log.warning("%s did not stop within %.0fs: killing it. Where its threads were:\n%s",
+                        c.name, grace_s, "\n".join(stacks) or "(it printed nothing)")
             c.kill()
             c.wait(5.0)
+            killed = True
+    if killed:   # imported here: the launcher itself needs no transfer code
+        from tandem.kvtransfer.protocol.shm import cleanup_stale_segments
+        for path in cleanup_stale_segments():
+            log.info("removed %s, left by a killed worker", path)
 
 
 def python_cmd(*args: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -38,15 +39,28 @@ RESTARTED_JSON_PREFIX = "TANDEM_RESTARTED "
 log = logging.getLogger(__name__)
 
 
+# A service's log record starts `2026-12-05 09:12:33,739 LEVEL logger: message` (tandem/cli/command.py).
+_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (\w+) ")
+_LOUD = {"WARNING", "ERROR", "CRITICAL"}
+
+
 def _printer(quiet: bool):
+    """Prefixes each service's lines with its name. `quiet`: only their warnings and errors, each with
+    the lines that continue it (a traceback, a stack dump), and what is not a log record at all
+    (a crash's traceback), and the READY JSON."""
     lock = threading.Lock()
+    loud: dict[str, bool] = {}   # per service: is the record being continued a warning or worse
 
     def on_line(name: str, line: str) -> None:
         if line.startswith(READY_PREFIX):
-            if not quiet:  # the banner says where it listens; the JSON is for the launcher
+            if not quiet:   # the banner says where it listens; the JSON is for scripts
                 line = "ready"
         elif quiet:
-            return
+            m = _RECORD.match(line)
+            if m is not None:
+                loud[name] = m.group(1) in _LOUD
+            if not loud.get(name, True):
+                return
         with lock:  # one write per line: print() writes text and newline separately
             sys.stderr.write(f"[{name}] {line}\n")
             sys.stderr.flush()

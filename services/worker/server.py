@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import importlib
 import json
 import logging
@@ -106,6 +107,9 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # `kill -USR1`: every thread's stack to stderr (the launcher asks before it kills a worker that
+    # would not stop); faulthandler's C handler answers even while a thread holds the GIL.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     t0 = time.monotonic()
     # Model loading takes seconds: run it off the event loop so signals are still handled.
@@ -187,19 +191,47 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     log.info("%s %s serving on %s (metrics :%s)", wcfg.role, wcfg.id, addr, metrics_port)
 
     await stop.wait()
+    clock = _StopClock(f"{wcfg.role} {wcfg.id}")
     await _drain(wcfg, health_servicer, registry, heartbeat, parts)
+    clock.lap("drain", budget_s=wcfg.drain_timeout_s + STALE_VIEW_S)
     if monitor is not None:
         await monitor.close()
     await server.stop(grace=1.0)
+    clock.lap("gRPC server")
     engine_loop.stop()
     if watchdog is not None:
         watchdog.stop()
+    clock.lap("engine thread")
     parts.close()
+    clock.lap("engine and KV transfer")
     if kv_events is not None:
         kv_events.close()
     stats.close()
-    log.info("%s %s stopped", wcfg.role, wcfg.id)
+    clock.lap("KV events and stats")
+    log.info("%s stopped (%s)", clock.name, clock)
     return 1 if engine_loop.failed else 0
+
+
+class _StopClock:
+    """Times the stop's phases: one slower than its budget is logged at once (the launcher SIGKILLs a
+    worker whose whole stop outlasts its grace period, so which phase hung must be on record)."""
+
+    SLOW_S = 3.0
+
+    def __init__(self, name: str):
+        self.name = name
+        self.t = time.monotonic()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, phase: str, budget_s: float = SLOW_S) -> None:
+        now = time.monotonic()
+        self.laps.append((phase, now - self.t))
+        if now - self.t > budget_s:
+            log.warning("%s: stopping, the %s took %.1fs", self.name, phase, now - self.t)
+        self.t = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {s:.2f}s" for phase, s in self.laps)
 
 
 # How long a drained worker stays idle before it stops serving: twice a router's registry poll

@@ -145,6 +145,9 @@ class Stack:
                 os.unlink(path)
         tail = "\n".join(list(self.log)[-60:])     # whose stop was slow, or killed: the launcher logs it
         assert killed or not leaked, f"`tandem up` stopped but left shared memory behind: {leaked}\n{tail}"
+        # A service that needs SIGKILL is a bug even when nothing leaked (the launcher prints its stacks).
+        stuck = [i for i, line in enumerate(self.log) if "did not stop within" in line]
+        assert killed or not stuck, "a service did not stop gracefully:\n" + "\n".join(list(self.log)[stuck[0]:])
 
 
 def shm_segments_of(launcher_pid: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import sys
 import threading
 import time
@@ -13,6 +14,7 @@ from tandem.services.launcher.up import (
     UpConfig,
     _banner,
     _Interrupted,
+    _printer,
     _wait_ready,
     worker_roles,
     worker_threads,
@@ -88,3 +90,50 @@ def test_colocated_replicas_split_the_cores(monkeypatch):
     assert worker_threads(UpConfig(mode="colocated")) == 4
     assert worker_roles(UpConfig(num_prefill=2, num_decode=1)) == [("prefill", 2), ("decode", 1)]
     assert worker_threads(UpConfig(num_prefill=2, num_decode=1)) == 1
+
+
+STUCK = """
+import faulthandler, os, signal, sys, threading, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)          # a stop that hangs
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+path = f"/dev/shm/tandem-kv-stuck_0-{os.getpid()}-{sys.argv[1]}"
+open(path, "wb").close()                                # a KV segment it would remove on a clean stop
+def waits_forever():
+    threading.Event().wait()
+threading.Thread(target=waits_forever, name="engine").start()
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_worker_that_will_not_stop_says_where_it_hangs_and_its_shared_memory_is_removed(tmp_path, caplog):
+    tag = tmp_path.name[-12:].replace("_", "")
+    child = Child("decode-0", [sys.executable, "-c", STUCK, tag])   # no on_line: as under --quiet
+    child.start()
+    segment = f"/dev/shm/tandem-kv-stuck_0-{child.proc.pid}-{tag}"
+    deadline = time.monotonic() + 10
+    while "up" not in child.tail and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "up" in child.tail and glob.glob(segment)
+    with caplog.at_level("WARNING", logger="tandem.services.launcher.procs"):
+        stop_all([child], grace_s=0.5)
+    assert not child.alive
+    assert "decode-0 did not stop within 0s: killing it" in caplog.text
+    assert "waits_forever" in caplog.text, caplog.text   # the stuck thread's stack, in the launcher's log
+    assert not glob.glob(segment)
+
+
+def test_quiet_keeps_the_services_warnings_with_their_continuation_lines(capsys):
+    on_line = _printer(quiet=True)
+    lines = ['TANDEM_READY {"role": "decode"}',
+             "2026-12-05 09:12:30,001 INFO tandem.services.worker.server: decode d-1 serving",
+             "  an INFO record's second line",
+             "2026-12-05 09:12:33,739 WARNING tandem.services.worker.server: decode d-1: stopping, the drain took 11.0s",
+             'Thread 0x7f (most recent call first):', '  File "loop.py", line 3 in _run',
+             "2026-12-05 09:12:34,000 INFO tandem.services.worker.server: decode d-1 stopped"]
+    for line in lines:
+        on_line("decode-0", line)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"[decode-0] {line}" for line in (lines[0], *lines[3:6])]
+    on_line("prefill-0", "Traceback (most recent call last):")   # not a record: a crash before logging
+    assert capsys.readouterr().err == "[prefill-0] Traceback (most recent call last):\n"
