@@ -134,11 +134,36 @@ uint32_t tandem_crc32c_iov(uint32_t r, const uint64_t *iov, int64_t n) {
 
 #define COPY_CHUNK (32 << 10) /* hashed, then copied while it is in the L1/L2 cache */
 
+#ifdef TANDEM_X86
+#include <emmintrin.h>
+/* memcpy with stores that bypass the cache (x86-64 always has SSE2). A KV write is far larger than
+   the cache and read next by another process: regular stores would first read every destination line
+   from memory (read-for-ownership) and evict the source. Measured on the 2-core box, 1,024 scattered
+   360 KiB pages: 19-20 ms against memcpy's 26-27 ms. Weakly ordered: tandem_copy_runs fences once at
+   its end, before the caller tells the reader. */
+__attribute__((target("sse2"))) static void stream_copy(uint8_t *d, const uint8_t *s, size_t n) {
+    for (; n && ((uintptr_t)d & 15); n--) *d++ = *s++;
+    for (; n >= 64; n -= 64, s += 64, d += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+}
+__attribute__((target("sse2"))) static void store_fence(void) { _mm_sfence(); }
+#else
+static void stream_copy(uint8_t *d, const uint8_t *s, size_t n) { memcpy(d, s, n); }
+static void store_fence(void) {}
+#endif
+
 static uint32_t copy_span(uint32_t r, int sum, uint8_t *d, const uint8_t *s, size_t left) {
     while (left) {
         size_t n = left < COPY_CHUNK ? left : COPY_CHUNK;
-        memcpy(d, s, n);
-        if (sum) r = update(r, s, n);
+        if (sum) r = update(r, s, n);   /* the source chunk into the cache, then copied from there */
+        stream_copy(d, s, n);
         s += n, d += n, left -= n;
     }
     return r;
@@ -162,5 +187,6 @@ uint32_t tandem_copy_runs(uint32_t r, int sum, uint8_t *dst, const uint8_t *src,
                 for (int64_t k = 0; k < runs[3 * i + 2]; k++)
                     r = copy_span(r, sum, d + k * page_stride, s + k * page_stride, (size_t)piece);
         }
+    store_fence();
     return r;
 }

@@ -38,6 +38,7 @@ import torch
 from tandem.kvtransfer.base import PoolLayout, TransferError
 from tandem.kvtransfer.datapath import Link, ReceiverPath, SenderPath, flip_byte
 from tandem.kvtransfer.protocol import checksum
+from tandem.kvtransfer.protocol.runs import split_runs
 from tandem.kvtransfer.protocol.wire import Kind, ReceiverMetadata, wrote_body
 
 SHM_DIR = "/dev/shm"
@@ -265,27 +266,43 @@ class ShmLink(Link):
         return self._copy(room, runs, stop, corrupt, checksum.native_crc32c())
 
     def _copy(self, room: int, runs: np.ndarray, stop: Callable[[], bool], corrupt: bool, crc) -> tuple[int, int]:
+        """The native copy where it is built (hashing as it goes with `crc`; unchecked, in pieces with
+        `stop()` looked at between them), else one torch copy per run."""
         src, dst = self._src, self._dst
         started = time.monotonic()
-        pages = copied = value = 0
-        if crc is not None:
-            value = crc.copy_runs(dst, src, self._layout.geometry(), self._src_layout.geometry(), runs, True)
-            pages, copied = int(runs[:, 2].sum()), len(runs)
+        value = 0
+        done: list[np.ndarray] = []
+        native = crc or _native_copy()
+        if native is not None:
+            geometry, src_geometry = self._layout.geometry(), self._src_layout.geometry()
+            pieces = [runs] if crc is not None else split_runs(runs, max(1, checksum.PIECE_BYTES // self._bytes_per_page))
+            for piece in pieces:
+                if crc is None and stop():
+                    break
+                value = native.copy_runs(dst, src, geometry, src_geometry, piece, crc is not None) or 0
+                done.append(piece)
         else:
             by_page_src, by_page_dst = self._src_layout.by_page(src), self._layout.by_page(dst)
-            for s, d, n in runs.tolist():
+            for i, (s, d, n) in enumerate(runs.tolist()):
                 if stop():
                     break
                 by_page_dst[d:d + n].copy_(by_page_src[s:s + n])
-                pages += n
-                copied += 1
-        if corrupt and copied:    # in D's memory, after the copy
+                done.append(runs[i:i + 1])
+        written = np.concatenate(done) if done else runs[:0]
+        if corrupt and len(written):    # in D's memory, after the copy
             flip_byte(self._layout.by_page(dst)[int(runs[0, 1]), 0, 0].view(-1).view(torch.uint8).numpy())
-        nbytes = pages * self._bytes_per_page
+        nbytes = int(written[:, 2].sum()) * self._bytes_per_page
         # Same host, so CLOCK_MONOTONIC is shared: D times the room from the copy's start.
-        self.ch.send(Kind.WROTE, room, wrote_body(started, runs[:copied]), payload_len=nbytes)
+        self.ch.send(Kind.WROTE, room, wrote_body(started, written), payload_len=nbytes)
         return nbytes, value
 
     def close(self) -> None:
         self._dst = None          # the mapping goes when the last view is freed
         self._segment = None
+
+
+def _native_copy():
+    """The compiled copy (kvtransfer/native, with the CRC-32C library), or None where it is not built."""
+    from tandem.kvtransfer.native import crc32c  # built once per process; not needed to import this module
+
+    return crc32c()

@@ -13,7 +13,7 @@ import pytest
 from tandem.kvtransfer import cleanup_stale_segments, create_receiver, create_sender
 from tandem.kvtransfer.base import RoomState, TransferError
 from tandem.kvtransfer.protocol.shm import PREFIX, Segment
-from tests.kvtransfer.helpers import SMALL, page_bytes, random_pool, uid, wait_done
+from tests.kvtransfer.helpers import SMALL, SMALL_LF, page_bytes, random_pool, uid, wait_done
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -190,3 +190,28 @@ def test_segment_refuses_a_file_that_is_not_the_advertised_one(tmp_path):
     finally:
         seg.unlink()
     assert not os.path.exists(info.path)
+
+
+@pytest.mark.parametrize("layout", [SMALL, SMALL_LF], ids=["page_first", "layer_first"])
+def test_unchecked_shm_copies_natively_in_pieces_and_reports_every_run(layout, monkeypatch):
+    """Checksums off: shm copies with the native copy in pieces of PIECE_BYTES (here 3 pages), cutting
+    runs across pieces; D accounts every page of the WROTE notes and gets the exact bytes."""
+    from tandem.kvtransfer.protocol import checksum
+
+    monkeypatch.setattr(checksum, "PIECE_BYTES", 3 * layout.num_layers * 2 * layout.page_bytes)
+    rx = create_receiver("shm", layout, "127.0.0.1", uid("D"))
+    pool = random_pool(layout, 7)
+    tx = create_sender("shm", pool, layout, uid("P"), checksums=())
+    src, dst = [9, 10, 11, 12, 13, 40, 2, 3], [20, 21, 22, 23, 24, 5, 50, 51]   # runs of 5, 1 and 2 pages
+    try:
+        tx.connect(rx.worker_id, rx.metadata())
+        rx.expect(1, dst, tx.worker_id)
+        tx.write(rx.worker_id, 1, src, dst)
+        tx.finish(rx.worker_id, 1, b"aux")
+        st = wait_done(lambda: rx.poll(1))
+        assert st.state is RoomState.SUCCESS and st.path == "shm", st
+        assert st.bytes_moved == len(dst) * layout.num_layers * 2 * layout.page_bytes
+        assert page_bytes(rx.buffer, dst, layout) == page_bytes(pool, src, layout)
+    finally:
+        tx.close()
+        rx.close()
