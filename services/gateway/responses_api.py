@@ -25,7 +25,7 @@ from tandem.services.gateway.errors import APIError, bad_request
 from tandem.services.gateway.limits import checked
 from tandem.services.gateway.pipeline import Gateway, Plan, add_post, chat_prompt, make_jobs, max_tokens_for
 from tandem.services.gateway.protocol import check_priority_field, make_sampling, parse
-from tandem.services.gateway.responses import Choice, sse_event, usage
+from tandem.services.gateway.responses import Choice, finish_reason, sse_event, usage
 from tandem.services.gateway.responses_items import (
     ResponsesRequest,
     check_request,
@@ -60,6 +60,7 @@ class ResponsesFormat:
         self._ids: dict[int, str] = {}
         self._seq = 0
         self._finished = False
+        self._cut = False                 # max_output_tokens ended the output: its last item is incomplete
         self.result: dict | None = None   # the final response object, once known
         self.output_blocks: list[Block] = []
 
@@ -69,7 +70,10 @@ class ResponsesFormat:
         return self._ids.setdefault(index, new_id(_ITEM_PREFIX[block.kind]))
 
     def _item(self, index: int, block: Block, done: bool) -> dict:
-        status = "completed" if done else "in_progress"
+        # As OpenAI's: the item the limit cut short says so, so that a client never runs a call (or
+        # shows a message) whose text stops mid-way as if it were whole.
+        cut = self._cut and index == len(self.blocks.blocks) - 1
+        status = ("incomplete" if cut else "completed") if done else "in_progress"
         item_id = self._id(index, block)
         if block.kind == "text":
             content = [_text_part(block.text)] if done else []
@@ -99,9 +103,10 @@ class ResponsesFormat:
 
     def response(self, choices: list[Choice], n: int) -> dict:
         (choice,) = choices
-        blocks = whole("".join(choice.text), self.reasoning, self.tools).blocks
-        self.output_blocks = blocks
-        self.result = self._body("completed", blocks, choice, usage(choices, n))
+        self.blocks = whole("".join(choice.text), self.reasoning, self.tools)
+        self._cut = choice.finish_reason == "length"
+        self.output_blocks = self.blocks.blocks
+        self.result = self._body("completed", self.blocks.blocks, choice, usage(choices, n))
         return self.result
 
     # ---- the stream ---------------------------------------------------------------------------
@@ -117,6 +122,7 @@ class ResponsesFormat:
     def chunk(self, index: int, msg: generation_pb2.GenerateResponse, include_usage: bool) -> list[bytes]:
         events = self.blocks.feed(msg.text)
         if msg.finish_reason:
+            self._cut = finish_reason(msg.finish_reason) == "length"
             events += self.blocks.finish()
             self._finished = True
         return [frame for e in events for frame in self._frames(e)]
@@ -142,6 +148,8 @@ class ResponsesFormat:
         return [*out, self._event("response.output_item.done", item=done, output_index=e.index)]
 
     def end(self, choices: list[Choice], totals: dict, include_usage: bool) -> list[bytes]:
+        if not self._finished:
+            self._cut = choices[0].finish_reason == "length"
         out = [] if self._finished else [f for e in self.blocks.finish() for f in self._frames(e)]
         self.output_blocks = self.blocks.blocks
         self.result = self._body("completed", self.blocks.blocks, choices[0], totals)

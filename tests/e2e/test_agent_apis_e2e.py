@@ -2,7 +2,8 @@
 live 1P1D stack the gateway e2e tests share (`tandem up`: its gateway keeps responses in the stack's
 Redis). Short outputs: the tiny model's text is noise; what is checked is the protocol, the store,
 and that a continued conversation reuses the KV of the turns before it. (Tool calls are covered
-against a fake router: the tools prompt is longer than the tiny model's 512-token context.)"""
+against a fake router, and with SmolLM2 in test_agent_apis_smollm2.py: the tools prompt is longer
+than the tiny model's 512-token context.)"""
 
 from __future__ import annotations
 

@@ -175,6 +175,31 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(tiny_llama):
     whole, events = run(tiny_llama, scripted("abcdefghi", pb.FINISH_REASON_LENGTH), scenario)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == "abcdefghi"
+    assert whole.output[0].status == events[-1].response.output[0].status == "incomplete"
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done.status == "incomplete"
+
+
+def test_only_the_item_the_limit_cut_is_incomplete(tiny_llama):
+    """A second call cut mid-arguments: the first is whole, the second says it is not (a client must
+    not run it), in the body, the stream's output_item.done events, and the kept response."""
+    async def scenario(client, fake, gw):
+        ask = dict(model=MODEL, input="Weather?", tools=TOOLS, max_output_tokens=40)
+        whole = await client.responses.create(**ask)
+        events = [e async for e in await client.responses.create(**ask, stream=True)]
+        return whole, events, await client.responses.retrieve(events[-1].response.id)
+
+    cut = CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ly'
+    whole, events, stored = run(tiny_llama, scripted(cut, pb.FINISH_REASON_LENGTH), scenario)
+    for response in (whole, events[-1].response, stored):
+        assert response.status == "incomplete"
+        assert [(o.type, o.status) for o in response.output] == [("function_call", "completed"),
+                                                                  ("function_call", "incomplete")]
+        assert json.loads(response.output[0].arguments) == {"city": "Paris"}
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["completed", "incomplete"]
+    ok = run(tiny_llama, scripted(CALL), lambda client, fake, gw: client.responses.create(
+        model=MODEL, input="Weather?", tools=TOOLS, max_output_tokens=40))
+    assert [o.status for o in ok.output] == ["completed"] and ok.status == "completed"
 
 
 def test_get_delete_cancel_and_unknown_ids(tiny_llama):
