@@ -11,6 +11,8 @@ sends it the same seeded multi-turn workload (bench/serve/multiturn.py):
                  directory, `--kv-disk-cache-gb`)
     1p1d         `tandem up --mode disagg --prefill 1 --decode 1`, no tiers
     1p1d-tiers   the same with the tier flags (workers that do not wire tiers yet warn and turn them off)
+    1p1d-tiers-no-d2p  the same with `--kv-reuse-policy never`: P never fetches the earlier answers D
+                 holds (issue [22]'s before; 1p1d-tiers is after: `auto`, the default)
     vllm         vLLM's CPU backend, prefix caching on, the same dtype and the same KV pool in tokens
 
 The L1 budget is one number of tokens for every server (`--max-total-tokens` on each Tandem worker;
@@ -70,6 +72,8 @@ TANDEM_CONFIGS: dict[str, tuple[tuple[str, ...], bool]] = {
     "colo-tiers": (("--mode", "colocated", "--colocated", "1"), True),
     "1p1d": (("--mode", "disagg", "--prefill", "1", "--decode", "1"), False),
     "1p1d-tiers": (("--mode", "disagg", "--prefill", "1", "--decode", "1"), True),
+    # Issue [22]'s KV both ways, off: P computes again the earlier answers only D holds.
+    "1p1d-tiers-no-d2p": (("--mode", "disagg", "--prefill", "1", "--decode", "1", "--kv-reuse-policy", "never"), True),
 }
 ALL_CONFIGS = (*TANDEM_CONFIGS, "vllm")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -79,7 +83,7 @@ SLO_TEXT = "ttft=2s,tpot=500ms"           # goodput's default SLO (--slo)
 @dataclass(frozen=True)
 class KVTiersConfig:
     model: str = "smollm2-135m"
-    configs: tuple[str, ...] = ALL_CONFIGS
+    configs: tuple[str, ...] = ("colo", "colo-tiers", "1p1d", "1p1d-tiers", "vllm")   # [16]'s comparison
     conversations: int = 32
     turns: int = 6
     user_len: int = 200                  # user tokens each turn adds (range_ratio applies)

@@ -126,6 +126,10 @@ def ratios(summaries: Mapping[str, Mapping]) -> dict:
             out["ttft_turns_2_plus_tiers_over_no_tiers"][on.removesuffix("-tiers")] = {
                 "p50": p50, "p99": _ratio(a["p99"], b["p99"]), "target_p50": TTFT_RATIO_TARGET,
                 "met": None if p50 is None else p50 <= TTFT_RATIO_TARGET}
+    if "1p1d-tiers" in summaries and "1p1d-tiers-no-d2p" in summaries:   # issue [22]'s KV both ways
+        on, off = summaries["1p1d-tiers"], summaries["1p1d-tiers-no-d2p"]
+        out["ttft_turns_2_plus_d2p_over_no_d2p"] = {
+            q: _ratio(on["ttft_turns_2_plus_ms"][q], off["ttft_turns_2_plus_ms"][q]) for q in ("p50", "p99")}
     tandem = {n: s["goodput"] for n, s in summaries.items() if n != "vllm"}
     if tandem and "vllm" in summaries:
         best = max(tandem, key=tandem.get)
@@ -160,6 +164,10 @@ def summary_text(results: Mapping) -> str:
     for pair, v in r["ttft_turns_2_plus_tiers_over_no_tiers"].items():
         lines.append(f"{pair}: TTFT turns >= 2 p50 tiers / no tiers {fmt(v['p50'], 2)}x (p99 {fmt(v['p99'], 2)}x), "
                      f"target <= {v['target_p50']:g}x: {_verdict(v['met'])}")
+    d2p = r.get("ttft_turns_2_plus_d2p_over_no_d2p")
+    if d2p is not None:
+        lines.append(f"1p1d-tiers: TTFT turns >= 2 with D->P reuse / without {fmt(d2p['p50'], 2)}x p50 "
+                     f"({fmt(d2p['p99'], 2)}x p99)")
     g = r["goodput_best_tandem_over_vllm"]
     if g is not None:
         lines.append(f"goodput best Tandem ({g['best']}) / vLLM: {fmt(g['ratio'], 2)}x, "

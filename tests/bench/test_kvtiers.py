@@ -149,6 +149,11 @@ def test_ratios_and_targets():
     assert t["1p1d"]["p50"] == pytest.approx(0.8) and t["1p1d"]["met"] is False
     g = r["goodput_best_tandem_over_vllm"]
     assert g["best"] == "colo-tiers" and g["ratio"] == pytest.approx(1.6) and g["met"] is True
+    assert "ttft_turns_2_plus_d2p_over_no_d2p" not in r
+    r = kvtiers_report.ratios({"1p1d-tiers": summary(300, 0.1, 900), "1p1d-tiers-no-d2p": summary(600, 0.1, 1000)})
+    assert r["ttft_turns_2_plus_d2p_over_no_d2p"] == {"p50": pytest.approx(0.5), "p99": pytest.approx(0.9)}
+    assert kvtiers.tandem_args("1p1d-tiers-no-d2p", kvtiers.KVTiersConfig(), 1024, "/d")[6:8] == [
+        "--kv-reuse-policy", "never"]
     # vLLM with no good request: no ratio, no verdict; a pair half measured: not reported
     r = kvtiers_report.ratios({"colo-tiers": summary(250, 0.4), "vllm": summary(600, 0.0)})
     assert r["ttft_turns_2_plus_tiers_over_no_tiers"] == {}
