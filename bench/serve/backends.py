@@ -85,8 +85,8 @@ class OpenAIHTTPBackend:
             self._client = None
 
     def body(self, req: BenchRequest) -> dict:
-        body: dict = {"model": self.cfg.model, "max_tokens": req.output_len, "temperature": self.cfg.temperature,
-                      "stream": True, "stream_options": {"include_usage": True}}
+        body: dict = {"model": req.model or self.cfg.model, "max_tokens": req.output_len,
+                      "temperature": self.cfg.temperature, "stream": True, "stream_options": {"include_usage": True}}
         if self.chat:
             history = req.messages if req.messages is not None else (("user", req.prompt),)
             body["messages"] = [{"role": role, "content": content} for role, content in history]
@@ -194,7 +194,7 @@ class TandemGrpcBackend:
 
         sampling = generation_pb2.SamplingParams(max_tokens=req.output_len, temperature=self.cfg.temperature,
                                                  ignore_eos=self.cfg.force_output_len != "off")
-        msg = generation_pb2.GenerateRequest(model=self.cfg.model, sampling=sampling, priority=req.priority or 0)
+        msg = generation_pb2.GenerateRequest(model=req.model or self.cfg.model, sampling=sampling, priority=req.priority or 0)
         if self.cfg.use_token_ids and req.prompt_ids is not None:
             msg.token_ids.ids.extend(req.prompt_ids)
         else:

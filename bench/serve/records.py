@@ -23,6 +23,7 @@ class BenchRequest:
     # instead of `prompt` (multi-turn); `prompt` is then the same contents concatenated.
     messages: tuple[tuple[str, str], ...] | None = None
     phase: int | None = None             # --load-profile: the index of the phase it was sent in
+    model: str | None = None             # sent as the request's model instead of the backend's (a LoRA adapter)
 
 
 @dataclass

@@ -51,6 +51,11 @@ class LoraRegistry:
         self.adapters: dict[str, LoraAdapter] = {}   # the loaded ones
         self.pool = AdapterPool(cfg.max_cpu_loras if cfg.max_cpu_loras is not None else cfg.max_loras)
         self.stack: Stack | None = None
+        # Monotonic counts since start (the worker exports them as tandem_lora_loads_total /
+        # tandem_lora_evictions_total): adapters read from disk, and loaded ones dropped to make room
+        # for another (a runtime unload is not an eviction).
+        self.loads = 0
+        self.evictions = 0
         for name, path in cfg.lora_modules:
             check_adapter(name, path, self.max_rank)
             self.known[name] = path
@@ -115,6 +120,8 @@ class LoraRegistry:
         for victim in victims:
             del self.adapters[victim]
             self.pool.remove(victim)
+        self.loads += 1
+        self.evictions += len(victims)
         self.adapters[name] = adapter
         self.pool.add(name)
         self._restack()

@@ -13,6 +13,8 @@ disk (and may evict nothing). `lora_affinity` narrows a request's candidates bef
   many). Then, as when no worker is warm, every candidate that can load it (a worker whose
   `--max-cpu-loras` loaded adapters all have requests would refuse the load), if any: a hot adapter
   spreads to idle workers instead of piling up on the ones that had it first.
+With `--lora-routing blind` an adapter's request is picked among all of its candidates (every worker
+that serves the adapter), as a base-model request is: the baseline that aware routing is measured against.
 Torch-free.
 """
 
@@ -68,7 +70,7 @@ def lora_affinity(adapter: str, candidates: Sequence[Candidate], cfg: RouteConfi
                   routed: Callable[[str], bool] = lambda worker_id: False) -> Sequence[Candidate]:
     """The candidates a request of `adapter` ("" for the base model) should be picked from (non-empty
     when `candidates` is). `routed(worker_id)`: this router has a request of `adapter` in flight there."""
-    if not adapter:
+    if not adapter or cfg.lora_routing == "blind":
         return candidates
     warm = [c for c in candidates if has_loaded(c.info, adapter) or routed(c.worker_id)]
     if len(warm) == len(candidates):

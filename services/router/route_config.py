@@ -21,6 +21,9 @@ DEFAULT_FALLBACK_LOCAL_PREFILL_MAX_TOKENS = 8192
 # requests past it goes to a prefill worker instead.
 DEFAULT_LOCAL_PREFILL_MAX_ITL_MS = 150.0
 KV_REUSE_POLICIES = ("auto", "always", "never")
+# aware: an adapter's request prefers the workers that have it loaded (services/router/lora_routing.py);
+# blind: LoRA plays no part in the pick (the baseline bench/lora_routing.py compares it with).
+LORA_ROUTING = ("aware", "blind")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class RouteConfig:
     # cheaper than computing it, "always" whenever D holds more, "never" computes it.
     kv_reuse_policy: str = "auto"
     kv_link_gbps: float = 10.0              # the P-D link the cost model assumes until P has measured a fetch
+    lora_routing: str = "aware"             # LORA_ROUTING
 
     def validate(self) -> None:
         if self.local_prefill_max_tokens < -1:
@@ -56,6 +60,8 @@ class RouteConfig:
         if self.kv_reuse_policy not in KV_REUSE_POLICIES:
             raise ValueError(f"--kv-reuse-policy must be one of {', '.join(KV_REUSE_POLICIES)}, "
                              f"got {self.kv_reuse_policy!r}")
+        if self.lora_routing not in LORA_ROUTING:
+            raise ValueError(f"--lora-routing must be one of {', '.join(LORA_ROUTING)}, got {self.lora_routing!r}")
         if self.kv_link_gbps <= 0:
             raise ValueError(f"--kv-link-gbps must be > 0, got {self.kv_link_gbps}")
         if self.prefix_cache_ttl_s <= 0:
@@ -99,6 +105,10 @@ ROUTE_FLAGS = tuple(
          "multi-turn conversation, the earlier answers), the prefill worker fetches that KV from it instead of "
          "computing it: auto when the cost model finds the fetch cheaper (--kv-link-gbps), always, or never "
          "(workers: --kv-reuse-from-decode)", field="route.kv_reuse_policy", choices=KV_REUSE_POLICIES),
+    Flag(("--lora-routing",), Owner.ROUTER, ROUTING,
+         "LoRA adapters: aware sends an adapter's request to the workers that have it loaded unless they are "
+         "much busier (--balance-*-threshold), so adapters are read from disk less often; blind picks among "
+         "every worker that serves it as for the base model", field="route.lora_routing", choices=LORA_ROUTING),
 )
 
 
@@ -112,7 +122,7 @@ def route_config_from_args(args: argparse.Namespace) -> RouteConfig:
         prefix_cache_ttl_s=args.prefix_cache_ttl,
         fallback=RouteConfig.fallback if args.fallback is None else args.fallback,
         fallback_local_prefill_max_tokens=args.fallback_local_prefill_max_tokens,
-        kv_reuse_policy=args.kv_reuse_policy, kv_link_gbps=args.kv_link_gbps,
+        kv_reuse_policy=args.kv_reuse_policy, kv_link_gbps=args.kv_link_gbps, lora_routing=args.lora_routing,
     )
     cfg.validate()
     return cfg

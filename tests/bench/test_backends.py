@@ -125,6 +125,15 @@ def test_priority_is_sent_only_when_the_workload_sets_one():
     assert grpc_backend.request(REQ).priority == 0
 
 
+def test_a_requests_model_overrides_the_backends():
+    # A multi-LoRA workload names an adapter per request (bench/lora_routing.py).
+    cfg = BackendConfig(base_url="http://x", model="base")
+    sql = BenchRequest(prompt="a", prompt_len=1, output_len=1, model="sql")
+    assert OpenAIHTTPBackend(cfg).body(sql)["model"] == "sql" and OpenAIHTTPBackend(cfg).body(REQ)["model"] == "base"
+    grpc_backend = TandemGrpcBackend(BackendConfig(base_url="127.0.0.1:1", model="base"))
+    assert grpc_backend.request(sql).model == "sql" and grpc_backend.request(REQ).model == "base"
+
+
 def test_chat_endpoint():
     chunks = sse({"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [{"delta": {"content": "hi"}}]},
                  {"choices": [{"delta": {"content": " there"}}]}, {"choices": [{"delta": {}, "finish_reason": "length"}]},

@@ -136,6 +136,9 @@ SCRIPT_DEFAULTS = {
     "tandem.bench.structured_pd": {"model": "smollm2-135m", "max_tokens": 128, "num_warmups": 2, "up_args": "",
                                    "start_timeout": 600.0, "out": "bench/results/structured_pd.json"},
     "tandem.bench.step_noise": {"input_len": 256, "out": None},
+    "tandem.bench.lora_routing": {"request_rate": 1.0, "num_prompts": 60, "input_len": 64, "seed": 0, "max_tokens": 16,
+                                  "num_warmups": 16, "model": "smollm2-135m", "up_args": "--local-prefill-max-tokens -1",
+                                  "start_timeout": 600.0, "out": "bench/results/lora_routing.json"},
 }
 
 

@@ -41,6 +41,28 @@ def test_lazy_load_lru_eviction_and_reload_give_the_same_tokens(tiny_llama, adap
     engine.check_idle()
 
 
+def test_loads_and_evictions_are_counted(tiny_llama, adapters, tmp_path):
+    # What tandem_lora_loads_total / tandem_lora_evictions_total export (services/worker/lora_report.py).
+    bad = _copy(adapters["all8"], tmp_path / "bad", r=4)
+    engine = engine_with(tiny_llama, {**adapters, "bad": bad}, max_loras=2, max_cpu_loras=2,
+                         enable_lora_runtime_updating=True)
+    loras = engine.loras
+    assert (loras.loads, loras.evictions) == (0, 0)             # lazy: nothing read at start
+    for name in ("all8", "attn4", "all8", "mlp16"):             # 3 adapters through 2 slots
+        run(engine, name)
+    assert (loras.loads, loras.evictions) == (3, 1)             # attn4 out; all8 again was loaded already
+    run(engine, "attn4")                                        # read again: all8 out
+    assert (loras.loads, loras.evictions) == (4, 2)
+    with pytest.raises(InvalidRequest):                         # a file that fails to load: nothing counted,
+        engine.add_request(PROMPT, GREEDY, lora="bad")          # nothing dropped
+    assert (loras.loads, loras.evictions) == (4, 2) and set(loras.adapters) == {"mlp16", "attn4"}
+    engine.unload_lora("attn4")                                 # an unload is not an eviction
+    assert (loras.loads, loras.evictions) == (4, 2)
+    eager = engine_with(tiny_llama, adapters, max_loras=1, max_cpu_loras=3, lora_eager_load=True)
+    assert (eager.loras.loads, eager.loras.evictions) == (3, 0)   # read at start
+    engine.check_idle()
+
+
 def test_an_adapter_in_use_is_never_evicted(tiny_llama, adapters):
     engine = engine_with(tiny_llama, adapters, max_loras=1, max_cpu_loras=1)
     engine.add_request(PROMPT, GREEDY, lora="all8")

@@ -1,10 +1,16 @@
 """LoRA-aware routing on constructed states (torch-free): a request of an adapter prefers workers that
 have it loaded, spreads when they are much busier, and base-model requests are routed as if LoRA did
-not exist; an adapter's prompt is hashed in a key space of its own in the router's prefix index."""
+not exist (and so are adapter requests under `--lora-routing blind`); an adapter's prompt is hashed in a
+key space of its own in the router's prefix index."""
 
 from __future__ import annotations
 
+import pytest
+
+from tandem.cli.main import build_parser
+from tandem.cli.up_cmd import router_args
 from tandem.services.router.cache_view import PrefixCacheView, PromptKey
+from tandem.services.router.config import RouterConfig
 from tandem.services.router.lora_routing import adapter_of, served_adapters
 from tandem.services.router.planner import RoutePlanner, prompt_key
 from tandem.services.router.route_config import RouteConfig
@@ -47,6 +53,28 @@ def test_base_requests_are_blind_to_lora():
     with_loras = [_w("a", running=2, loaded=("sql", "chat")), _w("b", running=1)]
     for policy in ("least_load", "cache_aware"):
         assert _route(policy, plain) == _route(policy, with_loras) == "b"
+
+
+def test_blind_routing_picks_an_adapter_request_as_a_base_one():
+    workers = [_w("a", running=0), _w("b", running=3, loaded=("sql",))]
+    for policy in ("least_load", "cache_aware"):
+        assert _route(policy, workers, "sql") == "b"                        # aware: where it is loaded
+        assert _route(policy, workers, "sql", lora_routing="blind") == "a"  # blind: by load alone
+        assert _route(policy, workers, "sql", lora_routing="blind") == _route(policy, workers)
+    with pytest.raises(ValueError, match="--lora-routing"):
+        RouteConfig(lora_routing="sticky").validate()
+
+
+def test_lora_routing_is_a_router_flag_that_tandem_up_forwards():
+    parse = build_parser().parse_args
+    static = ["router", "--prefill", "a:1", "--decode", "b:2"]
+    assert RouterConfig.from_args(parse(static)).route.lora_routing == "aware"
+    assert RouterConfig.from_args(parse([*static, "--lora-routing", "blind"])).route.lora_routing == "blind"
+    assert "--lora-routing" not in router_args(parse(["up"]))          # not given: the router's default
+    forwarded = router_args(parse(["up", "--lora-routing", "blind"]))
+    assert RouterConfig.from_args(parse([*static, *forwarded])).route.lora_routing == "blind"
+    with pytest.raises(SystemExit):
+        parse(["up", "--lora-routing", "sticky"])
 
 
 def test_the_prefix_index_keys_an_adapter_prompt_by_its_adapter():

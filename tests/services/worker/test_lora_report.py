@@ -1,5 +1,5 @@
-"""A worker's LoRA report: the load message the router routes by, and `tandem:lora_requests_info`
-(one label set at a time, the previous one dropped)."""
+"""A worker's LoRA report: the load message the router routes by, `tandem:lora_requests_info`
+(one label set at a time, the previous one dropped), and the load / eviction counters."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tandem.v1 import worker_pb2
 
 def _engine(usage, enabled=True):
     return SimpleNamespace(cfg=SimpleNamespace(enable_lora=enabled), lora_usage=lambda: list(usage),
-                           loras=SimpleNamespace(max_loras=2, pool=SimpleNamespace(capacity=3)))
+                           loras=SimpleNamespace(max_loras=2, pool=SimpleNamespace(capacity=3), loads=0, evictions=0))
 
 
 def _info(running: str, waiting: str) -> float | None:
@@ -47,3 +47,21 @@ def test_lora_requests_info_keeps_one_label_set():
     now[0] = 1.0
     export()
     assert _info("a", "b") is None and _info("", "") is not None
+
+
+def test_loads_and_evictions_are_exported_as_they_grow():
+    def counts():
+        return (REGISTRY.get_sample_value("tandem_lora_loads_total"),
+                REGISTRY.get_sample_value("tandem_lora_evictions_total"))
+    loads0, evictions0 = counts()              # the counters are process-wide: compare deltas
+    engine = _engine([])
+    export = LoraInfoExporter(engine, clock=lambda: 0.0)
+    export()
+    assert counts() == (loads0, evictions0)
+    engine.loras.loads, engine.loras.evictions = 3, 1
+    export()
+    export()                                   # nothing new: nothing added twice
+    assert counts() == (loads0 + 3, evictions0 + 1)
+    engine.loras.loads = 5
+    export()                                   # every tick, not only when the info gauge is due
+    assert counts() == (loads0 + 5, evictions0 + 1)
