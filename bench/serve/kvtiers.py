@@ -179,9 +179,19 @@ class TandemConfigUp(TandemUp):
         """Each worker's blocks loaded per tier (`tandem_kv_tier_hits_total`): whether its tiers served anything."""
         return {_worker_label(w): tier_hits(_metrics(w.get("metrics_port"))) for w in self.info.get("workers", [])}
 
+    def kv_reuse(self) -> dict:
+        """KV both ways: the router's decisions (`tandem_router_kv_reuse_total`) and the prompt tokens the
+        prefill workers fetched from decode workers (`tandem_kv_fetched_tokens_total`)."""
+        fetched = sum(_sample(_metrics(w.get("metrics_port")), "tandem_kv_fetched_tokens_total")
+                      for w in self.info.get("workers", []) if w.get("role") == "prefill")
+        router = _metrics(self.info.get("router_metrics_port"))
+        return {"router_decisions": {d: int(float(n)) for d, n in _REUSE.findall(router)},
+                "fetched_tokens": int(fetched)}
+
 
 _PAGES_TOTAL = re.compile(r'^tandem_kv_pages\{state="total"\} ([0-9.e+]+)$', re.M)
 _TIER_HITS = re.compile(r'^tandem_kv_tier_hits_total\{tier="([^"]+)"\} ([0-9.e+]+)$', re.M)
+_REUSE = re.compile(r'^tandem_router_kv_reuse_total\{decision="([^"]+)"\} ([0-9.e+]+)$', re.M)
 _VLLM_KV_TOKENS = re.compile(r"KV cache size: ([0-9,]+) tokens")
 
 
@@ -202,6 +212,11 @@ def _metrics(port: int | None) -> str:
 def pool_tokens(metrics_text: str) -> int | None:
     m = _PAGES_TOTAL.search(metrics_text)
     return int(float(m.group(1))) * TANDEM_PAGE_SIZE if m else None
+
+
+def _sample(metrics_text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", metrics_text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def tier_hits(metrics_text: str) -> dict[str, int]:
@@ -236,6 +251,9 @@ class VllmWithCapacity(VllmServe):
                 None if logged is None else logged - VLLM_CPU_BLOCK_SIZE}
 
     def tier_hits(self) -> dict:
+        return {}
+
+    def kv_reuse(self) -> dict:
         return {}
 
 
@@ -308,7 +326,8 @@ def run_kvtiers(cfg: KVTiersConfig, echo=print) -> dict:
                     dataset=cfg.dataset(), request_rates=(cfg.rate,), num_warmups=cfg.num_warmups, slo=cfg.slo,
                     progress=cfg.progress, label=dep.name)
                 rate_run = asyncio.run(run_rates(serve_cfg, tokenizer, echo))[0].to_dict(save_requests=True)
-                return {"kv_capacity_tokens": dep.kv_capacity(), "kv_tier_hits": dep.tier_hits(), "run": rate_run}
+                return {"kv_capacity_tokens": dep.kv_capacity(), "kv_tier_hits": dep.tier_hits(),
+                        "kv_reuse": dep.kv_reuse(), "run": rate_run}
 
             entry, why = measure_deployment(dep, run, echo)
             if entry is None:
@@ -317,7 +336,8 @@ def run_kvtiers(cfg: KVTiersConfig, echo=print) -> dict:
                 results["configs"][name] = entry
                 results["summaries"][name] = report.config_summary(entry["run"])
                 echo(f"--- {name}: KV capacity as built (tokens): {entry['kv_capacity_tokens']}; "
-                     f"blocks loaded from the tiers: {entry['kv_tier_hits'] or '-'}")
+                     f"blocks loaded from the tiers: {entry['kv_tier_hits'] or '-'}; KV both ways: "
+                     f"{entry['kv_reuse'] or '-'}")
             # after each configuration: a later crash keeps what was measured
             write_result(out, results, tool="tandem.bench.serve.kvtiers")
     results["ratios"] = report.ratios(results["summaries"])
