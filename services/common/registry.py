@@ -130,12 +130,29 @@ class _OutageLog:
         self.down = False
 
 
-async def _cancel(task: asyncio.Task | None) -> None:
+CANCEL_WAIT_S = 2.0
+
+
+async def _cancel(task: asyncio.Task | None, wait_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel a background loop and wait for it, at most `wait_s`: a cancellation swallowed inside a
+    client library (seen with a Redis write that a SIGSTOP/SIGCONT left mid-flight) must not hang
+    the worker's stop (the launcher then SIGKILLed it after its grace)."""
     if task is None:
         return
     task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=wait_s)
+    if not done:
+        log.warning("%s did not end within %.0fs of its cancellation: left behind", task.get_name(), wait_s)
+        return
     with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+        task.result()
+
+
+def _cancel_requested() -> bool:
+    """Whether the running task has a cancellation pending (3.11's Task.cancelling): a loop checks it
+    after a call that may have swallowed the CancelledError."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 _REGISTRIES: dict[str, Callable[..., WorkerRegistry]] = {}
@@ -318,13 +335,13 @@ class RedisRegistry(WorkerRegistry):
             self._write_log.ok()
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not _cancel_requested():
             await asyncio.sleep(self.heartbeat_s)
             if self._info is not None:
                 await self._write()
 
     async def _poll_loop(self) -> None:
-        while True:
+        while not _cancel_requested():
             await asyncio.sleep(self.poll_s)
             await self.refresh()
 

@@ -108,8 +108,10 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # `kill -USR1`: every thread's stack to stderr (the launcher asks before it kills a worker that
-    # would not stop); faulthandler's C handler answers even while a thread holds the GIL.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # would not stop); faulthandler's C handler answers even while a thread holds the GIL, then (chain)
+    # the event loop prints where each of its tasks waits.
+    loop.add_signal_handler(signal.SIGUSR1, _print_tasks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
 
     t0 = time.monotonic()
     # Model loading takes seconds: run it off the event loop so signals are still handled.
@@ -210,6 +212,22 @@ async def serve_worker(engine_cfg: EngineConfig, wcfg: WorkerConfig) -> int:
     clock.lap("KV events and stats")
     log.info("%s stopped (%s)", clock.name, clock)
     return 1 if engine_loop.failed else 0
+
+
+def _print_tasks() -> None:
+    """Where each task of the event loop waits: its chain of awaits, outermost first (Task.print_stack
+    shows only the outermost frame of a suspended coroutine, and fails on some compiled ones)."""
+    for task in asyncio.all_tasks():
+        chain, coro = [], task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is None:
+                chain.append(type(coro).__name__)
+                break
+            chain.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        print(f"Task {task.get_name()}: " + " -> ".join(chain), file=sys.stderr)
+    sys.stderr.flush()
 
 
 class _StopClock:

@@ -152,7 +152,8 @@ class Stack:
         # that stack says what hangs.
         stuck = [i for i, line in enumerate(self.log) if "did not stop within" in line]
         if stuck:
-            warnings.warn("a service did not stop gracefully:\n" + "\n".join(list(self.log)[stuck[0]:]), stacklevel=2)
+            lines = list(self.log)   # what the services said while stopping, then the launcher's report
+            warnings.warn("a service did not stop gracefully:\n" + "\n".join(lines[max(0, stuck[0] - 30):]), stacklevel=2)
 
 
 def shm_segments_of(launcher_pid: int) -> list[str]:

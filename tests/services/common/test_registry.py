@@ -302,3 +302,33 @@ def test_after_an_outage_the_router_keeps_known_workers_for_a_ttl_while_they_rea
         await router.close()
 
     arun(body())
+
+
+def test_a_write_that_swallows_its_cancellation_does_not_hang_the_withdraw(redis_url, monkeypatch):
+    """The CI hang (2026-12-05): a worker SIGSTOPped and resumed was cancelled inside its heartbeat's
+    Redis write, the client turned the CancelledError into an error that the write logs, and the loop
+    slept on: `withdraw()` awaited it forever and the launcher SIGKILLed the worker. Now the loop sees
+    the pending cancellation and ends."""
+    async def body():
+        worker = RedisRegistry(redis_url, ttl_s=1.0, heartbeat_s=0.05, watch=False)
+        await worker.start()
+        await worker.announce(_info("p0"))
+        entered = asyncio.Event()
+
+        async def swallowing_set(*args, **kwargs):
+            entered.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                raise ConnectionError("the connection was closed mid-command") from None
+
+        monkeypatch.setattr(worker._client, "set", swallowing_set)
+        await asyncio.wait_for(entered.wait(), 5)
+        task = worker._heartbeat_task
+        t0 = asyncio.get_running_loop().time()
+        await worker.withdraw()
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        assert task.done()
+        await worker.close()
+
+    arun(body())
