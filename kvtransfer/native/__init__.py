@@ -41,9 +41,13 @@ def build(verbose: bool = False) -> Path:
                                           "the KV checksums' CRC-32C", 1.0, announce=False))
 
 
+PATHS = ("table", "crc32 instruction", "carry-less fold")
+
+
 class Crc32c:
-    """CRC-32C (Castagnoli) from the compiled library: `hw` says whether the CPU's crc32 instruction
-    computes it (else a table does, same results, ~10x slower)."""
+    """CRC-32C (Castagnoli) from the compiled library: `level` says which path computes it (PATHS, the
+    fastest the CPU has: a carry-less multiply fold with VPCLMULQDQ, else the crc32 instruction, else a
+    table ~10x slower; same results), `hw` whether an instruction does."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -55,8 +59,19 @@ class Crc32c:
         lib.tandem_copy_runs.argtypes = [u32, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64]
         for fn in (lib.tandem_crc32c_update, lib.tandem_crc32c_runs, lib.tandem_crc32c_iov, lib.tandem_copy_runs):
             fn.restype = u32
+        lib.tandem_crc32c_use.argtypes = [ctypes.c_int]
+        lib.tandem_crc32c_use.restype = ctypes.c_int
         self._lib = lib
-        self.hw = bool(lib.tandem_crc32c_init())     # the library's tables, filled before any thread calls in
+        self.level = lib.tandem_crc32c_init()         # the library's tables, filled before any thread calls in
+        self.hw = self.level >= 1
+
+    def use(self, level: int) -> int:
+        """Hash with at most path `level` from now on (PATHS: 0 the table, 1 the crc32 instruction, 2
+        the carry-less fold), where the CPU has it; returns the level in effect. For tests and
+        benchmarks, while no other thread hashes."""
+        self.level = self._lib.tandem_crc32c_use(level)
+        self.hw = self.level >= 1
+        return self.level
 
     def __call__(self, data, value: int = 0) -> int:
         """The CRC-32C of `data` (a contiguous buffer), continuing from `value` (zlib.crc32's convention:

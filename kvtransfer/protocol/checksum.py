@@ -165,6 +165,15 @@ def piece_pages(layout: PoolLayout, layers: int | None = None) -> int:
     return max(1, PIECE_BYTES // (layout.page_bytes * (layers or layout.num_layers) * 2))
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity: a worker `tandem up` pinned to one core checks on
+    one thread, where a second would only take turns with the first and with the engine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class ChecksumPool:
     """Checksums over one pool, computed on a few threads of their own (started on first use). `close`
     drops what has not started; safe to call twice."""
@@ -172,7 +181,7 @@ class ChecksumPool:
     def __init__(self, pool: torch.Tensor, layout: PoolLayout, name: str, threads: int | None = None):
         self._pool, self._layout = pool, layout
         self._pages = page_view(pool, layout)
-        threads = threads or min(MAX_THREADS, os.cpu_count() or 1)
+        threads = threads or min(MAX_THREADS, _usable_cores())
         self._ex = ThreadPoolExecutor(threads, thread_name_prefix=name)
 
     def submit(self, runs: np.ndarray, algorithm: str, layers: tuple[int, int] | None = None) -> Future:

@@ -67,6 +67,15 @@ def test_the_pool_checksums_on_its_threads():
         sums.close()
 
 
+def test_a_process_pinned_to_one_core_checks_on_one_thread(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1}, raising=False)
+    sums = ChecksumPool(random_pool(SMALL, 1), SMALL, "test-sums")
+    try:
+        assert sums._ex._max_workers == 1
+    finally:
+        sums.close()
+
+
 def test_the_sender_uses_the_receivers_first_choice_it_has_too():
     assert available()[-1] == "crc32"                      # the standard library's: always there
     assert choose(["xxh3", "crc32"], ("crc32",)) == "crc32"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.kvtransfer.native import crc32c
+from tandem.kvtransfer.native import PATHS, crc32c
 from tandem.kvtransfer.protocol.checksum import page_view, pages_sum
 from tandem.kvtransfer.protocol.iovec import page_iov, split_iov
 from tests.kvtransfer.helpers import BIGGER, BIGGER_LF, SMALL, SMALL_LF, random_pool, wire_bytes
@@ -33,6 +33,35 @@ def test_the_standard_check_value_and_lengths_around_the_lanes():
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         assert CRC(data) == reference(data), n
         assert CRC(data[n // 3:], CRC(data[:n // 3])) == reference(data), n     # continues like zlib.crc32
+
+
+@pytest.fixture(params=range(len(PATHS)), ids=PATHS)
+def path(request):
+    """Each path the CPU has (the fold, the crc32 instruction, the table), then the best again."""
+    if CRC.use(request.param) != request.param:
+        CRC.use(len(PATHS))
+        pytest.skip(f"this CPU has no {PATHS[request.param]} path")
+    yield request.param
+    CRC.use(len(PATHS))
+
+
+def test_every_path_gives_the_standard_crc_around_its_blocks(path):
+    rng = np.random.default_rng(2)
+    lengths = (0, 5, 255, 256, 257, 511, 512, 513, 2048 + 17, 6144, 32 << 10) if path else (0, 5, 257, 513)
+    for n in lengths:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert CRC(data) == reference(data), n
+        assert CRC(data[n // 3:], CRC(data[:n // 3])) == reference(data), n
+        assert CRC(b"\0" * n, 0x12345678) == reference(b"\0" * n, 0x12345678), n   # a register that is not ~0
+
+
+def test_the_paths_agree_on_a_copy_that_hashes(path):
+    pool = random_pool(BIGGER, seed=3)
+    dst = torch.zeros_like(pool)
+    runs = np.array([[0, 2, 3], [5, 0, 1]], dtype=np.int64)
+    g = BIGGER.geometry()
+    got = CRC.copy_runs(dst, pool, g, g, runs, True)
+    assert got == reference(wire_bytes(pool, BIGGER, runs[:, [0, 2]]))
 
 
 @pytest.mark.parametrize("layout", [SMALL, BIGGER, SMALL_LF, BIGGER_LF])
