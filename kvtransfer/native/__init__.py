@@ -63,14 +63,17 @@ class Crc32c:
         lib.tandem_crc32c_use.restype = ctypes.c_int
         self._lib = lib
         self.level = lib.tandem_crc32c_init()         # the library's tables, filled before any thread calls in
-        self.hw = self.level >= 1
+
+    @property
+    def hw(self) -> bool:
+        """An instruction computes it (not the table)."""
+        return self.level >= 1
 
     def use(self, level: int) -> int:
         """Hash with at most path `level` from now on (PATHS: 0 the table, 1 the crc32 instruction, 2
         the carry-less fold), where the CPU has it; returns the level in effect. For tests and
         benchmarks, while no other thread hashes."""
         self.level = self._lib.tandem_crc32c_use(level)
-        self.hw = self.level >= 1
         return self.level
 
     def __call__(self, data, value: int = 0) -> int:

@@ -100,7 +100,7 @@ static uint64_t xpow_reflected(int e) {
 /* Per fold distance d (bits; 2048, 1024, 512, 256, 128): (x^(d+63), x^(d-1)) for a 16-byte lane's
    earlier and later halves. */
 static uint64_t fold_k[5][2];
-static int clmul; /* the CPU has VPCLMULQDQ and AVX2, and the OS saves their registers */
+static int clmul; /* the fold is in use (tandem_crc32c_use) */
 
 #define CLMUL_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
 
@@ -173,6 +173,9 @@ static uint32_t update(uint32_t r, const uint8_t *p, size_t n) {
 }
 
 int tandem_crc32c_use(int level);
+#ifdef TANDEM_X86
+static int cpu_hw, cpu_clmul; /* what the CPU has, found once by tandem_crc32c_init */
+#endif
 
 /* Fills the tables; returns the path in effect (tandem_crc32c_use: 2 the fold, 1 the crc32
    instruction, 0 the table). */
@@ -200,8 +203,9 @@ int tandem_crc32c_init(void) {
     hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
     const int d[5] = {2048, 1024, 512, 256, 128};
     for (int i = 0; i < 5; i++) fold_k[i][0] = xpow_reflected(d[i] + 63), fold_k[i][1] = xpow_reflected(d[i] - 1);
-    clmul = hw && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq") &&
-            __builtin_cpu_supports("pclmul");
+    cpu_hw = hw;
+    cpu_clmul = hw && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq") &&
+                __builtin_cpu_supports("pclmul");   /* and the OS saves their registers */
 #endif
     return tandem_crc32c_use(2);
 }
@@ -211,8 +215,6 @@ int tandem_crc32c_init(void) {
    benchmarks: call it before other threads hash. */
 int tandem_crc32c_use(int level) {
 #ifdef TANDEM_X86
-    static int cpu_hw = -1, cpu_clmul = -1;
-    if (cpu_hw < 0) cpu_hw = hw, cpu_clmul = clmul;
     hw = level >= 1 && cpu_hw;
     clmul = level >= 2 && cpu_clmul;
     return clmul ? 2 : hw ? 1 : 0;
