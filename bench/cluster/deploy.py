@@ -54,6 +54,7 @@ class Cluster:
     prefill: int = 1
     decode: int = 1
     worker_args: tuple[str, ...] = ()      # every worker's extra flags (e.g. --transfer-backend tcp)
+    host_args: dict[str, tuple[str, ...]] = field(default_factory=dict)   # one worker's own, by name, after those
     router_args: tuple[str, ...] = ()
     gateway: bool = True
     start_timeout_s: float = 300.0
@@ -142,7 +143,8 @@ class Cluster:
             role = name.split("-")[0]
             workers.append(self._spawn(name, self._tandem(
                 host, role, "--model", self.model, "--host", host.ip, "--port", str(WORKER_PORT),
-                "--metrics-port", str(WORKER_METRICS_PORT), "--worker-id", name, *common, *self.worker_args)))
+                "--metrics-port", str(WORKER_METRICS_PORT), "--worker-id", name, *common, *self.worker_args,
+                *self.host_args.get(name, ()))))
         router = net.host("router")
         self._spawn("router", self._tandem(
             router, "router", "--host", router.ip, "--port", str(ROUTER_PORT),

@@ -15,6 +15,9 @@ sends it the same seeded multi-turn workload (bench/serve/multiturn.py):
                  holds (issue [22]'s before; 1p1d-tiers is after: `auto`, the default)
     vllm         vLLM's CPU backend, prefix caching on, the same dtype and the same KV pool in tokens
 
+With `--hosts` (root) the 1P1D configurations run across network-namespace hosts instead, P's link
+shaped to `--link-mbit` (bench/serve/kvtiers_hosts.py).
+
 The L1 budget is one number of tokens for every server (`--max-total-tokens` on each Tandem worker;
 vLLM's block count, see kvtiers_report.vllm_kv_args), by default the largest multiple of 128 tokens
 (Tandem's page 16, vLLM CPU's block 128) that makes the workload's working set >= 4x L1. The pool each
@@ -105,6 +108,8 @@ class KVTiersConfig:
     vllm_max_model_len: int = 2048       # capped at the L1 budget (vLLM refuses a longer one)
     vllm_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
+    hosts: bool = False                  # 1P1D configurations with P and D on namespace hosts (kvtiers_hosts.py)
+    link_mbit: float | None = None       # with hosts: P's link shaped to this (tc tbf); None: unshaped
     out: str = "bench/results/kvtiers.json"
     progress: bool = True
     # --warm-restart (kvtiers_restart.py)
@@ -182,11 +187,15 @@ class TandemConfigUp(TandemUp):
     def kv_reuse(self) -> dict:
         """KV both ways: the router's decisions (`tandem_router_kv_reuse_total`) and the prompt tokens the
         prefill workers fetched from decode workers (`tandem_kv_fetched_tokens_total`)."""
-        fetched = sum(_sample(_metrics(w.get("metrics_port")), "tandem_kv_fetched_tokens_total")
-                      for w in self.info.get("workers", []) if w.get("role") == "prefill")
-        router = _metrics(self.info.get("router_metrics_port"))
-        return {"router_decisions": {d: int(float(n)) for d, n in _REUSE.findall(router)},
-                "fetched_tokens": int(fetched)}
+        prefill = [_metrics(w.get("metrics_port")) for w in self.info.get("workers", []) if w.get("role") == "prefill"]
+        return reuse_summary(prefill, _metrics(self.info.get("router_metrics_port")))
+
+
+def reuse_summary(prefill_metrics: list[str], router_metrics: str) -> dict:
+    """KV both ways from the metrics texts: the router's fetch/compute decisions and the tokens P fetched."""
+    fetched = sum(_sample(text, "tandem_kv_fetched_tokens_total") for text in prefill_metrics)
+    return {"router_decisions": {d: int(float(n)) for d, n in _REUSE.findall(router_metrics)},
+            "fetched_tokens": int(fetched)}
 
 
 _PAGES_TOTAL = re.compile(r'^tandem_kv_pages\{state="total"\} ([0-9.e+]+)$', re.M)
@@ -300,6 +309,13 @@ def make_deployment(name: str, cfg: KVTiersConfig, p: Plan, echo=print) -> Deplo
     sweep_cfg = cfg.sweep_config(p.dtype)
     if name == "vllm":
         return VllmWithCapacity(vllm_config(cfg, sweep_cfg, p.l1_tokens, kv_bytes_per_token(cfg.model, p.dtype)), echo)
+    if cfg.hosts:
+        from tandem.bench.serve.kvtiers_hosts import ClusterConfigUp
+
+        tiers = TANDEM_CONFIGS[name][1]
+        up = [*tandem_args(name, cfg, p.l1_tokens, "<per host>"), "--dtype", p.dtype, *cfg.up_args]
+        return ClusterConfigUp(name, up, tiers, cfg.model, cfg.link_mbit, cfg.start_timeout_s,
+                               sweep_cfg.tandem_backend, cfg.disk_root)
     return TandemConfigUp(name, cfg, sweep_cfg, p.l1_tokens)
 
 
@@ -384,6 +400,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_flag(p, help=f"results JSON (default {d.out}, --warm-restart: bench/results/kvtiers_restart.json); "
                          ".md and .png beside it")
     add_progress_flags(p)
+    p.add_argument("--hosts", action="store_true",
+                   help="1P1D configurations only: P, D and the router on network-namespace hosts of their own (root)")
+    p.add_argument("--link-mbit", type=float, default=None, help="--hosts: shape P's link to this many Mbit/s")
     p.add_argument("--warm-restart", action="store_true",
                    help="instead: co-located with L3, kill -9 its worker mid-run, and without L3 the same")
     p.add_argument("--restart-after-turn", type=int, default=d.restart_after_turn,
@@ -394,6 +413,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> KVTiersConfig:
     import shlex
 
+    if a.hosts and (bad := [n for n in a.configs if not n.startswith("1p1d")]):
+        raise ValueError(f"--hosts runs the 1P1D configurations only, not {', '.join(bad)}")
+
     out = a.out or ("bench/results/kvtiers_restart.json" if a.warm_restart else KVTiersConfig.out)
     return KVTiersConfig(
         model=a.model, configs=a.configs, conversations=a.conversations, turns=a.turns, user_len=a.user_len,
@@ -403,7 +425,8 @@ def config_from_args(a: argparse.Namespace) -> KVTiersConfig:
         slo=SLO.parse(a.slo), dtype=a.dtype, up_args=tuple(shlex.split(a.up_args)), vllm_venv=a.vllm_venv,
         vllm_max_model_len=a.vllm_max_model_len, vllm_args=tuple(shlex.split(a.vllm_args)),
         start_timeout_s=a.start_timeout, out=out, progress=not a.no_progress,
-        restart_after_turn=a.restart_after_turn, restart_timeout_s=a.restart_timeout)
+        restart_after_turn=a.restart_after_turn, restart_timeout_s=a.restart_timeout, hosts=a.hosts,
+        link_mbit=a.link_mbit)
 
 
 def main(argv: list[str] | None = None) -> int:

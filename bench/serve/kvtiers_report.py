@@ -94,6 +94,14 @@ def cached_share(requests: Iterable[Mapping]) -> float | None:
     return sum(r["cached_tokens"] for r in ok) / prompt if prompt else None
 
 
+def prompt_tokens_computed(requests: Iterable[Mapping]) -> dict:
+    """Over successful requests: prompt tokens, and those the server computed (not reported cached: in
+    1P1D what P neither held nor fetched from D)."""
+    ok = [r for r in requests if r.get("success")]
+    prompt = sum(r["prompt_len"] for r in ok)
+    return {"prompt": prompt, "computed": prompt - sum(r["cached_tokens"] for r in ok)}
+
+
 def config_summary(run: Mapping) -> dict:
     """One configuration's numbers from its run (`RateRun.to_dict(True)`: metrics, multi_turn, requests)."""
     m, mt, reqs = run["metrics"], run["multi_turn"], run.get("requests", [])
@@ -107,6 +115,7 @@ def config_summary(run: Mapping) -> dict:
         "request_throughput": m["request_throughput"], "duration_s": m["duration_s"],
         "cached_prompt_share": m["cached_token_ratio"],
         "cached_prompt_share_turns_2_plus": cached_share(r for r in reqs if (r.get("turn") or 0) >= 2),
+        "prompt_tokens_turns_2_plus": prompt_tokens_computed(r for r in reqs if (r.get("turn") or 0) >= 2),
         "measured_working_set_tokens": measured_working_set(reqs),
     }
 

@@ -134,6 +134,7 @@ def test_config_summary_splits_first_and_later_turns():
     assert s["ttft_turns_2_plus_ms"]["p50"] == pytest.approx(1150.0)
     assert s["ttft_p50_by_turn_ms"] == {"1": pytest.approx(250.0), "2": pytest.approx(1150.0)}
     assert s["cached_prompt_share_turns_2_plus"] == pytest.approx(0.5)
+    assert s["prompt_tokens_turns_2_plus"] == {"prompt": 400, "computed": 200}
     assert s["good_requests"] == 3 and s["goodput"] == pytest.approx(0.3)
 
 
