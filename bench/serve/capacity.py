@@ -10,6 +10,7 @@ both are tested without a deployment; `measure_peak_flops` is the one measuremen
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,10 @@ class CapacityConfig:
     min_rate: float = 0.05       # ... and lowering here (capacity 0)
     bisect_steps: int = 3        # runs between the last pass and the first failure
     seeds: int = 2
+    # Seconds of arrivals per run: a run sends max(--num-prompts, rate x duration) requests, so a queue
+    # that grows at a rate above capacity has time to show (0: always --num-prompts, which at high
+    # rates is a burst of a few seconds that a backlog can absorb, and flatters).
+    duration_s: float = 60.0
 
     def validate(self) -> None:
         if not 0 < self.goal <= 1:
@@ -32,6 +37,12 @@ class CapacityConfig:
             raise ValueError("capacity rates must satisfy 0 < min <= start <= max")
         if self.bisect_steps < 0 or self.seeds < 1:
             raise ValueError("--capacity-steps must be >= 0 and --capacity-seeds >= 1")
+        if self.duration_s < 0:
+            raise ValueError(f"--capacity-duration must be >= 0, got {self.duration_s}")
+
+    def num_prompts(self, rate: float, floor: int) -> int:
+        """Requests of a run at `rate`: `duration_s` of arrivals, at least `floor` (--num-prompts)."""
+        return max(floor, math.ceil(rate * self.duration_s))
 
 
 def attainment(metrics: dict) -> float:

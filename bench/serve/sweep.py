@@ -472,7 +472,8 @@ def _capacity_runs(cfg: SweepConfig, base: ServeConfig, tokenizer, name: str, ec
     def run_one(rate: float, seed: int) -> dict:
         nonlocal tried
         tried += 1
-        dataset = dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * seed + tried)
+        dataset = dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * seed + tried,
+                                      num_prompts=cfg.capacity.num_prompts(rate, cfg.dataset.num_prompts))
         one = dataclasses.replace(base, request_rates=(rate,), dataset=dataset)
         (result,) = asyncio.run(run_rates(one, tokenizer, echo))
         return result.to_dict(cfg.save_requests)

@@ -169,6 +169,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-max", type=float, default=64.0, help="req/s beyond which the search stops raising")
     g.add_argument("--capacity-steps", type=int, default=3, help="bisection runs after the bracket is found")
     g.add_argument("--capacity-seeds", type=int, default=2, help="searches per deployment, each with fresh prompts")
+    g.add_argument("--capacity-duration", type=float, default=60.0,
+                   help="seconds of arrivals per run: max(--num-prompts, rate x this) requests (0: --num-prompts)")
     add_stack_flags(p, start_timeout=600.0)
     _add_workload_arguments(p)
 
@@ -232,7 +234,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         if args.find_capacity:
             capacity = CapacityConfig(goal=args.capacity_goal, start_rate=args.capacity_start,
                                       max_rate=args.capacity_max, bisect_steps=args.capacity_steps,
-                                      seeds=args.capacity_seeds)
+                                      seeds=args.capacity_seeds, duration_s=args.capacity_duration)
             capacity.validate()
         cfg = SweepConfig(
             model=args.model, deployments=tuple(d.strip() for d in args.deployments.split(",") if d.strip()),

@@ -46,8 +46,14 @@ def test_a_noisy_pass_above_a_failure_does_not_move_the_bracket():
     assert (s.passed, s.failed) == (1.0, 2.0)            # a later failure at 2 undoes the passes at and above it
 
 
+def test_a_run_lasts_the_duration_at_any_rate():
+    c = cap.CapacityConfig(duration_s=60)
+    assert [c.num_prompts(r, 32) for r in (0.25, 0.5, 1.0, 4.0, 6.5)] == [32, 32, 60, 240, 390]
+    assert cap.CapacityConfig(duration_s=0).num_prompts(8.0, 32) == 32
+
+
 def test_bad_settings_are_refused():
-    for kw in ({"goal": 0.0}, {"start_rate": 100.0}, {"seeds": 0}):
+    for kw in ({"goal": 0.0}, {"start_rate": 100.0}, {"seeds": 0}, {"duration_s": -1}):
         with pytest.raises(ValueError):
             cap.CapacityConfig(**kw).validate()
 
@@ -78,7 +84,7 @@ def test_sweep_finds_each_deployments_capacity_and_the_limit(tokenizer_dir, tmp_
     rc = cli("sweep", "--model", str(model), "--deployments", "colocated,vllm", "--find-capacity",
              "--capacity-start", "2", "--capacity-max", "8", "--capacity-seeds", "2", "--num-prompts", "4",
              "--input-len", "8", "--output-len", "3", "--num-warmups", "0", "--out", str(out), "--no-progress",
-             "--no-save-requests")
+             "--no-save-requests", "--capacity-duration", "1.5")
     assert rc == 0
     res = json.loads(out.read_text())
     for name in ("colocated", "vllm"):
@@ -86,6 +92,8 @@ def test_sweep_finds_each_deployments_capacity_and_the_limit(tokenizer_dir, tmp_
         assert c["per_seed"] == [8.0, 8.0] and c["capped"]                 # a fake that keeps up with anything
         assert [r["request_rate"] for r in res["deployments"][name]["runs"]] == ["2", "4", "8"] * 2
         assert {r["seed"] for r in res["deployments"][name]["runs"]} == {0, 1}
+        # 1.5 s of arrivals, at least --num-prompts 4: 4 at 2 req/s, 6 at 4, 12 at 8
+        assert [r["metrics"]["completed"] for r in res["deployments"][name]["runs"]] == [4, 6, 12] * 2
     report = res["capacity"]
     assert report["limit"]["peak_gflop_s"] == 2.0
     assert report["deployments"]["colocated"]["vs_vllm"] == 1.0
