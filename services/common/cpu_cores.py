@@ -96,6 +96,10 @@ class CorePlan:
     def pinned(self) -> bool:
         return any(w is not None for w in self.workers)
 
+    def services_nice(self, requested: int) -> int:
+        """The services' niceness: `requested` (--services-nice) while they share the workers' cores, else 0."""
+        return requested if self.services is None else 0
+
 
 def assign_cores(cores: Sequence[int], num_workers: int) -> CorePlan:
     """The default policy: each worker gets its own contiguous share of `cores` (shares differ by at
@@ -146,12 +150,13 @@ def plan_cores(spec: str, available: Sequence[int], num_workers: int) -> CorePla
     return assign_cores(pool, num_workers)
 
 
-def describe(plan: CorePlan, names: Sequence[str]) -> str:
-    """One line for people: 'prefill-0 core 0, decode-0 core 1; gateway/router/Redis unpinned'."""
+def describe(plan: CorePlan, names: Sequence[str], services_nice: int = 0) -> str:
+    """One line for people: 'prefill-0 core 0, decode-0 core 1; gateway/router/Redis unpinned, nice 10'."""
+    nice = f", nice {services_nice}" if services_nice else ""
     if not plan.pinned:
-        return "not pinned (--cpu-cores none)"
+        return f"not pinned (--cpu-cores none){'; gateway/router/Redis' + nice if nice else ''}"
     parts = [f"{name} {_cores_phrase(cores)}" for name, cores in zip(names, plan.workers, strict=True)]
-    services = "unpinned" if plan.services is None else _cores_phrase(plan.services)
+    services = ("unpinned" if plan.services is None else _cores_phrase(plan.services)) + nice
     note = " (more workers than cores: shared)" if plan.shared else ""
     return ", ".join(parts) + f"; gateway/router/Redis {services}{note}"
 

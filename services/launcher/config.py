@@ -32,6 +32,7 @@ class UpConfig:
     gateway_args: tuple[str, ...] = ()
     api_key: str | None = None           # the gateway's key (passed in its environment, not its argv)
     cpu_cores: str = "auto"              # auto | none | a core list to split | one list per worker, '|'-separated
+    services_nice: int = 10              # gateway/router/Redis niceness while they share the workers' cores
     max_restarts: int = 20               # per process; 0: nothing is restarted (a dead router/gateway stops all)
     internal_token_file: str | None = None  # None: $TANDEM_INTERNAL_TOKEN, else a fresh secret in the children's env
     planner: bool = False                # also start `tandem planner --planner-target host` (supervised)
@@ -62,6 +63,11 @@ LAUNCHER_FLAGS = (
          "3); a core list (0-7): split those instead; one list per worker separated by '|' (0-3|4-7, like "
          "VLLM_CPU_OMP_THREADS_BIND); none or nobind: no pinning. A pinned worker runs one torch thread per core "
          "unless --num-threads is given", field="cpu_cores", metavar="SPEC"),
+    Flag(("--services-nice",), _L, DEPLOYMENT,
+         "the niceness (0-19) of the gateway, the router and the embedded Redis when they have no core of their "
+         "own (--cpu-cores gives them none on a machine with fewer than 3 cores, or as many workers): a request's "
+         "control path then yields the CPU to the model's forward passes instead of preempting a prefill "
+         "midway; 0: the workers' priority", field="services_nice", type=int, metavar="N"),
     Flag(("--max-restarts",), _L, RESILIENCE,
          "restart a worker, the router, the gateway or the embedded Redis that dies, at most N times each "
          "(exponential backoff from 0.5s; each restart is logged with the exit status); 0: never (a dead router "

@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,3 +151,14 @@ def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
 
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "tandem.cli", *args]
+
+
+def niced(argv: list[str], niceness: int) -> list[str]:
+    """`argv` run at `niceness` (coreutils `nice`, which execs it: the pid is the command's); as is at 0."""
+    if not niceness:
+        return argv
+    exe = shutil.which("nice")
+    if exe is None:
+        log.warning("no `nice` on PATH: %s runs at the workers' priority", os.path.basename(argv[0]))
+        return argv
+    return [exe, "-n", str(niceness), *argv]

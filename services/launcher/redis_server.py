@@ -12,11 +12,12 @@ import time
 
 import redis
 
-from tandem.services.launcher.procs import Child
+from tandem.services.launcher.procs import Child, niced
 
 
 class EmbeddedRedis:
-    def __init__(self, run_dir: str | None = None):
+    def __init__(self, run_dir: str | None = None, niceness: int = 0):
+        self.niceness = niceness
         self.dir = run_dir or tempfile.mkdtemp(prefix="tandem-redis-")
         self._own_dir = run_dir is None
         self.socket = os.path.join(self.dir, "redis.sock")
@@ -38,7 +39,7 @@ class EmbeddedRedis:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", self.dir]
         if os.path.exists(self.socket):   # left by a killed instance
             os.unlink(self.socket)
-        self.child = Child("redis", argv)
+        self.child = Child("redis", niced(argv, self.niceness))
         self.child.start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

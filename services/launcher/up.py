@@ -24,7 +24,7 @@ from tandem.services.common.cpu_cores import (
     plan_cores,
 )
 from tandem.services.launcher.config import UpConfig
-from tandem.services.launcher.procs import READY_PREFIX, Child, python_cmd, stop_all
+from tandem.services.launcher.procs import READY_PREFIX, Child, niced, python_cmd, stop_all
 from tandem.services.launcher.redis_server import EmbeddedRedis
 from tandem.services.launcher.reshape import Reshaper
 from tandem.services.launcher.shaping import reshaper, start_planner
@@ -180,10 +180,12 @@ def run_up(cfg: UpConfig) -> int:
         except CpuListError as e:
             print(f"error: --cpu-cores: {e}", file=sys.stderr, flush=True)
             return 2
-        placement = describe(plan, names)
+        # Services with no core of their own yield to the workers' forward passes (--services-nice).
+        nice = plan.services_nice(cfg.services_nice)
+        placement = describe(plan, names, nice)
         url = cfg.redis_url
         if url is None:
-            redis = EmbeddedRedis()
+            redis = EmbeddedRedis(niceness=nice)
             redis.start()
             url = redis.url
         env = _children_env(cfg)
@@ -199,7 +201,7 @@ def run_up(cfg: UpConfig) -> int:
             w.start()
         ready = [_wait_ready(w, cfg.ready_timeout_s, stop) for w in workers]
         def router_child(port: int) -> Child:
-            return Child("router", python_cmd(*router_argv(cfg, port, url)), env=_router_env(cfg, env),
+            return Child("router", niced(python_cmd(*router_argv(cfg, port, url)), nice), env=_router_env(cfg, env),
                          on_line=on_line)
 
         router = router_child(cfg.port)
@@ -212,8 +214,8 @@ def run_up(cfg: UpConfig) -> int:
         if cfg.gateway_port >= 0:
             # Started as a module, so it needs nothing from the `tandem` command's subcommand table.
             def gateway_child(port: int) -> Child:
-                return Child("gateway", [sys.executable, "-P", "-m", "tandem.services.gateway",
-                                         *gateway_argv(cfg, port, router_ready["grpc_addr"], url)],
+                return Child("gateway", niced([sys.executable, "-P", "-m", "tandem.services.gateway",
+                                               *gateway_argv(cfg, port, router_ready["grpc_addr"], url)], nice),
                              env=_router_env(cfg, env), on_line=on_line)
 
             gateway = gateway_child(cfg.gateway_port)

@@ -98,7 +98,7 @@ def up_config(args: argparse.Namespace):
         host=args.host, port=args.port, redis_url=args.redis_url, quiet=args.quiet, ready_json=args.ready_json,
         # Workers drain for up to their drain timeout on SIGTERM: only stragglers past it get SIGKILL.
         stop_grace_s=args.drain_timeout + 10.0, gateway_port=args.gateway_port, api_key=args.api_key,
-        cpu_cores=args.cpu_cores, internal_token_file=args.internal_token_file, max_restarts=args.max_restarts,
+        cpu_cores=args.cpu_cores, services_nice=args.services_nice, internal_token_file=args.internal_token_file, max_restarts=args.max_restarts,
         worker_args=tuple(worker_args(args)), router_args=tuple(router_args_up(args)),
         gateway_args=tuple(gateway_args(args)), planner=args.planner, planner_args=tuple(planner_args(args)),
     )
@@ -141,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if cfg.max_restarts < 0:
         print("error: --max-restarts must be >= 0", flush=True)
+        return 2
+    if not 0 <= cfg.services_nice <= 19:
+        print("error: --services-nice must be in [0, 19]", flush=True)
         return 2
     if not -1 <= cfg.gateway_port < 65536:
         print("error: --gateway-port must be in [-1, 65535]", flush=True)

@@ -56,7 +56,8 @@ def test_up_banner_comes_once_serving_and_ctrl_c_says_goodbye(tiny_llama):
     try:
         q = lines_of(proc)
         read_until(q, r"^Starting Tandem \(disagg\)", seen)
-        placement = describe(plan_cores("auto", available_cores(), 2), ["prefill-0", "decode-0"])
+        plan = plan_cores("auto", available_cores(), 2)
+        placement = describe(plan, ["prefill-0", "decode-0"], plan.services_nice(10))   # --services-nice's default
         read_until(q, "^CPU placement: " + re.escape(placement) + "$", seen)
         read_until(q, r"^\[gateway\] ready$", seen)
         read_until(q, r"^Tandem is up \(disagg, 2 workers\):", seen)

@@ -107,6 +107,15 @@ def test_describe_is_one_line_for_the_banner():
     assert "shared" in describe(assign_cores([0], 2), names)
 
 
+def test_services_yield_only_while_they_share_the_workers_cores():
+    names = ["prefill-0", "decode-0"]
+    shared, own = assign_cores([0, 1], 2), assign_cores(range(8), 2)
+    assert shared.services_nice(10) == 10 and own.services_nice(10) == 0
+    assert plan_cores("none", (0, 1), 2).services_nice(7) == 7
+    assert describe(shared, names, 10) == "prefill-0 core 0, decode-0 core 1; gateway/router/Redis unpinned, nice 10"
+    assert describe(plan_cores("none", (0, 1), 2), names, 5).endswith("gateway/router/Redis, nice 5")
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_pin_refuses_cores_the_kernel_does_not_allow():
     with pytest.raises(CpuListError, match="cannot pin|not available"):

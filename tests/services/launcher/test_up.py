@@ -137,3 +137,25 @@ def test_quiet_keeps_the_services_warnings_with_their_continuation_lines(capsys)
     assert err == [f"[decode-0] {line}" for line in (lines[0], *lines[3:6])]
     on_line("prefill-0", "Traceback (most recent call last):")   # not a record: a crash before logging
     assert capsys.readouterr().err == "[prefill-0] Traceback (most recent call last):\n"
+
+
+def test_a_niced_command_runs_at_that_niceness_under_its_own_pid():
+    import os
+    import subprocess
+
+    from tandem.services.launcher.procs import niced
+    from tandem.services.launcher.redis_server import EmbeddedRedis
+
+    code = "import os; print(os.getpid(), os.nice(0) - int(os.environ['PARENT_NICE']))"
+    p = subprocess.Popen(niced([sys.executable, "-c", code], 7), stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PARENT_NICE": str(os.nice(0))})
+    pid, nice = p.communicate(timeout=30)[0].split()
+    assert int(pid) == p.pid and int(nice) == 7        # `nice` exec'd the command: the pid tandem up supervises
+    assert niced(["x"], 0) == ["x"]
+    redis = EmbeddedRedis(niceness=5)
+    child = redis.start()
+    try:
+        with open(f"/proc/{child.proc.pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[16]) - os.nice(0) == 5
+    finally:
+        redis.close()
