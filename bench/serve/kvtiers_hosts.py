@@ -91,7 +91,10 @@ class ClusterConfigUp:
         if self.link_mbit:
             self.net.shape(PREFILL, self.link_mbit)
         if self.backend == "openai-http":
-            return Endpoint("openai-http", self.cluster.gateway_url, self.model, "ignore-eos")
+            from tandem.bench.serve.sweep import first_http_model
+
+            url = self.cluster.gateway_url
+            return Endpoint("openai-http", url, first_http_model(url) or self.model, "ignore-eos")
         return Endpoint("tandem-grpc", self.cluster.router_addr, "", "ignore-eos")
 
     def close(self) -> None:
