@@ -67,7 +67,7 @@ class ProgressReporter:
 
     def before_step(self, sched, rooms: Mapping[str, PrefillRoom]) -> None:
         """Report the rooms due, in the order the scheduler offers them its prefill budget. `rooms`:
-        request id -> room (a room is in the scheduler only once D bootstrapped it)."""
+        request id -> room (a room computing before D's Bootstrap has no one to report to yet)."""
         now = self.clock()
         pending = sched.stats().prefill_tokens
         step_s = self.pace.step_s(min(sched.cfg.chunked_prefill_size, pending))
@@ -80,7 +80,8 @@ class ProgressReporter:
         ahead = 0
         for req, tokens_left in sched.prefill_queue(now):
             room = rooms.get(req.rid)
-            if room is not None and not room.state.done and (sweep or room.room in self._new):
+            if (room is not None and room.info is not None and not room.state.done
+                    and (sweep or room.room in self._new)):
                 self.sender.progress(room.info.peer_id, room.room, Progress(
                     tokens_done=req.num_computed, tokens_total=len(req.prompt_ids), queued_ahead=ahead,
                     expected_s=expected_s))

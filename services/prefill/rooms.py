@@ -35,10 +35,15 @@ class PrefillRoom:
     rejection: BaseException | None = None      # the Prefill RPC fails with this status instead (queue full)
     on_done: Callable[[PrefillRoom], None] | None = None  # resolves the Prefill RPC
     reuse_decode_kv: bool = False               # fetch what D holds beyond P's cache (PrefillRequest.reuse_decode_kv)
-    # Stamps for the request's trace (services/worker/trace.py), time.monotonic(): when both halves
-    # had arrived, and (step start, step end, tokens) of each step that ran one of its chunks.
+    # Its prefill starts when the router's Prefill arrives, before D's Bootstrap (unless it fetches
+    # from D, which needs D's answer first): what it computes meanwhile is sent once D's pages are known.
+    computed: int = 0                           # prompt tokens whose KV is in P's pool (finished steps)
+    early_token: object | None = None           # the first token, sampled before D's Bootstrap came
+    # Stamps for the request's trace (services/worker/trace.py), time.monotonic(): when it entered the
+    # scheduler, and (step start, step end, tokens) of each step that ran one of its chunks.
     started_at: float | None = None
     chunks: list[tuple[float, float, int]] = field(default_factory=list)
+    waited_bootstrap: tuple[float, float] | None = None   # its prefill was done before D's Bootstrap came
 
     @property
     def ready(self) -> bool:

@@ -1,8 +1,11 @@
 """The prefill worker's engine-thread side: bootstrap queue -> chunked prefill -> inflight transfers.
 
-Runs only on the engine thread (see services/worker/loop.py). A room is computed only once both the
-router's Prefill and D's Bootstrap have arrived (either may come first): D's memory pressure thus
-back-pressures P. The pages a prefill chunk completes are written to D while the chunk's forward pass
+Runs only on the engine thread (see services/worker/loop.py). A room's prefill starts when the router's
+Prefill arrives, while D reserves its pages (its Bootstrap: D's admission waits for a decode step, ~20
+ms p50 on a 2-core box, that a first token no longer waits for); nothing is sent before the Bootstrap,
+which then carries what was computed so far, and P's room cap (`max_rooms`) bounds the prompts that
+wait for one. A room that fetches from D (below) starts only once D has said what it holds. The pages
+a prefill chunk completes are written to D while the chunk's forward pass
 runs, `stream_layers` layers at a time as soon as those layers' KV is in the pool (where D's data
 path takes layer writes: tcp, nixl), so that little is left to send after the last layer; else after
 the chunk. With the last chunk the first token goes along as the aux record. P keeps the prompt's
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from tandem.engine.engine import LLMEngine
@@ -33,6 +37,11 @@ from tandem.services.worker.convert import step_cost_to_pb
 from tandem.v1 import generation_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+
+
+# Failed rooms remembered so that a Bootstrap arriving after the failure is refused, not held until
+# its timeout: far more than can be in flight between a failure and the Bootstrap it outruns.
+FAILED_ROOMS_KEPT = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +62,7 @@ class PrefillWorker:
         self.max_rooms = max_rooms
         self.rooms: dict[int, PrefillRoom] = {}
         self._by_rid: dict[str, PrefillRoom] = {}
+        self._failed: OrderedDict[int, str] = OrderedDict()   # rooms that failed before D's Bootstrap came
         self.page_size = engine.cfg.page_size
         self.outstanding_seen = 0
         self.progress = ProgressReporter(sender)
@@ -87,12 +97,17 @@ class PrefillWorker:
         self._by_rid[rid] = room
         if room.ready:
             self._start(room)
+        elif not (reuse_decode_kv and self.fetcher is not None):
+            self._admit(room)   # computes while D reserves its pages; sends nothing before D's Bootstrap
         return room
 
     def bootstrap(self, room_id: int, info: BootstrapInfo) -> None:
         """D's Bootstrap: its pages are reserved. Raises InvalidRequest / ResourceExhausted."""
         room = self.rooms.get(room_id)
         if room is None:
+            if room_id in self._failed:   # its prefill failed before this came: D fails it now, not at its timeout
+                raise InvalidRequest(f"room {room_id} already failed on this prefill worker: {self._failed[room_id]}",
+                                     "bootstrap_room")
             self._check_capacity()
             room = self.rooms[room_id] = PrefillRoom(room_id)
         elif room.info is not None:
@@ -144,7 +159,13 @@ class PrefillWorker:
                 if isinstance(tok, list):   # structured output: the grammar refused the only token there was
                     self._fail(room, "structured output: the grammar left no legal first token")
                     continue
-                self._send(room, seq.prefix_len + len(seq.input_ids), final=tok is not None)
+                room.computed = seq.prefix_len + len(seq.input_ids)
+                if tok is not None:
+                    self.sched.detach(room.req)  # keep the pages until the transfer is done
+                if not room.ready:               # D's Bootstrap has not come: _start sends all of it
+                    room.early_token = tok
+                    continue
+                self._send(room, room.computed, final=tok is not None)
                 if tok is not None:
                     self._finish_prefill(room, tok)
 
@@ -189,7 +210,8 @@ class PrefillWorker:
             raise ResourceExhausted(f"prefill bootstrap queue is full ({self.max_rooms} rooms)")
 
     def _start(self, room: PrefillRoom) -> None:
-        room.started_at = time.monotonic()
+        """Both halves are here: check D's pages against the prompt, then admit the room, or (admitted
+        before the Bootstrap) send what it has computed so far."""
         try:
             _check_pages(room.req.prompt_ids, room.info, self.page_size)
             ours = room.req.lora.digest if room.req.lora is not None else ""
@@ -197,19 +219,38 @@ class PrefillWorker:
                 raise InvalidRequest(f"LoRA adapter mismatch: the decode worker applies "
                                      f"{room.info.lora_digest[:12] or 'none'}, this prefill {ours[:12] or 'none'}",
                                      "lora")
+        except InvalidRequest as e:
+            self._fail(room, str(e))  # answered through the Prefill RPC's FAILED response
+            return
+        if room.started_at is None:
             if room.reuse_decode_kv and self.fetcher is not None:
                 # D holds the first decode_prefix_len tokens; admission fetches what P's cache lacks of them.
                 info = room.info
                 room.req.kv_source = self.fetcher.source(room.room, info.peer_id, info.peer_addr, info.peer_epoch,
                                                          info.decode_prefix_len)
+            if not self._admit(room):
+                return
+        self.progress.admitted(room)
+        if room.computed:   # computed before D's Bootstrap: send it now (all of it, with the first token, if done)
+            self._send(room, room.computed, final=room.early_token is not None)
+            if room.early_token is not None:
+                room.waited_bootstrap = (room.chunks[-1][1], time.monotonic())
+                self._finish_prefill(room, room.early_token)
+
+    def _admit(self, room: PrefillRoom) -> bool:
+        """Into the scheduler; False: the room failed (the Prefill RPC has its answer)."""
+        room.started_at = time.monotonic()
+        try:
             self.sched.add(room.req)
-            self.progress.admitted(room)
+            return True
         except InvalidRequest as e:
-            self._fail(room, str(e))  # answered through the Prefill RPC's FAILED response
+            self._fail(room, str(e))
         except ResourceExhausted as e:
             self._fail(room, str(e), rejection=e)  # the caller's answer: RESOURCE_EXHAUSTED, not a retry
-        for req, err in self.sched.take_evicted():  # lower-priority rooms this one pushed out
-            self._fail(self._by_rid[req.rid], str(err), rejection=err)
+        finally:
+            for req, err in self.sched.take_evicted():  # lower-priority rooms this one pushed out
+                self._fail(self._by_rid[req.rid], str(err), rejection=err)
+        return False
 
     def _layer_writes(self, batch) -> Callable[[int], None] | None:
         """The model runner's layer hook, called as a step's forward pass is built: the pages this step
@@ -250,7 +291,6 @@ class PrefillWorker:
 
     def _finish_prefill(self, room: PrefillRoom, tok: SampledToken) -> None:
         req = room.req
-        self.sched.detach(req)  # keep the pages until the transfer is done
         aux = worker_pb2.AuxRecord(
             bootstrap_room=room.room, first_token=tok.token_id, logprob=tok.logprob or 0.0,
             top=[generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in (tok.top or [])],
@@ -275,6 +315,10 @@ class PrefillWorker:
         room.state, room.error, room.rejection = RoomState.FAILED, error, rejection
         if room.info is not None:
             self.sender.abort(room.room)  # returns once no write of this room can land on D
+        else:                             # D's Bootstrap may still come: refuse it at once
+            self._failed[room.room] = error
+            while len(self._failed) > FAILED_ROOMS_KEPT:
+                self._failed.popitem(last=False)
         metrics.REQUESTS.labels("failed").inc()
         self._close(room, 0, 0.0)
 
@@ -322,7 +366,7 @@ class PrefillWorker:
 
     def load(self) -> worker_pb2.WorkerLoad:
         stats = self.sched.stats()
-        unstarted = sum(len(r.req.prompt_ids) for r in self.rooms.values() if r.req is not None and not r.ready)
+        unstarted = sum(len(r.req.prompt_ids) for r in self.rooms.values() if r.req is not None and r.started_at is None)
         return worker_pb2.WorkerLoad(
             running=stats.prefilling, waiting=stats.waiting + len(self.rooms),
             free_pages=stats.free_pages, total_pages=stats.total_pages,

@@ -87,8 +87,9 @@ def prefill_span(context, request):
 
 
 def end_prefill(span, resp, sender, room=None) -> None:
-    """The prefill span and its phases from the room's engine stamps: waiting for D's Bootstrap, the
-    queue, each chunk's step, and the KV transfer's tail (from the last chunk's aux record to the
+    """The prefill span and its phases from the room's engine stamps: waiting for D's Bootstrap (before
+    the prefill when it fetches from D, after it when the prefill was done first), the queue, each
+    chunk's step, and the KV transfer's tail (from the last chunk's aux record to the
     transfer's completion; pages of earlier chunks went out after each chunk)."""
     if span is None:
         return
@@ -97,6 +98,8 @@ def end_prefill(span, resp, sender, room=None) -> None:
         began = span.start_time / 1e9 - time.time() + now      # the span's start as a monotonic stamp
         if room.started_at is not None and room.started_at > began:
             tracing.record("prefill.wait_bootstrap", span, began, room.started_at)
+        if room.waited_bootstrap is not None:   # computed before D's Bootstrap, and done before it came
+            tracing.record("prefill.wait_bootstrap", span, *room.waited_bootstrap)
         if room.chunks:
             tracing.record("prefill.queue", span, room.started_at, room.chunks[0][0])
         for i, (start, end, tokens) in enumerate(room.chunks):

@@ -106,6 +106,7 @@ def test_a_prefill_worker_whose_connection_breaks_fails_the_room_at_once(pair):
     prefill.progress.pace.s_per_token = 1.0   # each report promises the next only after a 16 s step
     results = {}
     submit(prefill, decode, 3, PROMPT, SamplingParams(max_tokens=4), results, [])
+    decode.tick()                             # bootstrapped before P's one step, which then reports first
     drive_slow(prefill, decode, lambda: decode.transfer and decode.receiver.poll(3).progress is not None,
                step_every_s=60.0, prefill_steps=1)
     assert decode.receiver.poll(3).progress.expected_s >= 16.0

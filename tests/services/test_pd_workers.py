@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.errors import InvalidRequest
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer import create_receiver, create_sender
 from tandem.services.decode.worker import DecodeRoom, DecodeTimeouts, DecodeWorker, TransferFailed
@@ -105,6 +106,7 @@ def test_tokens_match_the_colocated_engine_and_everything_is_freed(pair, tiny_ll
     prefill.sender.write = lambda *a, layers=None: (ranges.append(layers), write(*a, layers=layers))
     for i, p in enumerate(prompts):
         submit(prefill, decode, 100 + i, p, params, results, responses)
+    decode.tick()   # D bootstraps every room before P's first step, so every write streams (see the next test)
     drive(prefill, decode, lambda: len(responses) == 3 and not decode.streams)
     colocated = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama))).generate(prompts, params)
     for i, ref in enumerate(colocated):
@@ -184,6 +186,38 @@ def test_kv_corrupted_on_its_way_is_never_decoded_and_everything_is_freed(tiny_l
     finally:
         prefill.sender.close()
         peers.receiver.close()
+
+
+def test_the_prefill_runs_before_decode_bootstraps_and_goes_whole_when_it_does(pair, tiny_llama):
+    prefill, decode, _ = pair
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt, results, responses = list(range(3, 40)), {}, []
+    prefill.add_prefill(51, "r51", prompt, params, responses.append)
+    room = prefill.rooms[51]
+    drive(prefill, None, lambda: room.early_token is not None)     # no decode worker has asked yet
+    assert room.computed == len(prompt) and room.next_page == 0 and not responses
+    assert room.info is None and prefill.outstanding() == 0
+    req = decode.engine.make_request(prompt, params, "r51")
+    decode.add(DecodeRoom(51, req, "p:0", "p", results.setdefault("r51", []).append))
+    drive(prefill, decode, lambda: responses and not decode.streams)
+    assert responses[0].state == worker_pb2.TRANSFER_STATE_SUCCESS and room.waited_bootstrap is not None
+    [ref] = LLMEngine(dataclasses.replace(BASE, model=str(tiny_llama))).generate([prompt], params)
+    assert [t for o in results["r51"] for t in o.token_ids] == ref.token_ids
+    prefill.engine.check_idle()
+    decode.engine.check_idle()
+
+
+def test_a_bootstrap_for_a_room_that_already_failed_is_refused_at_once(pair):
+    prefill, _, _ = pair
+    responses = []
+    prefill.add_prefill(61, "r61", list(range(5, 30)), SamplingParams(max_tokens=3), responses.append)
+    prefill.step()                                   # its first chunk, before any Bootstrap
+    prefill.abort_request("r61", "the client went away")
+    assert responses[0].state == worker_pb2.TRANSFER_STATE_FAILED and not prefill.rooms
+    with pytest.raises(InvalidRequest, match="already failed on this prefill worker: aborted: the client"):
+        prefill.bootstrap(61, BootstrapInfo("d", [0] * 7, 0))
+    assert not prefill.rooms
+    prefill.engine.check_idle()
 
 
 def test_client_cancel_during_transfer_frees_both_sides(pair):

@@ -93,6 +93,16 @@ def test_rooms_are_reported_in_queue_order_with_the_tokens_ahead_of_them(setup):
     assert (got[2].tokens_done, got[2].queued_ahead) == (0, 4)
 
 
+def test_a_room_computing_before_its_bootstrap_is_counted_ahead_but_not_reported(setup):
+    clock, sender, sched, reporter, rooms, admit = setup
+    early = admit(1, 20)
+    early.info = None                         # D's Bootstrap has not come: no one to report to
+    admit(2, 10)
+    reporter.before_step(sched, rooms)
+    got = sender.take()
+    assert set(got) == {2} and got[2].queued_ahead == 20
+
+
 def test_reports_are_throttled_but_a_new_room_is_reported_before_the_next_step(setup):
     clock, sender, sched, reporter, rooms, admit = setup
     reporter.pace.observe(16, 0.016)         # 1 ms per token: short steps
