@@ -209,10 +209,13 @@ def _worker_label(w: dict) -> str:
 
 
 def _metrics(port: int | None) -> str:
-    if not port:
-        return ""
+    return metrics_text(f"http://127.0.0.1:{port}/metrics") if port else ""
+
+
+def metrics_text(url: str) -> str:
+    """A Prometheus endpoint's text ("" when it does not answer)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=5) as r:
             return r.read().decode()
     except OSError:
         return ""

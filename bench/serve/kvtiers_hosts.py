@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-import urllib.request
 
 from tandem.bench.serve.deployment import DeploymentUnavailable, Endpoint
 
@@ -116,14 +115,10 @@ class ClusterConfigUp:
         return "\n".join(f"[{n}] {line}" for n, lines in self.cluster.logs.items() for line in list(lines)[-15:])
 
     # ---- what kvtiers records beside each run (the metrics of each worker and the router) ---------
-    def _metrics(self, url: str) -> str:
-        try:
-            return urllib.request.urlopen(url, timeout=5).read().decode()
-        except OSError:
-            return ""
-
     def _workers(self) -> dict[str, str]:
-        return {f"{n.split('-')[0]} {n}": self._metrics(self.cluster.worker_metrics_url(n)) for n in CORES}
+        from tandem.bench.serve.kvtiers import metrics_text
+
+        return {f"{n.split('-')[0]} {n}": metrics_text(self.cluster.worker_metrics_url(n)) for n in CORES}
 
     def kv_capacity(self) -> dict:
         from tandem.bench.serve.kvtiers import pool_tokens
@@ -136,7 +131,7 @@ class ClusterConfigUp:
         return {label: tier_hits(text) for label, text in self._workers().items()}
 
     def kv_reuse(self) -> dict:
-        from tandem.bench.serve.kvtiers import reuse_summary
+        from tandem.bench.serve.kvtiers import metrics_text, reuse_summary
 
-        prefill = self._metrics(self.cluster.worker_metrics_url(PREFILL))
-        return reuse_summary([prefill], self._metrics(self.cluster.router_metrics_url()))
+        prefill = metrics_text(self.cluster.worker_metrics_url(PREFILL))
+        return reuse_summary([prefill], metrics_text(self.cluster.router_metrics_url()))

@@ -154,7 +154,7 @@ def describe(plan: CorePlan, names: Sequence[str], services_nice: int = 0) -> st
     """One line for people: 'prefill-0 core 0, decode-0 core 1; gateway/router/Redis unpinned, nice 10'."""
     nice = f", nice {services_nice}" if services_nice else ""
     if not plan.pinned:
-        return f"not pinned (--cpu-cores none){'; gateway/router/Redis' + nice if nice else ''}"
+        return "not pinned (--cpu-cores none)" + (f"; gateway/router/Redis{nice}" if nice else "")
     parts = [f"{name} {_cores_phrase(cores)}" for name, cores in zip(names, plan.workers, strict=True)]
     services = ("unpinned" if plan.services is None else _cores_phrase(plan.services)) + nice
     note = " (more workers than cores: shared)" if plan.shared else ""
