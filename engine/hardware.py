@@ -44,6 +44,7 @@ class Hardware:
     isa_caps: dict[str, str] = field(default_factory=dict)   # ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA in force
     native_bf16: bool = False                # bf16 matmuls run natively (not converted through fp32)
     onednn_bf16: bool = False                # oneDNN takes bf16 here (prepacked bf16 weights possible)
+    amx: bool = False                        # oneDNN's bf16 GEMMs run on AMX tiles (kernels.cpu.isa.amx)
     cuda_capability: tuple[int, int] | None = None
 
     @property
@@ -56,7 +57,7 @@ class Hardware:
             return f"{self.name} (CUDA {cc}{', native bf16' if self.native_bf16 else ''})"
         isa_text = self.isa if self.isa == self.host_isa else f"{self.isa}, capped from {self.host_isa} by " + \
             " and ".join(sorted(self.isa_caps))
-        bf16 = "native bf16" if self.native_bf16 else "no native bf16"
+        bf16 = ("native bf16, AMX" if self.amx else "native bf16") if self.native_bf16 else "no native bf16"
         return f"{self.name}, {self.cores} core{'s' if self.cores != 1 else ''} ({isa_text}; {bf16})"
 
 
@@ -88,7 +89,8 @@ def _detect_cpu() -> Hardware:
     else:
         hw_bf16 = "bf16" in flags         # Arm: FEAT_BF16 (Neoverse V1/N2, Graviton 3+)
     return Hardware(device="cpu", name=_cpu_name(), cores=_cores(), isa=level, host_isa=host, isa_caps=caps,
-                    native_bf16=hw_bf16 and onednn_bf16, onednn_bf16=onednn_bf16)
+                    native_bf16=hw_bf16 and onednn_bf16, onednn_bf16=onednn_bf16,
+                    amx=hw_bf16 and onednn_bf16 and isa.amx(flags=flags))
 
 
 @functools.cache
@@ -172,6 +174,20 @@ def choose_kv_layout(name: str, hw: Hardware) -> Choice:
     if hw.is_cpu:
         return Choice("layer_first", "CPU decode attention reads a layer's pages in runs")
     return Choice("page_first", "one piece per page to transfer; attention reads pages in parallel")
+
+
+def choose_extend_attention(hw: Hardware, dtype: torch.dtype) -> Choice:
+    """What computes prefill/extend attention on CPU (engine/attention/torch_backend.py): Tandem's paged
+    kernel (kernels/cpu/extend.cpp: bf16 pairs by `vdpbf16ps`, or fp32), or torch's flash attention in
+    the pool's dtype, whose GEMMs are oneDNN's brgemm. Measured per layer, one core, bf16, SmolLM2's
+    9/3 heads (docs/benchmarks.md, "CPU kernels"): on a Xeon with AMX the SDPA ran 256 tokens in
+    0.46 ms against the kernel's 1.51 and 1,024 in 4.75 against 18.6; on Zen 4 (no AMX) torch's bf16
+    SDPA ran its GEMMs at the fp32 rate and the kernel was 2.7-3.7x faster. So SDPA where AMX is."""
+    if not hw.is_cpu:
+        return Choice("kernel", "not a CPU: the attention backend decides")
+    if dtype == torch.bfloat16 and hw.amx:
+        return Choice("sdpa", "bf16 on AMX: torch's flash attention (oneDNN brgemm on AMX tiles) beats the kernel")
+    return Choice("kernel", "Tandem's paged kernel (no AMX, or not bf16)")
 
 
 def choose_cpu_kernels(hw: Hardware, graphs: bool) -> Choice:

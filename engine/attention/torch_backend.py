@@ -12,8 +12,9 @@ Why not one padded SDPA call for the whole batch (the first version): on CPU, bf
 - **Prefill/extend rows** run one sequence at a time: a sequence with nothing cached attends to its
   own new K/V with `is_causal=True` (no gather, no mask: the fast SDPA path); one with a cached
   prefix (prefix-cache hit, a later chunk) gathers its pages and passes a bottom-right causal mask.
-  These run in fp32 whatever the model dtype: on CPU fp32 causal SDPA is as fast as bf16 (256
-  tokens 1.8 ms, 1024 tokens 21 ms on one core, both dtypes) and the upcast is small next to it.
+  These run in fp32 (on CPUs without AMX fp32 causal SDPA is as fast as bf16: 256 tokens 1.8 ms,
+  1024 tokens 21 ms on one core, both dtypes, and the upcast is small next to it), except where
+  `extend_attention` is "sdpa" (bf16 on AMX: see below), which keeps the pool's dtype.
 
 The gather copies whole pages (`index_select` on the page axis), not single slots. All index tensors
 and masks are built once per step in `prepare` and reused by every layer. Mixed batches (decode
@@ -28,7 +29,10 @@ into fp32 sums in the avx512_bf16 variant). It measured faster than the SDPA pat
 benchmarked (bench/cpu_kernels.py and smaller chunks: 17-2,048 new tokens, with and without a cached
 prefix, fp32 and bf16, one core, Zen 4): 1.3-2.0x with the avx2 kernels against SDPA under the AVX2
 emulation, 2.3-3.7x with the avx512_bf16 ones; so there is no shape rule, only what the kernel takes.
-Other head dims run SDPA.
+Other head dims run SDPA. On a Xeon with AMX (Emerald Rapids, 2026-12-05) the order flips: torch's
+bf16 flash attention runs its GEMMs as oneDNN brgemm on AMX tiles, 256 new tokens in 0.46 ms per
+layer against the kernel's 1.51, 1,024 in 4.75 against 18.6; there `extend_attention` is "sdpa"
+(engine.hardware.choose_extend_attention) and prefill/extend rows run SDPA in bf16.
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ class TorchAttention(AttentionBackend):
         group = torch.ones(head_dim, num_heads // kvh, dtype=pool.spec.dtype, device=pool.buffer.device)
         self._block_mask = torch.block_diag(*[group] * kvh)
         self.cpu_ops = None   # kernels.cpu's module when the fused CPU kernels are on (set by ModelRunner)
+        # Prefill/extend rows (set by ModelRunner from engine.hardware.choose_extend_attention): "kernel",
+        # the paged kernel where cpu_ops take the pool's dtype (else SDPA in fp32); "sdpa", torch's SDPA
+        # in the pool's dtype.
+        self.extend_attention = "kernel"
 
     def prepare(self, ctx: ForwardContext) -> None:
         device = ctx.input_ids.device
@@ -141,7 +149,8 @@ class TorchAttention(AttentionBackend):
         and head dim (fp32, bf16, fp16; 64 or 128), since in fp32 and bf16 it measured faster than the
         SDPA path at every length and prefix benchmarked (see the module docstring; fp16 unmeasured)."""
         ops = self.cpu_ops
-        return ops is not None and ops.extend_attention_supported(self.pool.spec.dtype, self.head_dim)
+        return (self.extend_attention == "kernel" and ops is not None
+                and ops.extend_attention_supported(self.pool.spec.dtype, self.head_dim))
 
     def _decode_buckets(self, rows: list[tuple[int, int, int]], table: torch.Tensor) -> list[DecodeBucket]:
         """Decode rows (token row, kv length, sequence) for the grouped-matmul path, in length buckets."""
@@ -225,13 +234,14 @@ class TorchAttention(AttentionBackend):
         if seq.table is not None:
             return self.cpu_ops.paged_extend_attention(q, self.pool.k(layer), self.pool.v(layer), seq.table,
                                                        seq.kv_len, self.scale)
-        queries = q.transpose(0, 1).unsqueeze(0).float()                       # [1, H, n, D]
+        dt = q.dtype if self.extend_attention == "sdpa" else torch.float32
+        queries = q.transpose(0, 1).unsqueeze(0).to(dt)                        # [1, H, n, D]
         if seq.pages is None:
-            keys, values = k.transpose(0, 1).unsqueeze(0).float(), v.transpose(0, 1).unsqueeze(0).float()
+            keys, values = k.transpose(0, 1).unsqueeze(0).to(dt), v.transpose(0, 1).unsqueeze(0).to(dt)
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=True)
         else:
             keys, values = self._gather(layer, seq.pages, 1, seq.pages.shape[0])
-            out = F.scaled_dot_product_attention(queries, keys.float(), values.float(), attn_mask=seq.mask,
+            out = F.scaled_dot_product_attention(queries, keys.to(dt), values.to(dt), attn_mask=seq.mask,
                                                  scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1).to(q.dtype)                              # [n, H, D]

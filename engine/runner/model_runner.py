@@ -18,7 +18,14 @@ from tandem.engine.attention.base import create_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequest
 from tandem.engine.forward_context import ForwardContext
-from tandem.engine.hardware import Choice, choose_cpu_kernels, choose_kv_layout, choose_weight_prepack, detect
+from tandem.engine.hardware import (
+    Choice,
+    choose_cpu_kernels,
+    choose_extend_attention,
+    choose_kv_layout,
+    choose_weight_prepack,
+    detect,
+)
 from tandem.engine.hardware import resolve_dtype as choose_dtype
 from tandem.engine.kvcache.kv_pool import KVPool, KVPoolSpec
 from tandem.engine.lora.batch import LoraBatch
@@ -93,6 +100,9 @@ class ModelRunner:
             use_cpu_kernels(self.model, self.cpu_ops)
             if hasattr(self.attn, "cpu_ops"):
                 self.attn.cpu_ops = self.cpu_ops
+        if hasattr(self.attn, "extend_attention") and self.hardware.is_cpu:
+            self.choices["extend attention"] = choose_extend_attention(self.hardware, self.dtype)
+            self.attn.extend_attention = self.choices["extend attention"].value
         self.sampler = Sampler()
         # Decode steps from captured graphs (None: always eager); captures them now.
         self.graphs = create_graph_runner(cfg, self.model, self.attn, self.device, context_len, model_cfg.vocab_size)

@@ -101,6 +101,23 @@ def effective_level(environ: Mapping[str, str] | None = None, flags: frozenset[s
     return level
 
 
+_AMX_FLAGS = {"amx_tile", "amx_bf16"}
+
+
+def amx(environ: Mapping[str, str] | None = None, flags: frozenset[str] | None = None,
+        machine: str | None = None) -> bool:
+    """Whether oneDNN multiplies bf16 on AMX tiles here (Sapphire Rapids and later Xeons): the CPU has
+    AMX-BF16, its level is not capped below avx512_bf16, and ONEDNN_MAX_CPU_ISA (if set) names an AMX
+    level or ALL. Torch's own kernels are not AMX-specific, so ATEN_CPU_CAPABILITY matters only
+    through the level."""
+    flags = cpu_flags() if flags is None else flags
+    if not is_x86(machine) or not _AMX_FLAGS <= flags or effective_level(environ, flags, machine) != "avx512_bf16":
+        return False
+    env = os.environ if environ is None else environ
+    onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "")).strip().lower()
+    return onednn in ("", "all") or "amx" in onednn
+
+
 def levels_up_to(level: str) -> tuple[str, ...]:
     """Every level a CPU of `level` can run, lowest first."""
     return LEVELS[: LEVELS.index(level) + 1]

@@ -13,6 +13,7 @@ from tandem.engine.hardware import (
     Hardware,
     choose_cpu_kernels,
     choose_dtype,
+    choose_extend_attention,
     choose_graphs,
     choose_kv_layout,
     choose_overlap,
@@ -27,6 +28,8 @@ ZEN4 = Hardware("cpu", "AMD EPYC (Zen 4)", cores=2, isa="avx512_bf16", host_isa=
                 native_bf16=True, onednn_bf16=True)
 ZEN4_AS_AVX2 = Hardware("cpu", "AMD EPYC (Zen 4)", cores=2, isa="avx2", host_isa="avx512_bf16",
                         isa_caps={"ATEN_CPU_CAPABILITY": "avx2"})
+EMERALD_RAPIDS = Hardware("cpu", "Intel Xeon (Emerald Rapids)", cores=2, isa="avx512_bf16", host_isa="avx512_bf16",
+                          native_bf16=True, onednn_bf16=True, amx=True)
 GRAVITON3 = Hardware("cpu", "Neoverse-V1", cores=2, native_bf16=True, onednn_bf16=True)
 A100 = Hardware("cuda", "A100", native_bf16=True, cuda_capability=(8, 0))
 V100 = Hardware("cuda", "V100", cuda_capability=(7, 0))
@@ -70,6 +73,15 @@ def test_other_defaults_per_device():
     assert not choose_cpu_kernels(A100, graphs=False).value
     assert not choose_graphs("cpu").value and choose_graphs("cuda").value
     assert not choose_overlap("cpu").value and choose_overlap("cuda").value
+
+
+def test_extend_attention_is_sdpa_only_for_bf16_on_amx():
+    assert choose_extend_attention(EMERALD_RAPIDS, torch.bfloat16).value == "sdpa"
+    assert choose_extend_attention(EMERALD_RAPIDS, torch.float32).value == "kernel"
+    for hw in (ZEN4, AVX2, AVX512, ZEN4_AS_AVX2, GRAVITON3):
+        assert choose_extend_attention(hw, torch.bfloat16).value == "kernel", hw.name
+    assert choose_extend_attention(A100, torch.bfloat16).value == "kernel"      # not ours to decide there
+    assert "AMX" in EMERALD_RAPIDS.summary() and "AMX" not in ZEN4.summary()
 
 
 def test_summary_says_what_was_capped():

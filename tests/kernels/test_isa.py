@@ -4,6 +4,7 @@ from tandem.kernels.cpu import isa
 
 ZEN4 = frozenset("fpu sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni".split())
 ZEN3 = frozenset("fpu sse2 avx f16c fma avx2".split())
+EMERALD_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}
 SKYLAKE_SP = frozenset("fpu sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512cd".split())
 
 
@@ -38,3 +39,15 @@ def test_cpu_flags_parses_x86_and_arm():
 def test_levels_up_to():
     assert isa.levels_up_to("avx2") == ("generic", "avx2")
     assert isa.levels_up_to("avx512_bf16") == isa.LEVELS
+
+
+def test_amx_needs_the_flags_and_a_cap_that_allows_it():
+    assert isa.amx({}, EMERALD_RAPIDS, "x86_64")
+    assert not isa.amx({}, ZEN4, "x86_64")                      # AVX512-BF16 without AMX
+    assert not isa.amx({}, EMERALD_RAPIDS, "aarch64")
+    assert isa.amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, EMERALD_RAPIDS, "x86_64")
+    assert isa.amx({"ONEDNN_MAX_CPU_ISA": "ALL"}, EMERALD_RAPIDS, "x86_64")
+    # Emulating a CPU without AMX: a oneDNN cap below it, or the whole level capped.
+    assert not isa.amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, EMERALD_RAPIDS, "x86_64")
+    assert not isa.amx({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}, EMERALD_RAPIDS, "x86_64")
+    assert not isa.amx({"ATEN_CPU_CAPABILITY": "avx2"}, EMERALD_RAPIDS, "x86_64")
