@@ -224,6 +224,20 @@ def test_sigkill_prefill_worker(tiny_llama):
         stack.close()
 
 
+def _wait_router_sees_idle(stack: Stack, timeout_s: float = 15.0) -> None:
+    """Until the router's view of every worker (their load reports) has nothing running or waiting: a
+    route decided on a report from the burst before would see D still busy."""
+    url = f"http://127.0.0.1:{stack.info['router_metrics_port']}/metrics"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        busy = [float(v) for v in re.findall(r'tandem_router_worker_(?:running|waiting)\{[^}]*\} (\S+)', text)]
+        if busy and not any(busy):
+            return
+        assert time.monotonic() < deadline, f"the router still sees busy workers: {busy}"
+        time.sleep(0.1)
+
+
 def _router_routes(stack: Stack) -> dict[str, float]:
     url = f"http://127.0.0.1:{stack.info['router_metrics_port']}/metrics"
     text = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -249,7 +263,9 @@ def test_local_and_remote_prefill_give_the_same_greedy_tokens(tiny_llama, refere
         # tests/services/router/test_policy.py pins that rule): both routes ran.
         assert sum(routes.values()) == len(items) + 1, routes
         assert routes.get("local", 0) >= 1 and routes.get("remote", 0) >= 6, routes
-        # The shared-prefix prompt again: D holds its first 24 tokens (6 pages), so it stays local.
+        # The shared-prefix prompt again: D holds its first 24 tokens (6 pages), so it stays local
+        # (once the router knows D is idle again).
+        _wait_router_sees_idle(stack)
         again = stack.generate(items[-2][0], max_tokens=8, ignore_eos=True)
         assert list(again.token_ids) == hf_outs[-2]
         assert _router_routes(stack)["local"] == routes["local"] + 1

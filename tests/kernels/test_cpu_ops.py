@@ -299,6 +299,7 @@ def test_smollm2_bf16_prefill_runs_the_extend_kernel(smollm2_path):
     cfg = dict(model=str(smollm2_path), dtype="bfloat16", max_total_tokens=4096, chunked_prefill_size=64)
     plain = LLMEngine(EngineConfig(**cfg, enable_cpu_kernels=False))
     fused = LLMEngine(EngineConfig(**cfg, enable_cpu_kernels=True))
+    fused.runner.attn.extend_attention = "kernel"   # on AMX the default is torch's bf16 SDPA: test the kernel
     calls = []
     _spy_extend(fused, calls)
     prompt = random_prompts([150], fused.model_config.vocab_size, seed=5)[0]
