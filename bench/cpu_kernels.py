@@ -11,7 +11,8 @@ Four parts (`--parts`):
   median of 50 calls each.
 - **extend**: prefill/extend attention through the torch backend, `paged_extend_attention` against
   the SDPA path it replaces (fp32 causal SDPA without a prefix; with one, the gathered pages and an
-  explicit mask), in fp32 and bf16, 256-2,048 tokens with and without a cached prefix; for the
+  explicit mask), in fp32 and bf16 (bf16 also as SDPA in bf16, `sdpa_native_ms`: what a CPU with AMX
+  runs), 256-2,048 tokens with and without a cached prefix; for the
   variant this CPU loads and again, in a child process, for the avx2 variant under the AVX2
   emulation (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`: torch's
   SDPA, oneDNN and MKL run their AVX2 code too).
@@ -79,17 +80,22 @@ def median_ms(fn, n: int = 50) -> float:
 CASE = SimpleNamespace(dtype="bfloat16", page_size=PAGE, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM)
 
 
-def time_backends(ops, pool, q, make_ctx, n: int = 50) -> dict:
+def time_backends(ops, pool, q, make_ctx, n: int = 50, native_sdpa: bool = False) -> dict:
     """One layer's attention through the torch backend as a step runs it (KV write included), without
-    and with the kernels; `make_ctx(backend)` builds the step's ForwardContext."""
+    and with the kernels, and with `native_sdpa` also SDPA in the pool's dtype (the backend's
+    `extend_attention = "sdpa"`, bf16 on AMX); `make_ctx(backend)` builds the step's ForwardContext."""
+    variants = [("torch", None, "kernel"), ("kernel", ops, "kernel")] + ([("sdpa_native", ops, "sdpa")] if native_sdpa else [])
     times = {}
-    for name, cpu_ops in (("torch", None), ("kernel", ops)):
+    for name, cpu_ops, extend in variants:
         backend = create_backend("torch", pool, HEADS, DIM)
-        backend.cpu_ops = cpu_ops
+        backend.cpu_ops, backend.extend_attention = cpu_ops, extend
         ctx = make_ctx(backend)
         new_k, new_v = pool.k(0)[pool.slot_index(ctx.out_slots)].clone(), pool.v(0)[pool.slot_index(ctx.out_slots)].clone()
         times[name] = median_ms(partial(backend.forward, 0, q, new_k, new_v, ctx), n)
-    return {"torch_ms": times["torch"], "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
+    out = {"torch_ms": times["torch"], "kernel_ms": times["kernel"], "speedup": times["torch"] / times["kernel"]}
+    if native_sdpa:
+        out.update(sdpa_native_ms=times["sdpa_native"], sdpa_native_vs_kernel=times["kernel"] / times["sdpa_native"])
+    return out
 
 
 def bench_attention(ops, rows: int, keys: int) -> dict:
@@ -105,13 +111,13 @@ EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MK
 
 
 def bench_extend(ops, tokens: int, prefix: int, dtype: str) -> dict:
-    """Prefill/extend attention of `tokens` new tokens over `prefix` cached ones: the SDPA path (fp32
-    whatever the dtype) against `paged_extend_attention`."""
+    """Prefill/extend attention of `tokens` new tokens over `prefix` cached ones: the SDPA path in fp32
+    against `paged_extend_attention`, and for bf16 SDPA in bf16 (what AMX CPUs run)."""
     case = SimpleNamespace(**{**vars(CASE), "dtype": dtype})
     pool, page_table, _ = make_case(1, prefix + tokens, case, torch.device("cpu"), seed=tokens + prefix)
     q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(tokens)).to(pool.spec.dtype)
     times = time_backends(ops, pool, q, lambda backend: extend_context(pool, page_table, tokens, prefix, backend),
-                          n=5 if prefix + tokens > 1024 else 20)
+                          n=5 if prefix + tokens > 1024 else 20, native_sdpa=dtype == "bfloat16")
     return {"op": "extend_attention", "level": ops.LEVEL, "torch_cpu": torch.backends.cpu.get_cpu_capability(),
             "dtype": dtype, "tokens": tokens, "prefix": prefix,
             "sdpa": "gathered+masked" if prefix else "causal", **times}

@@ -27,6 +27,13 @@ against Tandem's linear kernel):
 
     python -m tandem.bench.engine --dtype float32 --threads 1 --batches 1,8,32 --input-lens 256 --mixed-requests 0 \
         --skip-hf --compare-prepack --repeat 3
+
+Prefill/extend attention (engine/hardware.py `choose_extend_attention`): `--compare-extend` runs a
+second engine whose prefill/extend rows take the paged kernel whatever the CPU (`extend_kernel_*`; the
+first runs the default: SDPA in bf16 on AMX):
+
+    python -m tandem.bench.engine --threads 1 --batches 1,8 --input-lens 256,1024 --mixed-requests 0 --skip-hf \
+        --compare-extend --repeat 3
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from tandem.bench.flags import add_load_flags, add_out_flag, add_stack_flags
 from tandem.bench.results import write_result
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.hardware import Choice
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -161,10 +169,12 @@ def main() -> None:
                     help="also run every row on a second engine with packed weights (the first: plain weights)")
     ap.add_argument("--compare-kv-layout", action="store_true",
                     help="the first engine with a layer-first KV pool, a second with a page-first one (--kv-layout)")
+    ap.add_argument("--compare-extend", action="store_true",
+                    help="also run every row on a second engine whose prefill/extend attention is the paged kernel")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="measure each row this many times (alternating engines with --compare-graph, "
-                         "--compare-prepack or --compare-kv-layout) and keep the fastest: on shared cores the best run is the least "
+                         "--compare-prepack, --compare-kv-layout or --compare-extend) and keep the fastest: on shared cores the best run is the least "
                          "disturbed one")
     add_out_flag(ap, "bench/results/engine.json")
     args = ap.parse_args()
@@ -187,12 +197,17 @@ def main() -> None:
         engines["graph"] = dataclasses.replace(cfg, enable_graph=True)
     if args.compare_prepack:
         engines["prepack"] = dataclasses.replace(cfg, enable_weight_prepack=True)
+    if args.compare_extend:
+        engines["extend_kernel"] = cfg
     if args.compare_kv_layout:
         engines["page_first"] = dataclasses.replace(cfg, kv_layout="page_first")
     startup = {}
     for name, c in list(engines.items()):
         t0 = time.perf_counter()
         engines[name] = LLMEngine(c)
+        if name == "extend_kernel":
+            engines[name].runner.attn.extend_attention = "kernel"
+            engines[name].runner.choices["extend attention"] = Choice("kernel", "--compare-extend")
         graphs = engines[name].runner.graphs
         startup[name] = {"engine_s": time.perf_counter() - t0, "graph_capture_s": graphs.capture_s if graphs else None,
                          "graph_bs": graphs.sizes if graphs else None, "rss_mb": _rss_mb()}
@@ -221,6 +236,8 @@ def main() -> None:
             if "prepack" in engines:
                 row["prepack_speedup"] = row["prepack_decode_tok_s"] / row["tandem_decode_tok_s"]
                 row["prepack_prefill_speedup"] = row["prepack_prefill_tok_s"] / row["tandem_prefill_tok_s"]
+            if "extend_kernel" in engines:
+                row["extend_default_prefill_speedup"] = row["tandem_prefill_tok_s"] / row["extend_kernel_prefill_tok_s"]
             if "page_first" in engines:
                 row["page_first_speedup"] = row["page_first_decode_tok_s"] / row["tandem_decode_tok_s"]
                 row["page_first_prefill_speedup"] = row["page_first_prefill_tok_s"] / row["tandem_prefill_tok_s"]
