@@ -180,9 +180,9 @@ def choose_extend_attention(hw: Hardware, dtype: torch.dtype) -> Choice:
     """What computes prefill/extend attention on CPU (engine/attention/torch_backend.py): Tandem's paged
     kernel (kernels/cpu/extend.cpp: bf16 pairs by `vdpbf16ps`, or fp32), or torch's flash attention in
     the pool's dtype, whose GEMMs are oneDNN's brgemm. Measured per layer, one core, bf16, SmolLM2's
-    9/3 heads (docs/benchmarks.md, "CPU kernels"): on a Xeon with AMX the SDPA ran 256 tokens in
-    0.46 ms against the kernel's 1.51 and 1,024 in 4.75 against 18.6; on Zen 4 (no AMX) torch's bf16
-    SDPA ran its GEMMs at the fp32 rate and the kernel was 2.7-3.7x faster. So SDPA where AMX is."""
+    9/3 heads (docs/benchmarks.md, "CPU kernels"): on a Xeon with AMX bf16 SDPA was 2.5-4.8x the
+    kernel (256 tokens 0.76 against 1.90 ms, 2,048 18.5 against 88.2); on Zen 4 (no AMX) torch's bf16
+    SDPA ran its GEMMs at the fp32 rate and the kernel was 2.6-3.7x faster. So SDPA where AMX is."""
     if not hw.is_cpu:
         return Choice("kernel", "not a CPU: the attention backend decides")
     if dtype == torch.bfloat16 and hw.amx:
