@@ -125,7 +125,10 @@ def test_padding_rows_touch_no_kv_and_change_no_real_row(compiled):
         written[ctx.out_slots] = True
         pages = runner.pool.buffer.view(*runner.pool.buffer.shape[:2], -1, *runner.pool.buffer.shape[-2:])
         assert torch.equal(pages[:, :, ~written], before.view_as(pages)[:, :, ~written])   # nothing else written
-        torch.testing.assert_close(pages[:, :, written], want_pool.view_as(pages)[:, :, written])
+        # The compiled step computes K and V in its own fused code, so their values match eager's to the
+        # outputs' tolerance, not bit for bit (one element in 384 was 1e-5 off under the AVX2 emulation
+        # on an Intel Xeon).
+        torch.testing.assert_close(pages[:, :, written], want_pool.view_as(pages)[:, :, written], rtol=1e-4, atol=1e-4)
         runner.pool.buffer.zero_()
 
 
