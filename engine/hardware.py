@@ -90,7 +90,7 @@ def _detect_cpu() -> Hardware:
         hw_bf16 = "bf16" in flags         # Arm: FEAT_BF16 (Neoverse V1/N2, Graviton 3+)
     return Hardware(device="cpu", name=_cpu_name(), cores=_cores(), isa=level, host_isa=host, isa_caps=caps,
                     native_bf16=hw_bf16 and onednn_bf16, onednn_bf16=onednn_bf16,
-                    amx=hw_bf16 and onednn_bf16 and isa.amx(flags=flags))
+                    amx=onednn_bf16 and isa.amx(flags=flags))
 
 
 @functools.cache

@@ -82,7 +82,7 @@ def caps(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if aten in _ATEN_CAP:
         out["ATEN_CPU_CAPABILITY"] = _ATEN_CAP[aten]
-    onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "")).strip().lower()
+    onednn = _onednn_max_isa(env)
     if onednn in _ONEDNN_CAP:
         out["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_CAP[onednn]
     return out
@@ -113,9 +113,13 @@ def amx(environ: Mapping[str, str] | None = None, flags: frozenset[str] | None =
     flags = cpu_flags() if flags is None else flags
     if not is_x86(machine) or not _AMX_FLAGS <= flags or effective_level(environ, flags, machine) != "avx512_bf16":
         return False
-    env = os.environ if environ is None else environ
-    onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "")).strip().lower()
+    onednn = _onednn_max_isa(os.environ if environ is None else environ)
     return onednn in ("", "all") or "amx" in onednn
+
+
+def _onednn_max_isa(env: Mapping[str, str]) -> str:
+    """oneDNN's ISA cap as it reads it (ONEDNN_MAX_CPU_ISA, or the older DNNL_ name), lower case; "" unset."""
+    return env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "")).strip().lower()
 
 
 def levels_up_to(level: str) -> tuple[str, ...]:
